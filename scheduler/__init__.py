@@ -1,0 +1,17 @@
+"""Which requests run this step and how many tokens each.
+
+Pure bookkeeping: imports `kvcache` only, no torch, no gRPC, nothing from `worker`.
+"""
+
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler
+
+__all__ = [
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+]

@@ -1,0 +1,149 @@
+"""A request and everything the scheduler knows about it. State lives here."""
+
+import enum
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+# (field, valid?, the limit as the error message states it). NaN fails every comparison.
+_LIMITS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("temperature", lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("repetition_penalty", lambda v: 0 < v < math.inf, "> 0 and finite"),
+    ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    ("max_tokens", lambda v: v >= 1, ">= 1"),
+    ("stop", lambda v: all(isinstance(s, str) and s for s in v), "non-empty strings"),
+    ("stop_token_ids", lambda v: all(t >= 0 for t in v), ">= 0"),
+    ("logprobs", lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; n = chosen token's logprob plus top-n others
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers; keep the frozen value hashable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name, valid, limit in _LIMITS:
+            value = getattr(self, name)
+            if not valid(value):
+                raise ValueError(f"{name} must be {limit}, got {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower = more urgent (used by a later issue)
+
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step
+    # Tokens whose keys/values are in the cache; catches up with num_tokens each step.
+    num_computed_tokens: int = field(default=0, init=False)
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    stop_reason: str | int | None = field(default=None, init=False)
+
+    # For metrics.
+    first_scheduled_time: float | None = field(default=None, init=False)
+    first_token_time: float | None = field(default=None, init=False)
+    finished_time: float | None = field(default=None, init=False)
+    num_cached_tokens: int = field(default=0, init=False)
+    num_preemptions: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        assert not self.is_finished, f"{self.request_id}: token after finish"
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Token-level stop checks after a new token; sets the finished status.
+
+        A stop token ends with "stop" even when it is also the last allowed token. It stays
+        in `output_token_ids` (the detokenizer decides whether to show it). Stop strings are
+        matched by the engine, which then calls `Scheduler.finish_requests`.
+        """
+        assert self.output_token_ids, f"{self.request_id}: check_stop before any output"
+        last = self.output_token_ids[-1]
+        sp = self.sampling_params
+        if (not sp.ignore_eos and last in self.eos_token_ids) or last in sp.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+        elif self.num_output_tokens >= sp.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+        else:
+            return False
+        return True

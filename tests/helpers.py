@@ -1,0 +1,42 @@
+"""Small helpers shared by tests."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.models.llama import AttentionMetadata, LlamaForCausalLM
+
+
+@torch.inference_mode()
+def last_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """One whole-prompt forward pass through a private paged cache; logits of the last position."""
+    cfg = model.config
+    dev = model.embed_tokens.weight.device
+    dtype = model.embed_tokens.weight.dtype
+    n = len(ids)
+    nblk = (n + block_size - 1) // block_size
+    kv = [
+        (torch.zeros(nblk, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev),
+         torch.zeros(nblk, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev))
+        for _ in range(cfg.num_layers)
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=dev),
+        block_tables=torch.arange(nblk, dtype=torch.int32, device=dev)[None],
+        seq_lens=torch.tensor([n], device=dev),
+        query_start_loc=torch.tensor([0, n], device=dev),
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    hidden = model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta, kv)
+    return model.compute_logits(hidden[-1:])[0]
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt, stopping at EOS as it does by default."""
+    out = hf_model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=hf_model.config.eos_token_id,
+    )
+    return out[0, len(ids):].tolist()

@@ -1,0 +1,124 @@
+"""One tree of frozen dataclasses for every setting of the worker.
+
+Every leaf field is a command-line flag (``--max-num-seqs``) and an environment
+variable (``LLMWORKER_MAX_NUM_SEQS``); the flag wins over the variable, the
+variable over the default. `add_arguments` puts them all in ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+ENV_PREFIX = "LLMWORKER_"
+
+
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = opt("default", "'default' (embedded SmolLM2-135M-Instruct GGUF), a .gguf file, "
+                     "a Hugging Face folder, or dummy:SHAPE (llama-3-8b, llama-3.2-1b, smollm2-135m)")
+    device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
+    dtype: str = opt("auto", "weights and activations dtype; auto = bfloat16 on CUDA, float32 on CPU",
+                     ("auto", "float32", "bfloat16", "float16"))
+    max_model_len: int = opt(0, "longest prompt + output in tokens; 0 = the model's own limit")
+    seed: int = opt(0, "seed for unseeded sampling and dummy weights")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = opt(16, "tokens per KV cache block")
+    kv_cache_memory: float = opt(0.0, "KV cache size in GiB; 0 = 1 GiB on CPU, or "
+                                 "--gpu-memory-utilization of free memory on CUDA")
+    gpu_memory_utilization: float = opt(0.85, "on CUDA with --kv-cache-memory 0: fraction of the "
+                                        "free device memory (after weights) given to the KV cache")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory < 0:
+            raise ValueError(f"--kv-cache-memory must be >= 0, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = opt(64, "most requests in one step")
+    max_num_batched_tokens: int = opt(512, "token budget of one step (prefill chunks + decodes)")
+    policy: str = opt("continuous", "continuous batching, or static (admit a batch, run it to its "
+                      "end; for benchmarks only)", ("continuous", "static"))
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _sections() -> list[tuple[str, type]]:
+    hints = get_type_hints(WorkerConfig)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(WorkerConfig)]
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {s!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per leaf field, its default read from the environment first."""
+    for section, cls in _sections():
+        group = parser.add_argument_group(section)
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            env = ENV_PREFIX + f.name.upper()
+            typ = hints[f.name]
+            conv = _parse_bool if typ is bool else typ
+            default = f.default
+            if env in os.environ:
+                try:
+                    default = conv(os.environ[env])
+                except ValueError as e:
+                    parser.error(f"{env}={os.environ[env]!r}: {e}")
+            group.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f"{section}.{f.name}",
+                type=conv,
+                default=default,
+                choices=f.metadata.get("choices"),
+                metavar=typ.__name__.upper() if typ is not bool else "BOOL",
+                help=f"{f.metadata['help']} (default {f.default!r}; env {env})",
+            )
+
+
+def from_args(args: argparse.Namespace) -> WorkerConfig:
+    values = vars(args)
+    parts = {}
+    for section, cls in _sections():
+        kw = {f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)}
+        parts[section] = cls(**kw)
+    return WorkerConfig(**parts)

@@ -1,0 +1,288 @@
+"""The one engine: a background thread that loops
+``schedule -> run model -> sample -> update -> publish`` while there is work.
+
+`submit()` and `abort()` are safe from any thread: they post to an inbox the
+loop drains at the top of each step. Outputs leave once per step, as one list,
+through the `on_outputs` callback (the gRPC side hops them onto its event loop).
+`generate()` is the offline API: it drives the same `step()` in the caller's
+thread, for tests, the CLI and benchmarks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.budget import KVBudget, kv_bytes_per_token, num_blocks_for_budget
+from kvcache.manager import KVCacheManager
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler
+from worker.config import WorkerConfig
+from worker.model_runner import ModelRunner
+from worker.outputs import OutputState, RequestOutput
+from worker.weights import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+OutputSink = Callable[[list[RequestOutput]], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class Completion:
+    """A finished request, as the offline API returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None
+    logprobs: list | None
+    cached_tokens: int
+
+
+class Engine:
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        device = resolve_device(config.model.device)
+        if loaded is None:
+            loaded = load_model(config.model.model, device, resolve_dtype(config.model.dtype, device))
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        mcfg = loaded.config
+        self.max_model_len = config.model.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mcfg.max_position_embeddings}"
+            )
+        self.budget = self._kv_budget()
+        log.info(self.budget.describe())
+        self.kv = KVCacheManager(self.budget.num_blocks, config.cache.block_size)
+        sc = config.scheduler
+        self.scheduler = Scheduler(
+            self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy
+        )
+        self.runner = ModelRunner(
+            loaded.model, self.budget.num_blocks, config.cache.block_size, loaded.device, loaded.dtype
+        )
+        torch.manual_seed(config.model.seed)
+        self._states: dict[str, OutputState] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ----- sizing -----
+
+    def _kv_budget(self) -> KVBudget:
+        m, dev = self.loaded.config, self.loaded.device
+        per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.loaded.dtype.itemsize)
+        gib = self.config.cache.kv_cache_memory
+        if gib > 0:
+            budget = int(gib * GiB)
+        elif dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            budget = int(free * self.config.cache.gpu_memory_utilization)
+        else:
+            budget = GiB
+        bs = self.config.cache.block_size
+        blocks = num_blocks_for_budget(budget, bs, per_token)
+        if blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({blocks * bs} tokens) cannot hold one request of --max-model-len "
+                f"{self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+            )
+        return KVBudget(budget, bs, per_token, blocks, self.max_model_len)
+
+    # ----- requests in -----
+
+    def make_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate at the door; raise ValueError naming the field and the limit."""
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of the vocabulary [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (send stop_token_ids)")
+        return Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_ids=self.loaded.eos_token_ids,
+            priority=priority,
+        )
+
+    def submit(self, request: Request) -> None:
+        self._inbox.put(("add", request))
+        self._wake.set()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._inbox.put(("abort", list(request_ids)))
+        self._wake.set()
+
+    # ----- the step -----
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                assert isinstance(item, Request)
+                self._states[item.request_id] = OutputState.create(item, self.tokenizer)
+                self.scheduler.add_request(item)
+            else:
+                assert isinstance(item, list)
+                for req in self.scheduler.abort_requests(item):
+                    outputs.append(self._output(req, [], finished=True))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the outputs it produced (possibly none)."""
+        outputs = self._drain_inbox()
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        try:
+            sampled = self.runner.execute(sched)
+        except Exception as e:  # a failed step fails its requests, never hangs them
+            log.exception("model step failed")
+            reqs = [s.request for s in sched.scheduled]
+            self.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)
+            return outputs + [self._output(r, [], finished=True, error=f"model step failed: {e}") for r in reqs]
+        self.num_steps += 1
+        updated = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
+        stopped: list[str] = []
+        for req in updated:
+            state = self._states[req.request_id]
+            res = sampled[req.request_id]
+            if req.sampling_params.logprobs is not None:
+                state.pending_logprobs.append(res)
+            stop = state.add_token(res.token_id)
+            if stop is not None and not req.is_finished:
+                req.stop_reason = stop
+                stopped.append(req.request_id)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for req in updated:
+            outputs.append(self._output(req, [req.output_token_ids[-1]], finished=req.is_finished))
+        return outputs
+
+    def _output(self, req: Request, new_ids: list[int], finished: bool, error: str | None = None) -> RequestOutput:
+        state = self._states[req.request_id] if not finished else self._states.pop(req.request_id)
+        lps = state.pending_logprobs or None
+        state.pending_logprobs = []
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=state.take_text(finished),
+            finished=finished,
+            logprobs=lps,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=req.num_output_tokens,
+            cached_tokens=req.num_cached_tokens,
+        )
+        if finished:
+            now = time.monotonic()
+            out.finish_reason = "error" if error else req.finish_reason
+            out.stop_reason = req.stop_reason
+            out.error = error
+            out.total_time_s = now - req.arrival_time
+            if req.first_scheduled_time is not None:
+                out.queue_time_s = req.first_scheduled_time - req.arrival_time
+            if req.first_token_time is not None:
+                out.ttft_s = req.first_token_time - req.arrival_time
+        return out
+
+    # ----- background loop -----
+
+    def start(self, on_outputs: OutputSink) -> None:
+        assert self._thread is None, "engine already started"
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, args=(on_outputs,), name="engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self, on_outputs: OutputSink) -> None:
+        while not self._stop:
+            if not self.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            outputs = self.step()
+            if outputs:
+                on_outputs(outputs)
+
+    # ----- offline API -----
+
+    def generate(self, requests: Sequence[Request], on_output: OutputSink | None = None) -> list[Completion]:
+        """Run requests to completion in this thread; results in the order given."""
+        assert self._thread is None, "generate() drives the engine itself; the loop is running"
+        acc: dict[str, Completion] = {}
+        for r in requests:
+            acc[r.request_id] = Completion(r.request_id, r.prompt_token_ids, [], "", "", None, None, 0)
+            self.submit(r)
+        pending = set(acc)
+        while pending:
+            outputs = self.step()
+            if on_output is not None and outputs:
+                on_output(outputs)
+            for o in outputs:
+                c = acc[o.request_id]
+                c.token_ids += o.new_token_ids
+                c.text += o.new_text
+                if o.logprobs:
+                    c.logprobs = (c.logprobs or []) + o.logprobs
+                if o.finished:
+                    c.finish_reason, c.stop_reason, c.cached_tokens = o.finish_reason or "", o.stop_reason, o.cached_tokens
+                    pending.discard(o.request_id)
+        return [acc[r.request_id] for r in requests]

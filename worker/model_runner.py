@@ -1,0 +1,153 @@
+"""Turns one scheduler step into tensors, runs the model and samples.
+
+A step over requests a (decode), b (prefill chunk of 4), c (decode)::
+
+    input_ids      | a7 | b3 b4 b5 b6 | c29 |     flat, T = 6
+    positions      |  7 |  3  4  5  6 |  29 |     start + i
+    slot_mapping   block_tables[r][pos // bs] * bs + pos % bs
+    sample rows    0, 4, 5                       last token of each chunk that samples
+
+Logits are computed only for the sample rows; a prefill chunk that does not reach
+the end of its prompt samples nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ops.sampling import SamplingTensors, sample_ref
+from scheduler.output import SchedulerOutput
+from scheduler.request import Request
+from worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = cfg.vocab_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> dict[str, SampleResult]:
+        """Run one step; return the sampled token of every request that samples."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        req_index: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+        for i, s in enumerate(step.scheduled):
+            end = s.start + s.num_new_tokens
+            input_ids += s.request.all_token_ids[s.start : end]
+            positions += range(s.start, end)
+            req_index += [i] * s.num_new_tokens
+            seq_lens.append(end)
+            query_start_loc.append(len(input_ids))
+            if s.will_sample:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(s.request)
+        max_blocks = max(len(s.block_table) for s in step.scheduled)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in step.scheduled]
+
+        pos_t = self._tensor(positions)
+        block_tables = torch.tensor(tables, dtype=torch.int32).to(self.device, non_blocking=True)
+        rows = self._tensor(req_index)
+        slot_mapping = (
+            block_tables[rows, pos_t // self.block_size].long() * self.block_size
+            + pos_t % self.block_size
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=self._tensor(seq_lens),
+            query_start_loc=self._tensor(query_start_loc),
+            max_query_len=max(s.num_new_tokens for s in step.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches)
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
+        out = sample_ref(logits, self._sampling_tensors(sampling))
+        return self._results(sampling, out)
+
+    def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
+        ps = [r.sampling_params for r in reqs]
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
+
+        penalties = any(
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            for p in ps
+        )
+        prompt_mask = output_counts = None
+        if penalties:
+            b, v = len(reqs), self.vocab_size
+            prompt_mask = torch.zeros(b, v, dtype=torch.bool, device=self.device)
+            output_counts = torch.zeros(b, v, dtype=torch.float32, device=self.device)
+            for i, r in enumerate(reqs):
+                prompt_mask[i, self._tensor(r.prompt_token_ids)] = True
+                if r.output_token_ids:
+                    out = self._tensor(r.output_token_ids)
+                    output_counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+        wants = [p.logprobs for p in ps if p.logprobs is not None]
+        return SamplingTensors(
+            temperature=f32([p.temperature for p in ps]),
+            top_p=f32([p.top_p for p in ps]),
+            top_k=self._tensor([p.top_k for p in ps]),
+            min_p=f32([p.min_p for p in ps]),
+            repetition_penalty=f32([p.repetition_penalty for p in ps]),
+            presence_penalty=f32([p.presence_penalty for p in ps]),
+            frequency_penalty=f32([p.frequency_penalty for p in ps]),
+            prompt_mask=prompt_mask,
+            output_counts=output_counts,
+            seeds=[p.seed for p in ps],
+            steps=[r.num_output_tokens for r in reqs],
+            all_greedy=all(p.greedy for p in ps),
+            num_logprobs=max(wants) if wants else -1,
+        )
+
+    @staticmethod
+    def _results(reqs: list[Request], out) -> dict[str, SampleResult]:
+        # One device-to-host copy per step, not one per request.
+        tokens = out.token_ids.tolist()
+        chosen = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        results = {}
+        for i, r in enumerate(reqs):
+            res = SampleResult(tokens[i])
+            n = r.sampling_params.logprobs
+            if n is not None and chosen is not None:
+                res.logprob = chosen[i]
+                res.top_logprobs = list(zip(top_ids[i][:n], top_lp[i][:n], strict=True)) if top_ids else []
+            results[r.request_id] = res
+        return results

@@ -1,0 +1,278 @@
+"""The Llama family in one file: Llama 2/3 (with Llama-3 RoPE scaling), Mistral,
+Qwen2 (q/k/v bias) and SmolLM2.
+
+Every forward pass is over a flat list of tokens from many requests (no batch
+dimension, no padding): prefill chunks and decodes share one step. Attention
+reads and writes a paged KV cache through `AttentionMetadata`; everything the
+model computes goes through `ops`, so fused kernels replace references without
+touching this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import ops
+from ops.rotary import RopeScaling
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unknown architecture {self.architecture!r}; supported: "
+                + ", ".join(SUPPORTED_ARCHITECTURES)
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """From a Hugging Face config.json dict."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        arch = archs[0]
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        scaling = None
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+            scaling = RopeScaling(
+                factor=float(rs["factor"]),
+                low_freq_factor=float(rs["low_freq_factor"]),
+                high_freq_factor=float(rs["high_freq_factor"]),
+                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+            )
+        elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+            raise ValueError(f"unsupported rope_scaling type {rs.get('rope_type', rs.get('type'))!r}")
+        theta = cfg.get("rope_theta")
+        if theta is None and rs:  # transformers 5 keeps it in rope_parameters
+            theta = rs.get("rope_theta")
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta if theta is not None else 10000.0),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            rope_scaling=scaling,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+        )
+
+    @property
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache (see ops/attention.py)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] context length including this step's tokens
+    query_start_loc: torch.Tensor  # [B + 1]
+    max_query_len: int
+    max_seq_len: int
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # One matmul for q, k and v.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        q, _ = ops.rotary_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        out = ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            meta.max_seq_len,
+            self.scale,
+        )
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Residual adds are fused into the norms: norm(x + residual) -> (h, new residual).
+        h, residual = ops.rms_norm(x, self.input_layernorm, self.eps, residual)
+        h = self.self_attn(h, positions, cos_sin, meta, kv_cache)
+        h, residual = ops.rms_norm(h, self.post_attention_layernorm, self.eps, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer(
+            "cos_sin",
+            ops.rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
+            persistent=False,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, kv_cache)
+        x, _ = ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 for the rows that sample (the runner selects them first)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    # ----- weights -----
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take tensors named as in a Hugging Face checkpoint, fuse q/k/v and
+        gate/up, and check that every parameter was given exactly once."""
+        params = dict(self.named_parameters())
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                 "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+        order = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+        for hf_name, tensor in weights:
+            name = _our_name(hf_name)
+            if name is None:
+                continue
+            for old, (new, shard) in fused.items():
+                if f".{old}." in name:
+                    target = name.replace(f".{old}.", f".{new}.")
+                    parts.setdefault(target, {})[shard] = tensor
+                    if len(parts[target]) == len(order[new]):
+                        shards = parts.pop(target)
+                        self._assign(params, target, torch.cat([shards[s] for s in order[new]]))
+                        loaded.add(target)
+                    break
+            else:
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied checkpoints sometimes still ship it
+                self._assign(params, name, tensor)
+                loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if parts or missing:
+            raise ValueError(f"weights missing from the checkpoint: {', '.join(missing + sorted(parts))[:500]}")
+
+    @staticmethod
+    def _assign(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+        if name not in params:
+            raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
+        p = params[name]
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor)
+
+
+def _our_name(hf_name: str) -> str | None:
+    """Map a Hugging Face tensor name to this module's; None for tensors we derive ourselves."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    name = hf_name.removeprefix("model.")
+    # The norms are bare parameters here, not modules with a .weight.
+    return name.removesuffix(".weight") if name.endswith("norm.weight") else name

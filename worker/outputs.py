@@ -1,0 +1,74 @@
+"""What the engine publishes per request per step, and the per-request state that
+turns sampled tokens into text deltas and matches stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import Request
+from worker.model_runner import SampleResult
+from worker.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    logprobs: list[SampleResult] | None = None  # one per new token, when asked for
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_time_s: float | None = None  # arrival -> first scheduled
+    ttft_s: float | None = None  # arrival -> first token
+    total_time_s: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class OutputState:
+    """Detokenizes one request's tokens and withholds text that may be the start
+    of a stop string, so a stop string is never streamed."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    emitted: int = 0  # characters of text already published
+    text: str = ""
+    pending_logprobs: list[SampleResult] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, request: Request, tokenizer: Tokenizer | None) -> OutputState:
+        detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if tokenizer else None
+        return cls(request, detok)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Add a sampled token; return the stop string it completed, if any."""
+        if self.detok is None:
+            return None
+        before = len(self.text)
+        self.text += self.detok.add_tokens([token_id])
+        stops = self.request.sampling_params.stop
+        if not stops:
+            return None
+        longest = max(len(s) for s in stops)
+        window_start = max(0, before - longest + 1)
+        hits = [(i, s) for s in stops if (i := self.text.find(s, window_start)) >= 0]
+        if not hits:
+            return None
+        pos, stop = min(hits)
+        self.text = self.text[:pos]  # the stop string itself is not returned
+        return stop
+
+    def take_text(self, finished: bool) -> str:
+        if self.detok is not None and finished and self.request.stop_reason not in self.request.sampling_params.stop:
+            self.text += self.detok.flush()
+        end = len(self.text)
+        stops = self.request.sampling_params.stop
+        if stops and not finished:
+            end = max(self.emitted, end - max(len(s) for s in stops) + 1)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,439 @@
+"""Text <-> token ids, chat templates, and streaming detokenization.
+
+A `Tokenizer` wraps a `tokenizers.Tokenizer` built from one of two sources:
+
+- a Hugging Face folder: `tokenizer.json` plus the config files next to it;
+- a GGUF file's metadata (the embedded default model), rebuilt here with `tokenizers`
+  the way llama.cpp reads it. Only byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`)
+  are supported; the pre-tokenizer is chosen by `tokenizer.ggml.pre` (see `_GGUF_PRE`).
+
+Chat templates are rendered with jinja2 exactly as `transformers` renders them.
+`IncrementalDetokenizer` turns a growing list of ids into text deltas for streaming.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+if TYPE_CHECKING:
+    import gguf
+
+
+class TokenizerError(ValueError):
+    """A tokenizer could not be loaded or used; the message says what is wrong."""
+
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer regexes, copied from llama.cpp's llama-vocab.cpp (and transformers' tokenizers).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
+    # ByteLevel's own regex is _GPT2_SPLIT.
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_gpt2_pre() -> pre_tokenizers.PreTokenizer:
+    # llama.cpp first isolates every \p{N} character, then applies the GPT-2 regex: the
+    # `Digits(individual_digits=True)` + `ByteLevel` of SmolLM's and StarCoder's tokenizer.json.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()])
+
+
+def _split_pre(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    def build() -> pre_tokenizers.PreTokenizer:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return build
+
+
+# tokenizer.ggml.pre -> pre-tokenizer, grouped as llama.cpp groups them.
+_GGUF_PRE: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    **dict.fromkeys(("gpt2", "mpt", "olmo", "jais"), _gpt2_pre),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+        _digits_gpt2_pre,
+    ),
+    **dict.fromkeys(
+        ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"), _split_pre(_LLAMA3_SPLIT)
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _split_pre(_QWEN2_SPLIT)),
+}
+
+
+class Tokenizer:
+    """Encode, decode and chat-template for one model."""
+
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
+        chat_template: str | None = None,
+        add_bos: bool = False,
+    ) -> None:
+        self._tok = tokenizer
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        # All ids that end generation, deduplicated in order (the first is "the" EOS token).
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
+        self.chat_template = chat_template
+        self.add_bos = add_bos  # does the model's tokenizer prepend BOS to a plain prompt?
+        named = [("bos", bos_token_id), ("pad", pad_token_id), ("unk", unk_token_id)]
+        for name, tid in named + [("eos", t) for t in self.eos_token_ids]:
+            if tid is not None and not 0 <= tid < self.vocab_size:
+                raise TokenizerError(
+                    f"{name} token id {tid} is outside the vocabulary (size {self.vocab_size})"
+                )
+        self._special_ids = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        )
+        self._template: jinja2.Template | None = None  # compiled on first use
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, reader: gguf.GGUFReader | None = None) -> Tokenizer:
+        """Rebuild the tokenizer stored in a GGUF file's metadata (pass `reader` to reuse one)."""
+        path = Path(path)
+        if reader is None:
+            import gguf  # deferred: pulls in numpy
+
+            try:
+                reader = gguf.GGUFReader(str(path))
+            except Exception as e:  # the gguf package raises bare errors on bad magic etc.
+                raise TokenizerError(f"{path} is not a readable GGUF file: {e}") from e
+
+        def meta(key: str, default: Any = None) -> Any:
+            field = reader.fields.get(key)
+            return default if field is None else field.contents()
+
+        model = meta("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise TokenizerError(
+                f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, "
+                "'gpt2'); load the model from its Hugging Face folder instead"
+            )
+        pre = meta("tokenizer.ggml.pre", "gpt2")
+        if pre not in _GGUF_PRE:
+            known = ", ".join(sorted(_GGUF_PRE))
+            raise TokenizerError(
+                f"{path}: GGUF pre-tokenizer {pre!r} is not supported; known: {known}"
+            )
+        tokens: list[str] | None = meta("tokenizer.ggml.tokens")
+        merges: list[str] | None = meta("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise TokenizerError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens/merges")
+        types: list[int] = meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(types) != len(tokens):
+            raise TokenizerError(
+                f"{path}: {len(types)} token types for {len(tokens)} tokens in the GGUF metadata"
+            )
+
+        bpe = models.BPE(
+            vocab={tok: i for i, tok in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+        )
+        tok = _HFTokenizer(bpe)
+        tok.pre_tokenizer = _GGUF_PRE[pre]()
+        tok.decoder = decoders.ByteLevel()
+        # Added tokens keep their vocabulary ids and are matched whole in the text. CONTROL
+        # tokens (<|im_end|>) are special: skipped when decoding with skip_special_tokens.
+        # USER_DEFINED ones (<think>, <tool_call>) are not: they are model output the caller sees,
+        # as in llama.cpp and transformers.
+        typed = list(zip(tokens, types, strict=True))
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, ty in typed if ty == _CONTROL]
+        )
+        tok.add_tokens(
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, ty in typed
+                if ty == _USER_DEFINED
+            ]
+        )
+        # llama.cpp stops generation on any of EOS, end-of-turn and end-of-message.
+        eos = [meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return cls(
+            tok,
+            bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[int(i) for i in eos if i is not None],
+            pad_token_id=meta("tokenizer.ggml.padding_token_id"),
+            unk_token_id=meta("tokenizer.ggml.unknown_token_id"),
+            chat_template=meta("tokenizer.chat_template"),
+            add_bos=bool(meta("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer:
+        """Load a Hugging Face folder's `tokenizer.json`; ids and template come from its configs."""
+        folder = Path(path)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(
+                f"{folder} has no tokenizer.json (only fast tokenizers are supported)"
+            )
+        try:
+            tok = _HFTokenizer.from_file(str(tok_file))
+        except Exception as e:
+            raise TokenizerError(f"{tok_file} could not be read: {e}") from e
+        tok_cfg = _read_json(folder / "tokenizer_config.json")
+        special_map = _read_json(folder / "special_tokens_map.json")
+        gen_cfg = _read_json(folder / "generation_config.json")
+        model_cfg = _read_json(folder / "config.json")
+
+        def token_id(name: str) -> int | None:
+            # tokenizer_config.json wins; a token is a string or {"content": ...}.
+            value = tok_cfg.get(name) or special_map.get(name)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return tok.token_to_id(value) if isinstance(value, str) else None
+
+        def config_ids(key: str) -> list[int]:
+            ids: list[int] = []
+            for cfg in (gen_cfg, model_cfg):
+                value = cfg.get(key)
+                ids += value if isinstance(value, list) else [] if value is None else [value]
+            return ids
+
+        bos = token_id("bos_token")
+        if bos is None:
+            bos = next(iter(config_ids("bos_token_id")), None)
+        pad = token_id("pad_token")
+        if pad is None:
+            pad = next(iter(config_ids("pad_token_id")), None)
+        eos = [i for i in [token_id("eos_token"), *config_ids("eos_token_id")] if i is not None]
+        add_bos = tok_cfg.get("add_bos_token")
+        if add_bos is None:  # not stated: does tokenizer.json's post-processor add it?
+            add_bos = bos is not None and tok.encode("", add_special_tokens=True).ids[:1] == [bos]
+        return cls(
+            tok,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            unk_token_id=token_id("unk_token"),
+            chat_template=_folder_chat_template(folder, tok_cfg),
+            add_bos=bool(add_bos),
+        )
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token strings in it ("<|im_start|>") become their ids.
+
+        `add_special_tokens` prepends BOS only if the model's tokenizer adds one to plain text;
+        a rendered chat template writes its own, so encode it with the default False.
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"text to encode must be a str, not {type(text).__name__}")
+        # The post-processor is bypassed: BOS is the only special token we ever add.
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; ids outside the vocabulary decode to nothing (as in `tokenizers`)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template."""
+        if self.chat_template is None:
+            raise TokenizerError("this model has no chat template; send a plain prompt instead")
+        if not isinstance(messages, list) or not messages:
+            raise TokenizerError("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise TokenizerError(f"messages[{i}] must be a dict, not {type(m).__name__}")
+            for key in ("role", "content"):
+                if not isinstance(m.get(key), str):
+                    raise TokenizerError(f"messages[{i}].{key} must be a string")
+            if not m["role"]:
+                raise TokenizerError(f"messages[{i}].role must not be empty")
+
+        def token(tid: int | None) -> str | None:
+            return None if tid is None else self._tok.id_to_token(tid)
+
+        # transformers passes its special tokens map (only the tokens that are set) plus
+        # tools/documents as None: templates test `tools is not none`.
+        special = {
+            "bos_token": token(self.bos_token_id),
+            "eos_token": token(self.eos_token_ids[0] if self.eos_token_ids else None),
+            "unk_token": token(self.unk_token_id),
+            "pad_token": token(self.pad_token_id),
+        }
+        try:
+            if self._template is None:
+                self._template = _compile_template(self.chat_template)
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{k: v for k, v in special.items() if v is not None},
+            )
+        except jinja2.TemplateError as e:  # includes the template's own raise_exception(...)
+            raise TokenizerError(f"chat template failed on these messages: {e}") from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} must hold a JSON object")
+    return data
+
+
+def _folder_chat_template(folder: Path, tok_cfg: dict[str, Any]) -> str | None:
+    # transformers 5 writes chat_template.jinja; older versions chat_template.json or the config.
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{folder}: chat_template must be a string")
+    return template
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The environment transformers' `apply_chat_template` renders in (chat_template_utils.py)."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # Jinja's own tojson escapes HTML characters, which would change the prompt.
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas. Never emits half a UTF-8 character (a
+    trailing U+FFFD from an incomplete byte sequence is held back until completed), never repeats or
+    drops text across token boundaries: concatenating all deltas == tokenizer.decode(all ids).
+
+    vLLM's prefix/read-offset scheme, keeping only the ids it still needs::
+
+        self._ids:   [ context: emitted by an earlier step | read since ]
+                     0                           read_offset            len
+        decoded:     [ context text          | emitted | held back ]
+                     0            context_len   emitted       len(text)
+
+    Each step decodes the window and emits its text up to any trailing U+FFFD run. Once nothing
+    is held back, the window slides: the ids read since become the next context. Decoding with
+    a context makes context-sensitive decoders (SentencePiece's leading-space strip) treat each
+    token as mid-sequence; for those the deltas equal the decode in the prompt's context. Per
+    step the cost is one or two decodes of the window, which grows only while its text keeps
+    ending in an incomplete character or only skipped special tokens arrive.
+    """
+
+    _PROMPT_CONTEXT = 5  # prompt tokens kept as initial context (vLLM's choice)
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_token_ids[-self._PROMPT_CONTEXT :])
+        if self._decode(self._ids).endswith("\ufffd"):
+            self._ids = []  # a prompt cut mid-character: its bytes must not merge with ours
+        self._read_offset = len(self._ids)
+        self._context_len = self._emitted = len(self._decode(self._ids))
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return self._text
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
+        """Append generated ids; return the text they complete (maybe "")."""
+        self._ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever was held back, even an incomplete character."""
+        return self._emit(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def _emit(self, final: bool) -> str:
+        text = self._decode(self._ids)
+        # Text before a trailing U+FFFD run is stable: later bytes cannot change it.
+        end = len(text) if final else len(text.rstrip("\ufffd"))
+        delta = text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        # Slide only past new text: ids that decode to nothing (skipped special tokens) would
+        # make a useless context.
+        if end == len(text) > self._context_len:
+            del self._ids[: self._read_offset]
+            self._read_offset = len(self._ids)
+            self._context_len = self._emitted = len(self._decode(self._ids))
+        self._text += delta
+        return delta

@@ -1,0 +1,112 @@
+"""GGUF weights (the embedded default model): dequantized with the `gguf` package
+and renamed to Hugging Face names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.models.llama import LlamaConfig
+
+# GGUF architecture -> (HF architecture, are q/k stored permuted for interleaved rotary?)
+_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_reader(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises bare ValueErrors on bad magic etc.
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config_from_gguf(reader: Any, path: Path) -> LlamaConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"{path}: unknown GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
+    hidden = int(field(reader, f"{arch}.embedding_length"))
+    heads = int(field(reader, f"{arch}.attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: GGUF files with rope_freqs (Llama 3.1 scaling) are not supported; "
+                         "load the Hugging Face folder instead")
+    return LlamaConfig(
+        architecture=_ARCHS[arch][0],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation (interleaved pairs -> rotate-half halves).
+
+    Per head, llama.cpp stores rows as (x0, x_half, x1, x_half+1, ...); Hugging
+    Face's rotate-half layout wants (x0, x1, ..., x_half, ...).
+    """
+    head_rows = w.shape[0] // n_head
+    return w.reshape(n_head, head_rows // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(reader: Any, cfg: LlamaConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    permuted = _ARCHS[arch][1]
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        if m:
+            if m.group(2) not in _LAYER_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+            hf = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+        elif t.name in _GLOBAL_NAMES:
+            hf = _GLOBAL_NAMES[t.name]
+        else:
+            raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims fastest-first
+        if permuted and m and m.group(2) in ("attn_q.weight", "attn_q.bias"):
+            w = _unpermute(w, cfg.num_heads)
+        elif permuted and m and m.group(2) in ("attn_k.weight", "attn_k.bias"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        yield hf, torch.from_numpy(np.require(w, requirements=["C", "W"]))

@@ -1,0 +1,53 @@
+"""A Hugging Face model folder: config.json plus one or more safetensors files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from worker.models.llama import LlamaConfig
+
+
+def read_config(folder: Path) -> LlamaConfig:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+    try:
+        return LlamaConfig.from_hf(cfg)
+    except KeyError as e:
+        raise ValueError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ValueError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        bins = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt*")]
+        hint = f" (found {', '.join(bins)}: pickled weights are never loaded)" if bins else ""
+        raise ValueError(f"{folder} has no *.safetensors weights{hint}")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a valid safetensors file: {e}") from e
