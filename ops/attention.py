@@ -19,6 +19,14 @@ import torch
 import torch.nn.functional as F
 
 
+def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[n, max_blocks] tables -> [n, Hkv, L, D] for the first `length` positions (L rounded up to a block)."""
+    block_size = cache.shape[1]
+    nblk = (length + block_size - 1) // block_size
+    g = cache[tables[:, :nblk].long()]  # [n, nblk, bs, Hkv, D]
+    return g.reshape(g.shape[0], nblk * block_size, *cache.shape[2:]).transpose(1, 2)
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -33,43 +41,38 @@ def paged_attention_ref(
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
     int32/64; seq_lens: [B]; query_start_loc: [B + 1]. Returns [T, Hq, D].
 
-    The torch reference: gather each request's keys by its block table into a
-    padded [B, L, ...] tensor and run one masked SDPA with grouped-query heads.
+    The torch reference. Decodes (one query each) run as batched SDPA calls over
+    their keys gathered by block table, grouped by context length so that padding
+    at most doubles the keys read; each prefill chunk runs alone with its causal
+    mask offset by the context before it.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    batch = seq_lens.shape[0]
-    block_size = k_cache.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    nblk = (max_seq_len + block_size - 1) // block_size
-    blocks = block_tables[:, :nblk].long()
-    k = k_cache[blocks].reshape(batch, nblk * block_size, num_kv_heads, head_dim)
-    v = v_cache[blocks].reshape(batch, nblk * block_size, num_kv_heads, head_dim)
-
-    seq_lens = seq_lens.long()
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    # token t belongs to request req_of[t], at row t - query_start_loc[req] of its chunk
-    req_of = torch.repeat_interleave(torch.arange(batch, device=q.device), q_lens)
-    row_of = torch.arange(num_tokens, device=q.device) - query_start_loc[:-1].long()[req_of]
-
-    if max_query_len == 1:  # pure decode: no padding of queries needed
-        qp = q.view(batch, 1, num_heads, head_dim)
-    else:
-        qp = q.new_zeros(batch, max_query_len, num_heads, head_dim)
-        qp[req_of, row_of] = q
-    # Padded rows get positions past the end, so they still see >= 1 key (no NaN).
-    rows = torch.arange(max_query_len, device=q.device)
-    q_pos = (seq_lens - q_lens)[:, None] + rows[None, :]  # [B, Qmax]
-    keys = torch.arange(nblk * block_size, device=q.device)
-    mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < seq_lens[:, None, None])
-
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2),
-        k.transpose(1, 2).to(q.dtype),
-        v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    ).transpose(1, 2)  # [B, Qmax, Hq, D]
-    if max_query_len == 1:
-        return out.reshape(num_tokens, num_heads, head_dim)
-    return out[req_of, row_of]
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k_cache.shape[2]
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    decodes: dict[int, list[int]] = {}  # log2 bucket of context length -> request indices
+    for r, n in enumerate(lens):
+        q_len = starts[r + 1] - starts[r]
+        if q_len == 1:
+            decodes.setdefault((n - 1).bit_length(), []).append(r)
+            continue
+        k = _gather(k_cache, block_tables[r : r + 1], n)
+        v = _gather(v_cache, block_tables[r : r + 1], n)
+        # query row i sits at position n - q_len + i and sees keys 0..that position
+        q_pos = torch.arange(n - q_len, n, device=q.device)
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]
+        chunk = q[starts[r] : starts[r + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        o = F.scaled_dot_product_attention(chunk, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                           scale=scale, enable_gqa=gqa)
+        out[starts[r] : starts[r + 1]] = o[0].transpose(0, 1)
+    for rows in decodes.values():
+        idx = torch.tensor(rows, device=q.device)
+        longest = max(lens[r] for r in rows)
+        k = _gather(k_cache, block_tables[idx], longest)
+        v = _gather(v_cache, block_tables[idx], longest)
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[idx].long()[:, None]
+        token_idx = query_start_loc[idx].long()
+        o = F.scaled_dot_product_attention(q[token_idx][:, :, None], k.to(q.dtype), v.to(q.dtype),
+                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        out[token_idx] = o[:, :, 0]
+    return out

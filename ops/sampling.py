@@ -69,9 +69,11 @@ def _top_k_top_p_min_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tenso
     if need_p:
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens strictly before it already reach top_p;
-        # the first token is always kept.
+        # the first token is always kept. Rows with top_p = 1 are off: a float32 cumsum
+        # can reach 1.0 before the tail, which would drop tail tokens of such rows.
         before = probs.cumsum(-1) - probs
-        sorted_logits = sorted_logits.masked_fill(before >= st.top_p[:, None], _MASK)
+        drop = (before >= st.top_p[:, None]) & (st.top_p < 1)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
     return torch.full_like(logits, _MASK).scatter(-1, order, sorted_logits)
 
 

@@ -1,0 +1,448 @@
+"""Offline throughput: our engine (continuous and static batching) against transformers.
+
+Runs three systems in one process on the same requests, in the same order, and prints
+output tokens per second for each and the ratios:
+
+- ``continuous``: `Engine.generate` with continuous batching (``max_num_seqs`` = B);
+- ``static``: the same engine with ``policy="static"`` (admit B, run them all to the end);
+- ``transformers``: `generate` on transformers' own load of the same GGUF, float32,
+  in static batches of B, left-padded, greedy.
+
+The workload is N chat requests (a built-in list of questions through the model's chat
+template) with long-tailed output lengths: lognormal, median 24, a few (N/16) over 200.
+Every system generates exactly the requested number of tokens per request (EOS is
+ignored), so each does the same useful work; static batches also do the wasted work of
+finishing alongside their longest member, which is what continuous batching saves.
+
+    python -m clients.bench_offline                         # 64 requests, B = 8, all three
+    python -m clients.bench_offline --num-requests 8 --systems continuous,static
+    python -m clients.bench_offline --output-json bench.json
+
+"Occupancy" is output tokens / model steps: how many requests produce a useful token
+in an average forward pass (at most B). A transformers batch takes max(L) steps.
+
+Unlike the rest of `clients/`, this benchmark imports the worker: it is offline, in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from scheduler.request import SamplingParams
+from worker.config import SchedulerConfig, WorkerConfig
+from worker.engine import Engine
+from worker.weights import LoadedModel, default_model_path, load_model
+
+SYSTEMS = ("continuous", "static", "transformers")
+
+# Varied user turns: everyday, coding, math, writing. Rendered through the chat template.
+QUESTIONS = [
+    # everyday
+    "What is the capital of France?",
+    "How do I get a red wine stain out of a white shirt?",
+    "Why is the sky blue?",
+    "What should I pack for a weekend camping trip?",
+    "How long should I boil an egg for a runny yolk?",
+    "Suggest three board games for a family with young kids.",
+    "What is the difference between weather and climate?",
+    "How often should I water a cactus?",
+    "Give me a simple recipe for pancakes.",
+    "What are some good stretches after a long run?",
+    "How can I fall asleep faster at night?",
+    "Why do leaves change color in the autumn?",
+    "What is a good way to start learning a new language?",
+    "Recommend a few classic novels for a teenager.",
+    "How does a refrigerator keep food cold?",
+    "What should I do if my phone gets wet?",
+    # coding
+    "Write a Python function that reverses a string.",
+    "What is the difference between a list and a tuple in Python?",
+    "Explain what a hash map is and when to use one.",
+    "How do I read a CSV file with pandas?",
+    "Write a SQL query that counts orders per customer.",
+    "What does the `git rebase` command do?",
+    "Write a JavaScript function that checks whether a number is prime.",
+    "Explain recursion with a short example in Python.",
+    "What is the difference between a process and a thread?",
+    "How do I center a div with CSS?",
+    "Write a bash one-liner that counts lines in all .py files in a folder.",
+    "What is Big O notation?",
+    "Explain what a REST API is in simple terms.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "How do I handle exceptions in Python?",
+    "What is a race condition and how can I avoid one?",
+    # math
+    "What is 17 times 23?",
+    "Solve for x: 3x + 7 = 22.",
+    "What is the derivative of x^3 + 2x?",
+    "Explain the Pythagorean theorem with an example.",
+    "What is the sum of the first 100 positive integers?",
+    "Is 91 a prime number? Explain.",
+    "Convert 0.375 to a fraction.",
+    "What is the probability of rolling two sixes with two dice?",
+    "How many seconds are there in a day?",
+    "What is the area of a circle with radius 4?",
+    "Explain what a logarithm is.",
+    "If a train travels 120 km in 1.5 hours, what is its average speed?",
+    "What is 15% of 240?",
+    "Find the next number in the sequence 2, 6, 12, 20, 30.",
+    "What is the square root of 144?",
+    "Explain the difference between mean and median.",
+    # writing
+    "Write a haiku about autumn leaves.",
+    "Write a short poem about the ocean.",
+    "Write a two-sentence horror story.",
+    "Draft a polite email asking my manager for a day off.",
+    "Write a product description for a stainless steel water bottle.",
+    "Write a limerick about a cat who loves to cook.",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+    "Write a short thank-you note to a teacher.",
+    "Give me a catchy slogan for a bicycle shop.",
+    "Write the opening paragraph of a mystery novel.",
+    "Write a tweet announcing a new coffee shop opening.",
+    "Describe a sunset to someone who has never seen one.",
+    "Write a short bedtime story about a brave little turtle.",
+    "Write a cover letter opening for a junior developer job.",
+    "Write a motivational message for someone starting a new job.",
+    "Write a short dialogue between a robot and a child.",
+]
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+@dataclass
+class Workload:
+    questions: list[str]
+    prompts: list[list[int]]  # token ids, chat template applied
+    output_lens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    def summary(self) -> dict[str, Any]:
+        p, o = np.array([len(x) for x in self.prompts]), np.array(self.output_lens)
+        return {
+            "num_requests": self.num_requests,
+            "prompt_tokens": int(p.sum()),
+            "prompt_len": {"min": int(p.min()), "median": float(np.median(p)), "max": int(p.max())},
+            "output_tokens": int(o.sum()),
+            "output_len": {
+                "min": int(o.min()), "median": float(np.median(o)), "max": int(o.max()),
+                "num_over_200": int((o > 200).sum()), "num_under_50": int((o < 50).sum()),
+            },
+            "output_lens": self.output_lens,
+        }
+
+
+def output_lengths(n: int, seed: int, max_len: int = 320) -> list[int]:
+    """Long-tailed: lognormal with median 24 clipped to [4, 200], then (n + 8) // 16 of them
+    (4 of 64) at seeded positions set to 201..320. `max_len` caps everything (quick runs)."""
+    rng = np.random.default_rng(seed)
+    lens = np.clip(np.rint(np.exp(rng.normal(np.log(24), 0.8, n))), 4, 200).astype(int)
+    n_long = (n + 8) // 16
+    where = rng.choice(n, size=n_long, replace=False)
+    lens[where] = rng.integers(201, 321, size=n_long)
+    return [int(x) for x in np.clip(lens, 1, max_len)]
+
+
+def make_workload(loaded: LoadedModel, n: int, seed: int, max_output_len: int = 320) -> Workload:
+    tok = loaded.tokenizer
+    assert tok is not None, "the benchmark needs a model with a tokenizer and chat template"
+    rng = np.random.default_rng([seed, 1])  # its own stream: lengths do not move with order
+    order: list[int] = []
+    while len(order) < n:
+        order += rng.permutation(len(QUESTIONS)).tolist()
+    questions = [QUESTIONS[i] for i in order[:n]]
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions
+    ]
+    return Workload(questions, prompts, output_lengths(n, seed, max_output_len))
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+@dataclass
+class Result:
+    system: str
+    requests: int
+    output_tokens: int
+    wall_s: float
+    steps: int  # model forward passes
+    tokens: list[list[int]] = field(repr=False)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def occupancy(self) -> float:
+        return self.output_tokens / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        del d["tokens"]
+        d.update(output_tok_per_s=self.tok_per_s, mean_batch_occupancy=self.occupancy)
+        return d
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_engine(
+    loaded: LoadedModel, wl: Workload, policy: str, batch_size: int, max_num_batched_tokens: int
+) -> Result:
+    conf = WorkerConfig(scheduler=SchedulerConfig(
+        policy=policy, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens
+    ))
+    engine = Engine(conf, loaded=loaded)
+    warm = [engine.make_request(p, _greedy(4), f"warmup-{i}") for i, p in enumerate(wl.prompts[:2])]
+    engine.generate(warm)
+
+    reqs = [
+        engine.make_request(p, _greedy(n), f"req-{i}")
+        for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True))
+    ]
+    steps0 = engine.num_steps
+    t0 = time.perf_counter()
+    done = engine.generate(reqs)
+    wall = time.perf_counter() - t0
+    steps = engine.num_steps - steps0
+
+    for c, n in zip(done, wl.output_lens, strict=True):
+        assert len(c.token_ids) == n, f"{policy}: {c.request_id} made {len(c.token_ids)} of {n}"
+        assert c.finish_reason == "length", (c.request_id, c.finish_reason)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, f"{policy}: blocks still held"
+    tokens = [c.token_ids for c in done]
+    return Result(policy, len(done), sum(map(len, tokens)), wall, steps, tokens)
+
+
+def load_hf_model():
+    """transformers' own load of the default GGUF, float32 (as tests/conftest.py does)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = default_model_path()
+    with contextlib.redirect_stderr(io.StringIO()):  # its GGUF loader's own progress bar
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    return model.eval()
+
+
+@torch.inference_mode()
+def _hf_batch(hf_model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
+    """One left-padded greedy batch of exactly `new_tokens` new tokens per row.
+
+    ``eos_token_id=[]`` is transformers' ignore_eos: EOS neither stops a row nor is
+    suppressed (``min_new_tokens`` alone would forbid EOS and change the greedy tokens
+    wherever the model wants to end); ``min_new_tokens`` is then a no-op kept for intent.
+    """
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    out = hf_model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, eos_token_id=[], pad_token_id=pad_id,
+    )
+    assert out.shape[1] == width + new_tokens, (out.shape, width, new_tokens)
+    return out[:, width:].tolist()
+
+
+def run_transformers(hf_model, wl: Workload, batch_size: int, pad_id: int) -> Result:
+    _hf_batch(hf_model, wl.prompts[:2], 4, pad_id)  # warm-up
+
+    tokens: list[list[int]] = []
+    steps = 0
+    t0 = time.perf_counter()
+    for b in range(0, wl.num_requests, batch_size):
+        prompts, lens = wl.prompts[b : b + batch_size], wl.output_lens[b : b + batch_size]
+        rows = _hf_batch(hf_model, prompts, max(lens), pad_id)
+        tokens += [row[:n] for row, n in zip(rows, lens, strict=True)]  # only its own length counts
+        steps += max(lens)
+    wall = time.perf_counter() - t0
+    return Result("transformers", len(tokens), sum(map(len, tokens)), wall, steps, tokens)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """How many requests' greedy tokens agree exactly; where the others first differ."""
+    first_diff = {}
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            n = min(len(x), len(y))
+            first_diff[i] = next((j for j in range(n) if x[j] != y[j]), n)
+    return {"matching": len(a) - len(first_diff), "total": len(a),
+            "first_difference_at": first_diff}
+
+
+def machine_info() -> dict[str, Any]:
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _table(results: list[Result]) -> str:
+    head = f"{'system':<14}{'requests':>9}{'out tokens':>12}{'wall s':>10}{'out tok/s':>11}"
+    head += f"{'steps':>8}{'occupancy':>11}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r.system:<14}{r.requests:>9}{r.output_tokens:>12}{r.wall_s:>10.2f}"
+            f"{r.tok_per_s:>11.1f}{r.steps:>8}{r.occupancy:>11.2f}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m clients.bench_offline", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--num-requests", type=int, default=64, help="N (default 64)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="B: max_num_seqs of the engine, batch size of transformers (default 8)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="engine token budget of one step (default 512)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma list of {', '.join(SYSTEMS)} (default all)")
+    p.add_argument("--max-output-len", type=int, default=320,
+                   help="cap on output lengths, for quick runs (default 320)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch.set_num_threads (default: the cpu count)")
+    p.add_argument("--output-json", type=Path,
+                   help="write every figure, the config and machine info here")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad or not args.systems:
+        p.error(f"--systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
+    positive = ("num_requests", "batch_size", "max_num_batched_tokens", "max_output_len", "threads")
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(
+    argv: list[str] | None = None, *, loaded: LoadedModel | None = None, hf_model=None
+) -> dict[str, Any]:
+    """Run the benchmark; returns what --output-json writes. Pass `loaded` (our
+    `load_model("default")`) and `hf_model` (`load_hf_model()`) to reuse loaded models."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if loaded is None:
+        loaded = load_model("default")
+    wl = make_workload(loaded, args.num_requests, args.seed, args.max_output_len)
+    s = wl.summary()
+    print(
+        f"{loaded.name}: {s['num_requests']} requests, prompts {s['prompt_tokens']} tokens "
+        f"(median {s['prompt_len']['median']:g}), outputs {s['output_tokens']} tokens "
+        f"(median {s['output_len']['median']:g}, max {s['output_len']['max']}, "
+        f"{s['output_len']['num_over_200']} over 200); B={args.batch_size}, "
+        f"budget {args.max_num_batched_tokens}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+
+    results: dict[str, Result] = {}
+    for system in args.systems:
+        gc.collect()
+        if system == "transformers":
+            if hf_model is None:
+                hf_model = load_hf_model()
+            assert loaded.tokenizer is not None
+            pad = loaded.tokenizer.pad_token_id
+            pad = pad if pad is not None else loaded.eos_token_ids[0]
+            r = run_transformers(hf_model, wl, args.batch_size, pad)
+        else:
+            r = run_engine(loaded, wl, system, args.batch_size, args.max_num_batched_tokens)
+        results[system] = r
+        print(f"  {system}: {r.tok_per_s:.1f} output tok/s ({r.wall_s:.2f} s)", flush=True)
+
+    print()
+    print(_table(list(results.values())))
+    ratios = {}
+    for num, den, label in (
+        ("continuous", "transformers", "continuous / transformers static"),
+        ("continuous", "static", "continuous / engine static"),
+    ):
+        if num in results and den in results:
+            ratios[label] = results[num].tok_per_s / results[den].tok_per_s
+            print(f"{label}: {ratios[label]:.2f}x")
+
+    agree = {}
+    ours = next((k for k in ("continuous", "static") if k in results), None)
+    if ours and "transformers" in results:
+        agree[f"{ours} vs transformers"] = agreement(
+            results[ours].tokens, results["transformers"].tokens
+        )
+    if "continuous" in results and "static" in results:
+        agree["continuous vs static"] = agreement(
+            results["continuous"].tokens, results["static"].tokens
+        )
+    for label, a in agree.items():
+        diff = a["first_difference_at"]
+        extra = f" (request: first differing token {diff})" if diff else ""
+        print(f"greedy agreement, {label}: {a['matching']}/{a['total']} requests identical{extra}")
+
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": loaded.name,
+        "workload": s,
+        "results": {k: r.to_dict() for k, r in results.items()},
+        "ratios": ratios,
+        "agreement": agree,
+        "machine": machine_info(),
+    }
+    if args.output_json:
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.output_json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Smoke test of the offline benchmark: a tiny workload through all three systems."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clients import bench_offline
+
+
+def test_output_lengths_are_long_tailed_and_seeded() -> None:
+    lens = bench_offline.output_lengths(64, seed=0)
+    assert lens == bench_offline.output_lengths(64, seed=0)
+    assert lens != bench_offline.output_lengths(64, seed=1)
+    assert sum(n > 200 for n in lens) == 4
+    assert sum(n < 50 for n in lens) > 40
+    assert min(lens) >= 4 and max(lens) <= 320
+    assert max(bench_offline.output_lengths(64, seed=0, max_len=8)) == 8
+
+
+def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    # One thread: a few tiny steps gain nothing from two, and on a shared machine torch's
+    # worker threads waiting on a busy core make every op slow. Restored afterwards.
+    threads = torch.get_num_threads()
+    try:
+        report = bench_offline.main(
+            ["--num-requests", "4", "--batch-size", "2", "--max-output-len", "6",
+             "--threads", "1", "--output-json", str(out)],
+            loaded=default_model, hf_model=hf_model,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+
+    results = report["results"]
+    assert set(results) == {"continuous", "static", "transformers"}
+    work = report["workload"]
+    assert work["num_requests"] == 4 and max(work["output_lens"]) <= 6
+    for r in results.values():
+        assert r["requests"] == 4 and r["output_tokens"] == work["output_tokens"]
+        assert r["output_tok_per_s"] > 0 and r["wall_s"] > 0
+        assert 0 < r["mean_batch_occupancy"] <= 2
+
+    tps = {k: r["output_tok_per_s"] for k, r in results.items()}
+    assert report["ratios"] == {
+        "continuous / transformers static": pytest.approx(tps["continuous"] / tps["transformers"]),
+        "continuous / engine static": pytest.approx(tps["continuous"] / tps["static"]),
+    }
+    assert report["agreement"]["continuous vs static"]["matching"] == 4  # a design contract
+    assert report["machine"]["torch"] == torch.__version__
+    assert "continuous / engine static" in capsys.readouterr().out
