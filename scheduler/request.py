@@ -60,6 +60,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # in the returned text (e.g. <|im_end|>)
     logprobs: int | None = None  # None = off; n = chosen token's logprob plus top-n others
 
     def __post_init__(self) -> None:

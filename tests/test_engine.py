@@ -138,6 +138,10 @@ def test_finish_reasons_for_length_eos_and_stop_token_ids(default_model, chat_pr
     ids = chat_prompt_ids[0]
     (free,) = engine.generate([engine.make_request(ids, SamplingParams(temperature=0, max_tokens=64))])
     assert free.finish_reason == "stop" and free.token_ids[-1] in engine.loaded.eos_token_ids
+    (special,) = engine.generate([engine.make_request(
+        ids, SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False))])
+    eos_text = engine.tokenizer.decode([free.token_ids[-1]], skip_special_tokens=False)
+    assert eos_text and eos_text not in free.text and special.text == free.text + eos_text
     (capped,) = engine.generate([engine.make_request(ids, SamplingParams(temperature=0, max_tokens=3))])
     assert capped.finish_reason == "length" and capped.token_ids == free.token_ids[:3]
     (ignored,) = engine.generate([engine.make_request(

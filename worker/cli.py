@@ -1,11 +1,13 @@
 """`llm-worker`: the worker's command line.
 
+    llm-worker serve                                serve gRPC on 127.0.0.1:50051
     llm-worker generate "Why is the sky blue?"      stream one answer to the terminal
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import time
@@ -49,6 +51,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from worker.server import serve
+
+    return asyncio.run(serve(cfgmod.from_args(args)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,8 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    cfgmod.add_arguments(gen)
+    cfgmod.add_arguments(gen, skip=("server",))
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="serve the gRPC API (llmworker.v1.WorkerService)")
+    cfgmod.add_arguments(srv)
+    srv.set_defaults(func=_serve)
     return parser
 
 

@@ -64,10 +64,44 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
+    port: int = opt(50051, "gRPC port; 0 = pick a free one (printed when ready)")
+    reflection: bool = opt(True, "gRPC server reflection, so grpcurl works without the .proto")
+    drain_grace_s: float = opt(30.0, "on SIGTERM/SIGINT: seconds in-flight requests get to finish")
+    max_waiting: int = opt(256, "requests waiting for the engine before new ones get "
+                           "RESOURCE_EXHAUSTED")
+    retry_after_ms: int = opt(1000, "the retry-after-ms hint sent with RESOURCE_EXHAUSTED")
+    default_max_tokens: int = opt(256, "max_tokens of a request that sends 0 (clipped to what "
+                                  "fits in --max-model-len)")
+    max_stop_strings: int = opt(16, "most stop strings one request may send")
+    max_stop_len: int = opt(256, "longest stop string, in characters")
+    max_request_id_len: int = opt(256, "longest request_id, in characters")
+    log_format: str = opt("auto", "log lines: JSON when stderr is not a terminal (auto), or forced",
+                          ("auto", "json", "console"))
+    log_level: str = opt("INFO", "lowest level logged", ("DEBUG", "INFO", "WARNING", "ERROR"))
+    trace_content: bool = opt(False, "record prompt and output text in trace spans (off: only "
+                              "counts and timings are recorded)")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
+        for name in ("max_waiting", "default_max_tokens", "max_stop_len", "max_request_id_len"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.max_stop_strings < 0 or self.retry_after_ms < 0:
+            raise ValueError("--max-stop-strings and --retry-after-ms must be >= 0")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,9 +123,13 @@ def _parse_bool(s: str) -> bool:
     raise ValueError(f"not a boolean: {s!r}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per leaf field, its default read from the environment first."""
+def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per leaf field, its default read from the environment first. A bool field
+    ``x`` takes ``--x`` (true), ``--x BOOL`` and ``--no-x``. Sections in `skip` get no flags
+    (`from_args` then uses their defaults)."""
     for section, cls in _sections():
+        if section in skip:
+            continue
         group = parser.add_argument_group(section)
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -104,21 +142,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     default = conv(os.environ[env])
                 except ValueError as e:
                     parser.error(f"{env}={os.environ[env]!r}: {e}")
+            flag = "--" + f.name.replace("_", "-")
+            dest = f"{section}.{f.name}"
             group.add_argument(
-                "--" + f.name.replace("_", "-"),
-                dest=f"{section}.{f.name}",
+                flag,
+                dest=dest,
                 type=conv,
                 default=default,
                 choices=f.metadata.get("choices"),
                 metavar=typ.__name__.upper() if typ is not bool else "BOOL",
                 help=f"{f.metadata['help']} (default {f.default!r}; env {env})",
+                **({"nargs": "?", "const": True} if typ is bool else {}),
             )
+            if typ is bool:
+                group.add_argument("--no-" + f.name.replace("_", "-"), dest=dest,
+                                   action="store_const", const=False, default=default,
+                                   help=f"same as {flag} false")
 
 
 def from_args(args: argparse.Namespace) -> WorkerConfig:
     values = vars(args)
     parts = {}
     for section, cls in _sections():
-        kw = {f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)}
+        keys = {f.name: f"{section}.{f.name}" for f in dataclasses.fields(cls)}
+        kw = {name: values[key] for name, key in keys.items() if key in values}
         parts[section] = cls(**kw)
     return WorkerConfig(**parts)

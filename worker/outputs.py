@@ -41,7 +41,8 @@ class OutputState:
 
     @classmethod
     def create(cls, request: Request, tokenizer: Tokenizer | None) -> OutputState:
-        detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if tokenizer else None
+        skip = request.sampling_params.skip_special_tokens
+        detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip) if tokenizer else None
         return cls(request, detok)
 
     def add_token(self, token_id: int) -> str | None:

@@ -1,0 +1,238 @@
+"""The asyncio side of the engine: per-request streams fed from the engine thread.
+
+The engine thread calls the sink once per step with that step's outputs; the sink makes
+ONE ``loop.call_soon_threadsafe`` hop and `_dispatch` fans the outputs out on the loop::
+
+    engine thread                      event loop
+    step -> [out A, out B, out C] ---> _dispatch: A -> stream A, B -> stream B, ...
+                 (one hop per step)               tokens/s ring, finish counters
+
+A stream holds at most ONE pending output: when its reader is slower than the engine, a
+new output merges into the pending one (text, token ids and logprobs concatenate; the
+final fields are kept). So buffering per request is bounded and a reader gets at most one
+message per engine step, however far behind it falls.
+
+Everything here runs on the loop thread except `_sink`. Readers of the engine's own
+state (`num_running`, `num_free_blocks`, ...) read plain ints and lengths and take no
+lock: a Python int or `len()` read is atomic, and a figure one step stale is fine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+
+from scheduler.request import Request
+from worker.engine import Engine
+from worker.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class DuplicateRequestError(ValueError):
+    """A request id that is already in flight."""
+
+
+def merge_outputs(into: RequestOutput, new: RequestOutput) -> None:
+    """Fold `new` (a later step's output of the same request) into `into`, in place."""
+    into.new_token_ids = into.new_token_ids + new.new_token_ids
+    into.new_text += new.new_text
+    if new.logprobs:
+        into.logprobs = (into.logprobs or []) + new.logprobs
+    into.prompt_tokens = new.prompt_tokens
+    into.completion_tokens = new.completion_tokens
+    into.cached_tokens = new.cached_tokens
+    if new.finished:
+        into.finished = True
+        into.finish_reason = new.finish_reason
+        into.stop_reason = new.stop_reason
+        into.error = new.error
+        into.queue_time_s = new.queue_time_s
+        into.ttft_s = new.ttft_s
+        into.total_time_s = new.total_time_s
+
+
+class RequestStream:
+    """One request's outputs: at most one pending (coalesced) output and an event."""
+
+    def __init__(self, request: Request, tracked: bool = True) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.tracked = tracked  # counted in the finish-reason and preemption counters
+        self.finished = False  # a finished output has arrived (maybe not read yet)
+        self.aborting = False
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def push(self, out: RequestOutput) -> None:
+        assert not self.finished, f"{self.request_id}: output after the finished one"
+        if self._pending is None:
+            self._pending = out
+        else:
+            merge_outputs(self._pending, out)
+        self.finished = out.finished
+        self._ready.set()
+
+    async def next(self) -> RequestOutput:
+        """The outputs since the last call, merged into one; waits for at least one."""
+        while self._pending is None:
+            self._ready.clear()
+            await self._ready.wait()
+        out, self._pending = self._pending, None
+        return out
+
+
+class EngineBridge:
+    """Starts the engine thread and routes its outputs into `RequestStream`s."""
+
+    def __init__(self, engine: Engine, rate_window_s: float = 10.0,
+                 watchdog_period_s: float = 0.5) -> None:
+        self.engine = engine
+        self.rate_window_s = rate_window_s
+        self.watchdog_period_s = watchdog_period_s
+        self.on_dead: Callable[[], None] | None = None  # called on the loop if the thread dies
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens)
+        self._started_at = time.monotonic()
+        self._watchdog: asyncio.Task[None] | None = None
+        self.closed = False
+        self.dead = False  # the engine thread died; every stream was failed
+        # Counters for GetServerStatus (tracked requests only: not the warm-up).
+        self.finish_counts: collections.Counter[str] = collections.Counter()
+        self.num_preemptions = 0
+
+    # ----- lifecycle -----
+
+    def start(self) -> None:
+        """Start the engine thread; call on the loop that will read the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._started_at = time.monotonic()
+        self.engine.start(self._sink)
+        self._watchdog = self._loop.create_task(self._watch())
+
+    async def close(self) -> None:
+        """Stop the engine thread (without blocking the loop); streams still open end with
+        finish_reason "error"."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await asyncio.to_thread(self.engine.shutdown)
+        await asyncio.sleep(0)  # let the last hops posted before the shutdown land
+        self._fail_all("the worker shut down before the request finished")
+
+    async def _watch(self) -> None:
+        """An engine thread that died would hang every stream: fail them instead."""
+        while not self.closed:
+            await asyncio.sleep(self.watchdog_period_s)
+            thread = self.engine._thread
+            if not self.closed and (thread is None or not thread.is_alive()):
+                log.error("the engine thread died; failing %d requests", len(self._streams))
+                self.dead = True
+                self._fail_all("the engine thread died")
+                if self.on_dead is not None:
+                    self.on_dead()
+                return
+
+    def _fail_all(self, message: str) -> None:
+        for stream in list(self._streams.values()):
+            req = stream.request
+            self._finish(stream, RequestOutput(
+                request_id=stream.request_id, new_token_ids=[], new_text="", finished=True,
+                finish_reason="error", error=message, prompt_tokens=req.num_prompt_tokens,
+                completion_tokens=req.num_output_tokens, cached_tokens=req.num_cached_tokens,
+                total_time_s=time.monotonic() - req.arrival_time,
+            ))
+
+    # ----- requests -----
+
+    def open(self, request: Request, tracked: bool = True) -> RequestStream:
+        """Submit `request` to the engine and return its stream."""
+        if self.closed or self.dead:
+            raise RuntimeError("the engine is not running")
+        if request.request_id in self._streams:
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in flight")
+        stream = RequestStream(request, tracked)
+        self._streams[request.request_id] = stream
+        self.engine.submit(request)
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Ask the engine to abort a request in flight; its stream then ends with "abort"
+        and its blocks are freed in the next step. False if it is not in flight."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return False
+        if not stream.aborting:
+            stream.aborting = True
+            self.engine.abort([request_id])
+        return True
+
+    def abort_all(self) -> int:
+        return sum(self.abort(rid) for rid in list(self._streams))
+
+    # ----- the hop from the engine thread -----
+
+    def _sink(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread: one hop per step."""
+        loop = self._loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
+        except RuntimeError:  # the loop is closed: the process is going down
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput], t: float) -> None:
+        tokens = 0
+        for out in outputs:
+            tokens += len(out.new_token_ids)
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                log.warning("output for unknown request %s", out.request_id)
+                continue
+            if out.finished:
+                self._finish(stream, out)
+            else:
+                stream.push(out)
+        if tokens:
+            self._rate.append((t, tokens))
+            self._trim(t)
+
+    def _finish(self, stream: RequestStream, out: RequestOutput) -> None:
+        del self._streams[stream.request_id]
+        stream.push(out)
+        if stream.tracked:
+            self.finish_counts[out.finish_reason or "error"] += 1
+            self.num_preemptions += stream.request.num_preemptions
+
+    def _trim(self, now: float) -> None:
+        while self._rate and self._rate[0][0] < now - self.rate_window_s:
+            self._rate.popleft()
+
+    # ----- figures (plain reads; never block on the engine thread) -----
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests opened whose finished output has not arrived yet."""
+        return len(self._streams)
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Waiting for the engine: in its scheduler's queue or still in its inbox. In flight
+        minus running counts both without touching the inbox."""
+        return max(self.engine.scheduler.num_waiting, self.num_in_flight - self.num_running)
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        self._trim(now)
+        span = min(self.rate_window_s, now - self._started_at)
+        return sum(n for _, n in self._rate) / max(span, 1.0)

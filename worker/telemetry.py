@@ -1,0 +1,610 @@
+"""Traces and logs: OpenTelemetry spans by hand, structlog lines for everything.
+
+Tracing
+    ``configure_tracing()`` once at start-up. It turns tracing on only when told to: by an
+    ``exporter`` argument (tests pass an ``InMemorySpanExporter``), or by the standard OTLP
+    variables (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
+    ``OTEL_TRACES_EXPORTER=otlp``; the OTLP gRPC exporter reads the rest of ``OTEL_*`` itself).
+    Otherwise no SDK is installed and spans are non-recording.
+
+    Per RPC::
+
+        with rpc_span("/llmworker.v1.WorkerService/Generate", context.invocation_metadata(),
+                      context=context) as span:          # SERVER span, joins `traceparent`
+            log = bind_request(request_id, span)          # request_id, trace_id, span_id
+            gen = GenerationTrace(model, request_id, max_tokens=..., temperature=...,
+                                  top_p=..., top_k=...)   # INTERNAL child `text_completion M`
+            gen.event("queued"); ...; gen.event("first_token"); ...
+            gen.finish("stop", input_tokens=12, output_tokens=30)
+            log_request_summary(log, request_id=..., finish_reason="stop", ...)
+
+    Only ``WorkerService`` RPCs are traced: the servicer opens ``rpc_span``; the health and
+    reflection servicers (grpcio's own) never call it, so they make no spans.
+
+    Even with tracing off the span ``rpc_span`` yields carries ids: the caller's (from
+    ``traceparent``) or, without one, fresh random ones, so every log line about a request
+    has a ``trace_id`` and a ``span_id`` to correlate by.
+
+    The OpenTelemetry *global* tracer provider can be set only once per process. This module
+    keeps its own current provider and takes all its spans from it; ``configure_tracing`` may
+    be called again (tests do, with a fresh exporter each) and then replaces that provider,
+    shutting the old one down. The global is set to the first SDK provider configured, for
+    third-party code that asks ``trace.get_tracer()``; later calls leave it alone.
+
+Logging
+    ``configure_logging()`` once at start-up: structlog renders JSON lines when stderr is not a
+    terminal and a readable console format when it is. The standard library's ``logging``
+    (grpc's Python loggers, ``logging.getLogger(__name__)`` in our modules, ``warnings``)
+    goes through the same processors via a ``ProcessorFormatter`` on the root handler. Every
+    line has ``timestamp`` (ISO 8601, UTC), ``level``, ``logger`` and ``event``; lines logged
+    while a span is current also get its ``trace_id`` and ``span_id``. (gRPC's C core writes
+    its own lines straight to stderr; ``GRPC_VERBOSITY`` governs those.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import IO, Any
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = [
+    "GenerationTrace",
+    "bind_request",
+    "configure_logging",
+    "configure_tracing",
+    "get_logger",
+    "log_request_summary",
+    "monotonic_to_wall",
+    "rpc_span",
+    "shutdown_tracing",
+    "tracing_enabled",
+]
+
+_INSTRUMENTATION = "llm-worker"
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+# --------------------------------------------------------------------------------------------
+# Tracing setup
+# --------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_provider: TracerProvider | None = None  # this module's current SDK provider; None = off
+_tracer: trace.Tracer | None = None
+_atexit_registered = False
+_rng = random.Random()  # ids for untraced requests; private, so no one's seed() touches it
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() == "true"
+
+
+def _otlp_requested() -> bool:
+    env = os.environ
+    exporters = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporters == "none":
+        return False
+    return bool(
+        env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+        or exporters == "otlp"
+    )
+
+
+def _package_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("llm-worker")
+    except Exception:
+        return None
+
+
+def _resource(service_name: str) -> Resource:
+    # Resource.create reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME; those win over
+    # the argument, which only replaces the SDK's "unknown_service" default.
+    res = Resource.create({})
+    if str(res.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        res = res.merge(Resource({SERVICE_NAME: service_name}))
+    version = _package_version()
+    if version and SERVICE_VERSION not in res.attributes:
+        res = res.merge(Resource({SERVICE_VERSION: version}))
+    return res
+
+
+def _otlp_processor() -> BatchSpanProcessor:
+    # Imported here: the exporter pulls in its own gRPC channel machinery.
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    ).strip()
+    if protocol != "grpc":
+        logging.getLogger(__name__).warning(
+            "OTLP protocol %r is not supported; exporting traces with OTLP/gRPC", protocol
+        )
+    return BatchSpanProcessor(OTLPSpanExporter())
+
+
+def configure_tracing(
+    service_name: str = "llm-worker", exporter: SpanExporter | None = None
+) -> bool:
+    """Turn tracing on if asked to; return whether it is on.
+
+    ``exporter`` given: spans go to it synchronously (``SimpleSpanProcessor``). Else, when an
+    OTLP variable is set (see the module docstring), spans are batched to the OTLP gRPC
+    exporter configured from ``OTEL_*``. Else tracing stays off and no SDK provider is
+    installed. ``OTEL_SDK_DISABLED=true`` turns it off in every case. The resource's
+    ``service.name`` is ``OTEL_SERVICE_NAME`` (or ``OTEL_RESOURCE_ATTRIBUTES``) if set, else
+    ``service_name``. Calling again replaces the previous configuration (shut down first).
+    """
+    global _provider, _tracer, _atexit_registered
+    shutdown_tracing()
+    if _env_true("OTEL_SDK_DISABLED"):
+        return False
+    if exporter is not None:
+        processor: SimpleSpanProcessor | BatchSpanProcessor = SimpleSpanProcessor(exporter)
+    elif _otlp_requested():
+        processor = _otlp_processor()
+    else:
+        return False
+    provider = TracerProvider(resource=_resource(service_name), shutdown_on_exit=False)
+    provider.add_span_processor(processor)
+    with _lock:
+        _provider = provider
+        _tracer = provider.get_tracer(_INSTRUMENTATION, _package_version())
+        if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            trace.set_tracer_provider(provider)  # only the first time; it can't be replaced
+        if not _atexit_registered:
+            atexit.register(shutdown_tracing)
+            _atexit_registered = True
+    return True
+
+
+def tracing_enabled() -> bool:
+    """Whether ``configure_tracing`` installed an exporter (spans are recorded)."""
+    return _tracer is not None
+
+
+def shutdown_tracing() -> None:
+    """Flush pending spans and turn tracing off. Safe to call twice; also runs at exit."""
+    global _provider, _tracer
+    with _lock:
+        provider, _provider, _tracer = _provider, None, None
+    if provider is not None:
+        provider.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# Spans
+# --------------------------------------------------------------------------------------------
+
+
+def _random_span_context() -> SpanContext:
+    trace_id = _rng.getrandbits(128) or 1
+    span_id = _rng.getrandbits(64) or 1
+    return SpanContext(trace_id, span_id, is_remote=False)
+
+
+def _start_span(
+    name: str,
+    context: Context | None,
+    kind: SpanKind,
+    attributes: Mapping[str, Any],
+) -> Span:
+    tracer = _tracer
+    if tracer is not None:
+        return tracer.start_span(name, context=context, kind=kind, attributes=attributes)
+    # Off: no span is made. Hand back the parent's ids (the caller's, from `traceparent`)
+    # or, with no parent, fresh random ones, so log lines still share a trace_id.
+    parent = trace.get_current_span(context).get_span_context()
+    return NonRecordingSpan(parent if parent.is_valid else _random_span_context())
+
+
+def _carrier(invocation_metadata: Iterable[Any] | Mapping[str, Any] | None) -> dict[str, str]:
+    """gRPC metadata (pairs, ``_Metadatum``s, ``grpc.aio.Metadata`` or a dict) as a dict."""
+    if not invocation_metadata:
+        return {}
+    items = (
+        invocation_metadata.items()
+        if isinstance(invocation_metadata, Mapping)
+        else invocation_metadata
+    )
+    carrier: dict[str, str] = {}
+    for item in items:
+        key, value = (item.key, item.value) if hasattr(item, "key") else item
+        if isinstance(value, str):  # binary (-bin) values are never trace context
+            carrier[key.lower()] = value
+    return carrier
+
+
+# gRPC status codes that mark a *server* span as an error (OpenTelemetry RPC conventions);
+# the rest (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, CANCELLED, ...) are the client's doing.
+# UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS:
+_SERVER_ERROR_CODES = frozenset({2, 4, 12, 13, 14, 15})
+
+
+def _context_code(context: Any) -> tuple[int | None, str | None]:
+    if context is None:
+        return None, None
+    try:
+        code, details = context.code(), context.details()
+    except Exception:
+        return None, None
+    if isinstance(details, bytes):
+        details = details.decode("utf-8", "replace")
+    number = code.value[0] if code is not None and hasattr(code, "value") else code
+    return number, details or None
+
+
+def _deadline_passed(context: Any) -> bool:
+    try:
+        remaining = context.time_remaining() if context is not None else None
+    except Exception:
+        return False
+    return remaining is not None and remaining <= 0
+
+
+def _finish_rpc_span(span: Span, context: Any, exc: BaseException | None) -> None:
+    code, details = _context_code(context)
+    if code is None:
+        if exc is None:
+            code = 0  # OK
+        elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            code = 4 if _deadline_passed(context) else 1  # DEADLINE_EXCEEDED or CANCELLED
+        else:
+            code = 2  # UNKNOWN: what gRPC reports for an unhandled exception
+    span.set_attribute("rpc.grpc.status_code", code)
+    aborted = exc is not None and type(exc).__name__ == "AbortError"  # context.abort(...)
+    if exc is not None and not aborted and isinstance(exc, Exception):
+        span.record_exception(exc)
+    if code in _SERVER_ERROR_CODES:
+        desc = details or (f"{type(exc).__name__}: {exc}" if exc is not None else None)
+        span.set_status(Status(StatusCode.ERROR, desc))
+
+
+@contextmanager
+def rpc_span(
+    method: str,
+    invocation_metadata: Iterable[Any] | Mapping[str, Any] | None = None,
+    *,
+    context: Any = None,
+) -> Iterator[Span]:
+    """A SERVER span for one RPC, current for the ``with`` body; yields it.
+
+    ``method`` is gRPC's full method name, with or without the leading slash
+    (``"/llmworker.v1.WorkerService/Generate"``); the span is named without it and carries
+    ``rpc.system``, ``rpc.service``, ``rpc.method`` and, at the end, ``rpc.grpc.status_code``.
+    It joins the caller's trace from W3C ``traceparent``/``tracestate`` in
+    ``invocation_metadata``. Pass the servicer ``context`` so the status code set by
+    ``context.abort``/``set_code`` is recorded; without it, a normal exit is OK, a
+    cancellation CANCELLED and any other exception UNKNOWN. The span's status is ERROR for
+    the server-fault codes (UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE,
+    DATA_LOSS) and unset otherwise; unexpected exceptions are recorded as span events.
+
+    Safe around ``yield`` in an async-generator servicer: grpc.aio iterates it in one task.
+    Health and reflection are not traced: their servicers never call this.
+    """
+    full = method.lstrip("/")
+    service, _, name = full.rpartition("/")
+    parent = _PROPAGATOR.extract(_carrier(invocation_metadata))
+    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+    span = _start_span(full, parent, SpanKind.SERVER, attributes)
+    with trace.use_span(
+        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    ):
+        try:
+            yield span
+        except BaseException as exc:
+            _finish_rpc_span(span, context, exc)
+            raise
+        _finish_rpc_span(span, context, None)
+
+
+def monotonic_to_wall(t_monotonic: float) -> float:
+    """A ``time.monotonic()`` reading (the engine's clock) as ``time.time()`` seconds."""
+    return time.time() - (time.monotonic() - t_monotonic)
+
+
+def _ns(timestamp_s: float | None) -> int | None:
+    return None if timestamp_s is None else int(timestamp_s * 1e9)
+
+
+class GenerationTrace:
+    """The span of one generation: ``text_completion {model}``, INTERNAL, a child of the
+    span current at construction (the RPC's), with GenAI semantic-convention attributes.
+
+    Events, in the order added: ``queued``, ``scheduled``, ``first_token``, ``preempted``,
+    ``resumed`` (as they happen) and ``finished`` (added by ``finish``). Prompt and output
+    text are recorded only with ``record_content=True`` (a server flag opts in), as the
+    events ``gen_ai.content.prompt`` (attribute ``gen_ai.prompt``) and
+    ``gen_ai.content.completion`` (attribute ``gen_ai.completion``).
+
+    Used as a context manager it is finished on the way out if the body did not finish it:
+    with reason ``abort`` on cancellation, ``error`` on any other exception.
+    """
+
+    OPERATION = "text_completion"
+    PROVIDER = "llm-worker"
+
+    def __init__(
+        self,
+        model: str,
+        request_id: str,
+        *,
+        max_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int | None = None,
+        priority: int | None = None,
+        prompt: str | None = None,
+        record_content: bool = False,
+    ) -> None:
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": self.OPERATION,
+            "gen_ai.provider.name": self.PROVIDER,
+            "gen_ai.system": self.PROVIDER,  # the older name, still what many backends read
+            "gen_ai.request.model": model,
+            "gen_ai.response.model": model,
+            "gen_ai.response.id": request_id,
+        }
+        optional = {
+            "gen_ai.request.max_tokens": max_tokens,
+            "gen_ai.request.temperature": temperature,
+            "gen_ai.request.top_p": top_p,
+            "gen_ai.request.top_k": top_k,
+            "gen_ai.request.seed": seed,
+            "llm_worker.request.priority": priority,
+        }
+        attributes.update({k: v for k, v in optional.items() if v is not None})
+        self.record_content = record_content
+        self._finished = False
+        self._span = _start_span(f"{self.OPERATION} {model}", None, SpanKind.INTERNAL, attributes)
+        if record_content and prompt is not None:
+            self._span.add_event("gen_ai.content.prompt", {"gen_ai.prompt": prompt})
+
+    @property
+    def span(self) -> Span:
+        return self._span
+
+    @property
+    def trace_id_hex(self) -> str:
+        return trace.format_trace_id(self._span.get_span_context().trace_id)
+
+    @property
+    def span_id_hex(self) -> str:
+        return trace.format_span_id(self._span.get_span_context().span_id)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def event(self, name: str, timestamp_s: float | None = None, **attrs: Any) -> None:
+        """Add an event; ``timestamp_s`` is wall-clock (``time.time()``) seconds when the event
+        is recorded after the fact (see ``monotonic_to_wall``), else now."""
+        if not self._finished:
+            self._span.add_event(name, attrs or None, timestamp=_ns(timestamp_s))
+
+    def finish(
+        self,
+        finish_reason: str,
+        input_tokens: int | None = None,
+        output_tokens: int | None = None,
+        *,
+        output_text: str | None = None,
+        error: str | None = None,
+        cached_tokens: int | None = None,
+        queue_time_ms: float | None = None,
+        ttft_ms: float | None = None,
+    ) -> None:
+        """Record the outcome, add the ``finished`` event and end the span (once; later calls
+        do nothing). ``finish_reason`` is ``stop``, ``length``, ``abort`` or ``error``; an
+        ``error`` (or an ``error`` message) sets the span status to ERROR."""
+        if self._finished:
+            return
+        self._finished = True
+        span = self._span
+        values = {
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": cached_tokens,
+            "llm_worker.queue_time_ms": queue_time_ms,
+            "llm_worker.ttft_ms": ttft_ms,
+        }
+        span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
+        span.set_attributes({k: v for k, v in values.items() if v is not None})
+        if self.record_content and output_text is not None:
+            span.add_event("gen_ai.content.completion", {"gen_ai.completion": output_text})
+        span.add_event("finished", {"finish_reason": finish_reason})
+        if error is not None or finish_reason == "error":
+            span.set_attribute("error.type", "generation_error")
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end()
+
+    def __enter__(self) -> GenerationTrace:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._finished:
+            return
+        if exc is None or isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            self.finish("abort")
+        else:
+            self.finish("error", error=f"{type(exc).__name__}: {exc}")
+
+
+# --------------------------------------------------------------------------------------------
+# Logging
+# --------------------------------------------------------------------------------------------
+
+
+def _add_trace_context(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """Adds the current span's ids to lines that don't carry their own."""
+    if "trace_id" not in event_dict:
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            event_dict["trace_id"] = trace.format_trace_id(ctx.trace_id)
+            event_dict["span_id"] = trace.format_span_id(ctx.span_id)
+    return event_dict
+
+
+def _head_first(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """Puts timestamp, level, logger and event first, so JSON lines read left to right."""
+    head = {
+        k: event_dict.pop(k) for k in ("timestamp", "level", "logger", "event") if k in event_dict
+    }
+    return head | event_dict
+
+
+_HANDLER_MARK = "_llm_worker_handler"
+
+
+def _level_number(level: str | int) -> int:
+    if isinstance(level, int):
+        return level
+    number = logging.getLevelName(level.strip().upper())
+    if not isinstance(number, int):
+        raise ValueError(f"unknown log level {level!r}")
+    return number
+
+
+def configure_logging(
+    fmt: str = "auto", level: str | int = "INFO", *, stream: IO[str] | None = None
+) -> None:
+    """Route structlog and the standard library's logging through one pipeline to ``stream``
+    (default stderr), replacing the root logger's handlers.
+
+    ``fmt``: ``"json"`` (one JSON object a line), ``"console"`` (readable, colours on a
+    terminal) or ``"auto"`` (console when the stream is a terminal, JSON otherwise).
+    """
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    is_tty = bool(isatty is not None and isatty())
+    if fmt == "auto":
+        fmt = "console" if is_tty else "json"
+    if fmt not in ("json", "console"):
+        raise ValueError(f"log format must be auto, json or console, not {fmt!r}")
+    level_no = _level_number(level)
+
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_trace_context,
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.UnicodeDecoder(),
+    ]
+    if fmt == "json":
+        final: list[Any] = [
+            structlog.processors.format_exc_info,
+            _head_first,
+            structlog.processors.JSONRenderer(),
+        ]
+    else:
+        final = [structlog.dev.ConsoleRenderer(colors=is_tty)]
+
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,  # a logger used before this call must see this setup
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.ExtraAdder(), *shared],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    setattr(handler, _HANDLER_MARK, True)
+
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+        if getattr(old, _HANDLER_MARK, False):
+            old.close()
+    root.addHandler(handler)
+    root.setLevel(level_no)
+    logging.captureWarnings(True)
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    """A structlog logger; ``name`` becomes the line's ``logger`` field."""
+    return structlog.stdlib.get_logger(name)
+
+
+def bind_request(
+    request_id: str,
+    span: Span | None = None,
+    *,
+    logger: structlog.stdlib.BoundLogger | None = None,
+    **fields: Any,
+) -> structlog.stdlib.BoundLogger:
+    """A logger whose every line carries ``request_id``, ``trace_id`` (32 hex digits) and
+    ``span_id`` (16) of ``span`` (default: the current span), plus ``fields``.
+
+    Bound explicitly rather than through context variables, so it can be handed to code
+    that runs outside the RPC's task. The ids are left out only if the span is invalid,
+    which spans from ``rpc_span``/``GenerationTrace`` never are.
+    """
+    base = logger if logger is not None else get_logger("worker.request")
+    ctx = (span if span is not None else trace.get_current_span()).get_span_context()
+    if ctx.is_valid:
+        fields["trace_id"] = trace.format_trace_id(ctx.trace_id)
+        fields["span_id"] = trace.format_span_id(ctx.span_id)
+    return base.bind(request_id=request_id, **fields)
+
+
+def log_request_summary(
+    logger: structlog.stdlib.BoundLogger,
+    *,
+    request_id: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    queue_time_ms: float | None = None,
+    ttft_ms: float | None = None,
+    total_time_ms: float | None = None,
+    **fields: Any,
+) -> None:
+    """The one ``request finished`` line per request (INFO; WARNING if it ended in error).
+
+    Pass the logger from ``bind_request`` so the line carries ``trace_id``/``span_id``."""
+    times = {"queue_time_ms": queue_time_ms, "ttft_ms": ttft_ms, "total_time_ms": total_time_ms}
+    for key, value in times.items():
+        fields[key] = round(value, 3) if value is not None else None
+    method = logger.warning if finish_reason == "error" else logger.info
+    method(
+        "request finished",
+        request_id=request_id,
+        finish_reason=finish_reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+        **fields,
+    )
