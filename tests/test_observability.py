@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from worker import telemetry
 from worker.bridge import EngineBridge
-from worker.config import CacheConfig, WorkerConfig
+from worker.config import CacheConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
 from worker.service import WorkerServicer
 
@@ -19,8 +19,9 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN = "b7ad6b7169203331"
 
 
-async def _run(loaded, requests: list[tuple[pb.GenerateRequest, tuple]]) -> list[list]:
-    conf = WorkerConfig(cache=CacheConfig(kv_cache_memory=0.5))
+async def _run(loaded, requests: list[tuple[pb.GenerateRequest, tuple]],
+               conf: WorkerConfig | None = None, concurrent: bool = False) -> list[list]:
+    conf = conf or WorkerConfig(cache=CacheConfig(kv_cache_memory=0.5))
     bridge = EngineBridge(Engine(conf, loaded=loaded))
     bridge.start()
     servicer = WorkerServicer(conf)
@@ -32,10 +33,14 @@ async def _run(loaded, requests: list[tuple[pb.GenerateRequest, tuple]]) -> list
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            results = []
-            for req, metadata in requests:
-                results.append([r async for r in stub.Generate(req, metadata=metadata)])
-            await stub.GetLoad(pb.GetLoadRequest(), metadata=metadata)
+            async def one(req: pb.GenerateRequest, metadata: tuple) -> list:
+                return [r async for r in stub.Generate(req, metadata=metadata)]
+
+            if concurrent:
+                results = list(await asyncio.gather(*(one(r, m) for r, m in requests)))
+            else:
+                results = [await one(r, m) for r, m in requests]
+            await stub.GetLoad(pb.GetLoadRequest(), metadata=requests[-1][1])
             return results
     finally:
         await server.stop(0)
@@ -83,3 +88,28 @@ def test_generate_spans_join_the_trace_and_carry_genai_attributes(default_model)
     # Prompt and output text are not recorded unless the server opts in.
     recorded = str(a) + str([dict(e.attributes or {}) for e in gen.events])
     assert "France" not in recorded and (not text or text not in recorded)
+
+
+def test_preemption_shows_as_span_events(default_model) -> None:
+    """Two requests that cannot both fit in a 12-block cache: the later one is preempted
+    (recompute), resumes, and its span says so."""
+    exporter = InMemorySpanExporter()
+    assert telemetry.configure_tracing(exporter=exporter)
+    per_block = 16 * 2 * 30 * 3 * 64 * 4  # tokens per block x fp32 KV bytes per token
+    conf = WorkerConfig(model=ModelConfig(max_model_len=192),
+                        cache=CacheConfig(kv_cache_memory=12.5 * per_block / (1 << 30)))
+    reqs = [(pb.GenerateRequest(request_id=f"pre-{i}", token_ids=pb.TokenIdsInput(ids=list(range(100 + i, 110 + i))),
+                                sampling=pb.SamplingParams(temperature=0.0),
+                                stopping=pb.StoppingCriteria(max_tokens=150, ignore_eos=True)), ())
+            for i in range(2)]
+    try:
+        results = asyncio.run(_run(default_model, reqs, conf, concurrent=True))
+    finally:
+        spans = exporter.get_finished_spans()
+        telemetry.shutdown_tracing()
+    assert all(r[-1].complete.usage.completion_tokens == 150 for r in results)
+    events = {s.attributes["gen_ai.response.id"]: [e.name for e in s.events]
+              for s in spans if s.name.startswith("text_completion")}
+    assert any("preempted" in ev and "resumed" in ev for ev in events.values()), events
+    for ev in events.values():
+        assert ev[0] == "queued" and ev[-1] == "finished"

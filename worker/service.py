@@ -214,6 +214,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         deadline = None if remaining is None else loop.time() + remaining
         done = False
         first = True
+        preemptions = 0  # the engine thread bumps req.num_preemptions; reading an int is safe
         try:
             while True:
                 if deadline is None:
@@ -228,6 +229,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                             grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"request {rid}: the deadline passed after "
                             f"{req.num_output_tokens} tokens; it was aborted")
+                if req.num_preemptions > preemptions:
+                    # Seen late (at the next output), so back-dating is not possible; the
+                    # event still says it happened and how often.
+                    preemptions = req.num_preemptions
+                    gen.event("preempted", count=preemptions)
+                    if out.new_token_ids:
+                        gen.event("resumed")
                 if first and out.new_token_ids:
                     first = False
                     if req.first_scheduled_time is not None:
