@@ -240,3 +240,21 @@ def test_budget_report_names_blocks_tokens_and_concurrency(default_model) -> Non
     json.dumps(engine.config.to_dict())  # the config prints as JSON
     with pytest.raises(ValueError, match=r"cannot hold one request of --max-model-len 8192"):
         _engine(default_model, gib=0.25)
+
+
+def test_a_request_the_scheduler_refuses_fails_alone(default_model, chat_prompt_ids) -> None:
+    """A duplicate id reaching the engine (bypassing the servicer's check) ends that
+    request with an error; the engine thread does not die and the other request finishes."""
+    engine = _engine(default_model)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first = engine.make_request(chat_prompt_ids[0], params, request_id="same")
+    twin = engine.make_request(chat_prompt_ids[1], params, request_id="same")
+    outputs = []
+    engine.submit(first)
+    engine.submit(twin)
+    while engine.has_work():
+        outputs += engine.step()
+    finals = [o for o in outputs if o.finished]
+    assert sorted(o.finish_reason for o in finals) == ["error", "length"]
+    assert "already in use" in next(o.error for o in finals if o.finish_reason == "error")
+    _assert_clean(engine)

@@ -168,8 +168,15 @@ class Engine:
                 return outputs
             if kind == "add":
                 assert isinstance(item, Request)
+                try:
+                    self.scheduler.add_request(item)
+                except ValueError as e:  # refused: that request fails, the engine goes on
+                    item.status = RequestStatus.FINISHED_ERROR
+                    outputs.append(RequestOutput(
+                        item.request_id, [], "", finished=True, finish_reason="error",
+                        prompt_tokens=item.num_prompt_tokens, error=str(e)))
+                    continue
                 self._states[item.request_id] = OutputState.create(item, self.tokenizer)
-                self.scheduler.add_request(item)
             else:
                 assert isinstance(item, list)
                 for req in self.scheduler.abort_requests(item):
