@@ -84,7 +84,7 @@ class Request:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0  # lower = more urgent (used by a later issue)
+    priority: int = 0  # lower = more urgent; negative allowed (see scheduler/scheduler.py)
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step
@@ -99,6 +99,8 @@ class Request:
     finished_time: float | None = field(default=None, init=False)
     num_cached_tokens: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
+    # Set by Scheduler.add_request: breaks ties between equal arrival times, FCFS.
+    seq: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

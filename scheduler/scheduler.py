@@ -8,10 +8,38 @@ the budget left is chunked, so prefill chunks and decodes share one batch.
 
     step:  running (in order)                 waiting (front first)
            [A: 1 decode][B: 1][C: 40 chunk] | [D: first chunk of its prompt] ... budget
+
+Priorities. A LOWER `Request.priority` is MORE urgent (0 by default, negative allowed). All
+requests are ranked in one order, most urgent first: by (priority, arrival_time) and, with
+aging, by the effective priority
+
+    priority - (now - arrival_time) / aging_s        (ties: earlier arrival first)
+
+i.e. a request improves by one priority class for every `aging_s` seconds since it arrived,
+without bound. Every request ages at the same rate, so this order never changes over time:
+it is the order of the "virtual arrival" `arrival_time + priority * aging_s` (`_rank`). The
+waiting queue is kept in that order (a preempted request keeps its arrival time and
+re-enters in place) and the running requests are served in it. Blocks short:
+
+- a running request preempts the lowest-ranked running request, possibly itself (among
+  equal priorities that is the latest arrival: FCFS, the oldest always progresses);
+- a waiting request may preempt running requests ranked behind it AND of a strictly less
+  urgent `priority` (lowest-ranked first); otherwise admission stops there, nobody skips
+  ahead. Equal priorities never displace each other on admission.
+
+Because the order is fixed, a displaced request is always ranked behind its displacer and
+can never displace it back: no ping-pong. Starvation bound: a request R of priority p that
+arrives at t0 is ranked ahead of every priority-q request arriving after
+t0 + (p - q) * aging_s. Under a flood of priority-q requests, R therefore waits at most for
+what is ranked ahead of it (earlier arrivals ranked ahead, plus the flood of the next
+(p - q) * aging_s seconds) and then for running requests to free a seat or its blocks
+(nothing behind it is admitted meanwhile); once running, only requests ranked ahead of it
+can preempt it. With `aging_s=None` the order is strict (priority, arrival): no bound.
 """
 
+import bisect
+import itertools
 import time
-from collections import deque
 
 from kvcache.manager import KVCacheManager, cdiv
 from scheduler.output import ScheduledRequest, SchedulerOutput
@@ -28,19 +56,24 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         policy: str = "continuous",
+        aging_s: float | None = 30.0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if aging_s is not None and not 0 < aging_s < float("inf"):
+            raise ValueError(f"aging_s must be > 0 and finite, or None; got {aging_s!r}")
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = policy
+        self.aging_s = aging_s
         self.requests: dict[str, Request] = {}  # unfinished ones, by id
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # in _rank order, front = next to admit
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # freed since the last schedule()
+        self._seq = itertools.count()
 
     # -- the queue -------------------------------------------------------------------------
 
@@ -81,8 +114,9 @@ class Scheduler:
                 f"({self.kv.num_blocks} blocks of {self.kv.block_size})"
             )
         assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
+        req.seq = next(self._seq)
         self.requests[rid] = req
-        self.waiting.append(req)
+        self._enqueue(req)
 
     def abort_requests(self, request_ids: list[str], now: float | None = None) -> list[Request]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED, now)
@@ -111,7 +145,8 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 
-        # 1. Running requests, in order: a decode takes 1 token, an unfinished prefill a chunk.
+        # 1. Running requests, most urgent first: a decode takes 1 token, a prefill a chunk.
+        self.running.sort(key=self._rank)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -134,7 +169,7 @@ class Scheduler:
 
         # 2. Waiting requests, unless blocks just ran out (re-admitting a victim would thrash).
         if not preempted:
-            budget = self._admit(budget, scheduled, now)
+            budget = self._admit(budget, scheduled, preempted, now)
 
         out = SchedulerOutput(
             scheduled=list(scheduled.values()),
@@ -146,13 +181,23 @@ class Scheduler:
         assert sum(s.num_new_tokens for s in out.scheduled) == out.num_batched_tokens
         assert 0 <= out.num_batched_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
+        ranks = [self._rank(r) for r in self.waiting]
+        assert all(a <= b for a, b in itertools.pairwise(ranks)), "waiting queue out of order"
         for s in out.scheduled:
             assert s.num_new_tokens >= 1 and s.request.status is RequestStatus.RUNNING
             assert len(s.block_table) * self.kv.block_size >= s.start + s.num_new_tokens
         return out
 
-    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest], now: float) -> int:
-        """Move waiting requests into running, front first; returns the budget left."""
+    def _admit(
+        self,
+        budget: int,
+        scheduled: dict[str, ScheduledRequest],
+        preempted: list[str],
+        now: float,
+    ) -> int:
+        """Move waiting requests into running, front first; returns the budget left. A request
+        short of blocks may preempt lower-ranked running requests of a strictly less urgent
+        priority; if that cannot make room, admission stops (nobody skips ahead)."""
         static = self.policy == "static"
         if static and self.running:
             return budget  # static: the next batch starts when the whole current one is done
@@ -163,9 +208,21 @@ class Scheduler:
             # Static moves the whole batch in at once; members past the budget wait as running.
             if num_new == 0 and not static:
                 break
+            if req.request_id in preempted:
+                break  # preempted by someone this step; re-admitting it now would thrash
             if num_new and not self.kv.allocate_slots(req.request_id, num_new):
-                break  # FCFS: nobody skips ahead of a request that does not fit yet
-            queue.popleft()
+                victims = self._displaceable(req, num_new)
+                if victims is None:
+                    break  # nobody skips ahead of a request that does not fit yet
+                for victim in victims:  # lowest-ranked first
+                    budget += self._preempt(victim, scheduled)
+                    preempted.append(victim.request_id)
+                    if self.kv.allocate_slots(req.request_id, num_new):
+                        break
+                else:
+                    raise AssertionError(f"{req.request_id}: displacing freed too few blocks")
+            assert queue[0] is req  # victims rank behind req
+            queue.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if num_new:
@@ -173,29 +230,55 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _waiting_order(self) -> deque[Request]:
-        """The waiting queue, front = next to admit. FCFS needs no work: arrivals append at
-        the back, preempted requests re-enter at the front.
-        TODO(priorities): order by (priority, arrival_time), lower value = more urgent."""
+    def _rank(self, req: Request) -> tuple[float, float, int]:
+        """Sort key, most urgent first (see the module docstring). Sorting by effective
+        priority `priority - (now - arrival) / aging_s` at any `now` gives the same order
+        as the virtual arrival `arrival + priority * aging_s`, so the key needs no clock."""
+        if self.aging_s is None:
+            return (req.priority, req.arrival_time, req.seq)
+        return (req.arrival_time + req.priority * self.aging_s, req.arrival_time, req.seq)
+
+    def _enqueue(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=self._rank)
+
+    def _waiting_order(self) -> list[Request]:
+        """The waiting queue, front = next to admit: kept in `_rank` order by `_enqueue`, so
+        new arrivals and preempted requests (which keep their arrival time) go in place."""
         return self.waiting
 
     def _pick_victim(self, req: Request) -> Request:
-        """The running request to preempt so that `req` gets its blocks: the latest arrival
-        (possibly `req` itself), so the oldest request always progresses and cannot starve.
-        TODO(priorities): only a strictly lower-priority request may be displaced by `req`.
+        """The running request to preempt so that running `req` gets its blocks: the
+        lowest-ranked one, possibly `req` itself (never one ranked ahead of `req`). Among
+        equal priorities that is the latest arrival, so the oldest always progresses.
         TODO(prefix caching): prefer victims whose blocks are not shared."""
-        return max(self.running, key=lambda r: r.arrival_time)
+        victim = max(self.running, key=self._rank)
+        assert self._rank(victim) >= self._rank(req)
+        return victim
+
+    def _displaceable(self, req: Request, num_tokens: int) -> list[Request] | None:
+        """Running requests that waiting `req` may preempt to get blocks for `num_tokens`,
+        lowest-ranked first: those ranked behind it with a strictly less urgent priority.
+        None when even all of them would not free enough blocks."""
+        key = self._rank(req)
+        victims = sorted(
+            (r for r in self.running if r.priority > req.priority and self._rank(r) > key),
+            key=self._rank,
+            reverse=True,
+        )
+        freeable = sum(len(self.kv.block_table(r.request_id)) for r in victims)
+        need = self.kv.num_blocks_needed(req.request_id, num_tokens)
+        return victims if victims and need <= self.kv.num_free_blocks + freeable else None
 
     def _preempt(self, req: Request, scheduled: dict[str, ScheduledRequest]) -> int:
-        """Preempt by recompute: free the blocks, keep the output tokens, and requeue at the
-        front with its arrival time. Returns the tokens it was given this step, handed back.
+        """Preempt by recompute: free the blocks, keep the output tokens, and requeue in place
+        (it keeps its arrival time). Returns the tokens it was given this step, handed back.
         TODO(swap): swap the blocks to CPU when swap space allows, recompute otherwise."""
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0  # prefill prompt + output again
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req)
         given = scheduled.pop(req.request_id, None)
         return given.num_new_tokens if given else 0
 
