@@ -36,25 +36,6 @@ class DuplicateRequestError(ValueError):
     """A request id that is already in flight."""
 
 
-def merge_outputs(into: RequestOutput, new: RequestOutput) -> None:
-    """Fold `new` (a later step's output of the same request) into `into`, in place."""
-    into.new_token_ids = into.new_token_ids + new.new_token_ids
-    into.new_text += new.new_text
-    if new.logprobs:
-        into.logprobs = (into.logprobs or []) + new.logprobs
-    into.prompt_tokens = new.prompt_tokens
-    into.completion_tokens = new.completion_tokens
-    into.cached_tokens = new.cached_tokens
-    if new.finished:
-        into.finished = True
-        into.finish_reason = new.finish_reason
-        into.stop_reason = new.stop_reason
-        into.error = new.error
-        into.queue_time_s = new.queue_time_s
-        into.ttft_s = new.ttft_s
-        into.total_time_s = new.total_time_s
-
-
 class RequestStream:
     """One request's outputs: at most one pending (coalesced) output and an event."""
 
@@ -72,7 +53,7 @@ class RequestStream:
         if self._pending is None:
             self._pending = out
         else:
-            merge_outputs(self._pending, out)
+            self._pending.merge(out)
         self.finished = out.finished
         self._ready.set()
 

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,6 +59,12 @@ class Completion:
     stop_reason: str | int | None
     logprobs: list | None
     cached_tokens: int
+
+    @classmethod
+    def of(cls, request: Request, out: RequestOutput | None) -> Completion:
+        assert out is not None and out.finished
+        return cls(request.request_id, request.prompt_token_ids, out.new_token_ids, out.new_text,
+                   out.finish_reason or "", out.stop_reason, out.logprobs, out.cached_tokens)
 
 
 class Engine:
@@ -274,9 +280,9 @@ class Engine:
     def generate(self, requests: Sequence[Request], on_output: OutputSink | None = None) -> list[Completion]:
         """Run requests to completion in this thread; results in the order given."""
         assert self._thread is None, "generate() drives the engine itself; the loop is running"
-        acc: dict[str, Completion] = {}
+        acc: dict[str, RequestOutput | None] = {}
         for r in requests:
-            acc[r.request_id] = Completion(r.request_id, r.prompt_token_ids, [], "", "", None, None, 0)
+            acc[r.request_id] = None
             self.submit(r)
         pending = set(acc)
         while pending:
@@ -284,12 +290,11 @@ class Engine:
             if on_output is not None and outputs:
                 on_output(outputs)
             for o in outputs:
-                c = acc[o.request_id]
-                c.token_ids += o.new_token_ids
-                c.text += o.new_text
-                if o.logprobs:
-                    c.logprobs = (c.logprobs or []) + o.logprobs
+                so_far = acc[o.request_id]
+                if so_far is None:
+                    acc[o.request_id] = replace(o)  # a copy: the sink saw `o`
+                else:
+                    so_far.merge(o)
                 if o.finished:
-                    c.finish_reason, c.stop_reason, c.cached_tokens = o.finish_reason or "", o.stop_reason, o.cached_tokens
                     pending.discard(o.request_id)
-        return [acc[r.request_id] for r in requests]
+        return [Completion.of(r, acc[r.request_id]) for r in requests]

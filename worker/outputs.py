@@ -27,6 +27,26 @@ class RequestOutput:
     total_time_s: float | None = None
     error: str | None = None
 
+    def merge(self, new: RequestOutput) -> None:
+        """Fold `new`, a later step's output of the same request, into this one: text,
+        token ids and logprobs concatenate; counts and final fields are the latest."""
+        assert new.request_id == self.request_id and not self.finished
+        self.new_token_ids = self.new_token_ids + new.new_token_ids  # never alias a list
+        self.new_text += new.new_text
+        if new.logprobs:
+            self.logprobs = (self.logprobs or []) + new.logprobs
+        self.prompt_tokens = new.prompt_tokens
+        self.completion_tokens = new.completion_tokens
+        self.cached_tokens = new.cached_tokens
+        if new.finished:
+            self.finished = True
+            self.finish_reason = new.finish_reason
+            self.stop_reason = new.stop_reason
+            self.error = new.error
+            self.queue_time_s = new.queue_time_s
+            self.ttft_s = new.ttft_s
+            self.total_time_s = new.total_time_s
+
 
 @dataclass
 class OutputState:
