@@ -12,6 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's interpreter; it reads this once, at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from worker.weights import LoadedModel, default_model_path, load_model
 
 CHAT_PROMPTS = [

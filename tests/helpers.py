@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 from worker.models.llama import AttentionMetadata, LlamaForCausalLM
@@ -40,3 +43,14 @@ def hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=hf_model.config.eos_token_id,
     )
     return out[0, len(ids):].tolist()
+
+
+def kernel_device() -> torch.device:
+    """Where kernel tests run: the GPU when there is one, else the CPU under the interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+requires_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -30,6 +30,10 @@ class ModelConfig:
                      ("auto", "float32", "bfloat16", "float16"))
     max_model_len: int = opt(0, "longest prompt + output in tokens; 0 = the model's own limit")
     seed: int = opt(0, "seed for unseeded sampling and dummy weights")
+    kernels: str = opt("auto", "ops implementation: Triton kernels on CUDA and torch references "
+                       "on the CPU (auto), or one forced everywhere", ("auto", "torch", "triton"))
+    cuda_graphs: bool = opt(True, "replay decode steps from CUDA graphs captured at start-up "
+                            "(CUDA with Triton kernels only); --no-cuda-graphs runs them eagerly")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import ops
 from kvcache.budget import KVBudget, kv_bytes_per_token, num_blocks_for_budget
 from kvcache.manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingParams
@@ -89,8 +90,12 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy
         )
+        ops.set_backend(config.model.kernels)
         self.runner = ModelRunner(
-            loaded.model, self.budget.num_blocks, config.cache.block_size, loaded.device, loaded.dtype
+            loaded.model, self.budget.num_blocks, config.cache.block_size, loaded.device, loaded.dtype,
+            max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
+            # The torch references sync with the host inside; only the kernels can be captured.
+            cuda_graphs=config.model.cuda_graphs and ops.uses_triton(loaded.device),
         )
         torch.manual_seed(config.model.seed)
         self._states: dict[str, OutputState] = {}

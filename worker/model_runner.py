@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.sampling import SamplingTensors, sample_ref
+import ops
+from ops.sampling import SamplingTensors
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
+from worker.cuda_graphs import DecodeGraphs
 from worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 
 
@@ -38,7 +40,12 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        max_num_seqs: int = 0,
+        max_model_len: int = 0,
+        cuda_graphs: bool = False,
     ) -> None:
+        """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
+        replay graphs captured here, over contexts up to `max_model_len`."""
         cfg = model.config
         self.model = model
         self.device = device
@@ -49,6 +56,11 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda":
+            assert max_num_seqs > 0 and max_model_len > 0
+            self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, max_model_len,
+                                       block_size, device)
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -83,6 +95,12 @@ class ModelRunner:
             block_tables[rows, pos_t // self.block_size].long() * self.block_size
             + pos_t % self.block_size
         )
+        if self.graphs is not None and len(sample_rows) == len(input_ids) and self.graphs.can_run(
+            len(input_ids)
+        ):
+            # Every request decodes one token: replay a captured graph.
+            logits = self.graphs.run(input_ids, positions, slot_mapping, block_tables, seq_lens)
+            return self._sample(sampling, logits)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -95,7 +113,10 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
-        out = sample_ref(logits, self._sampling_tensors(sampling))
+        return self._sample(sampling, logits)
+
+    def _sample(self, sampling: list[Request], logits: torch.Tensor) -> dict[str, SampleResult]:
+        out = ops.sample(logits, self._sampling_tensors(sampling))
         return self._results(sampling, out)
 
     def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:

@@ -1,0 +1,118 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a small model is a few hundred short kernel launches; on a GPU the
+launches, not the kernels, set its time. At start-up we capture the forward pass
+(and the logits) once per batch size in `capture_sizes`, over static input buffers.
+A decode-only step is padded up to the next captured size and replayed:
+
+    captured size 8, 5 real decodes
+    input_ids      | t0 t1 t2 t3 t4 | 0  0  0 |
+    slot_mapping   | s0 s1 s2 s3 s4 | -1 -1 -1 |   -1: the KV write skips the row
+    seq_lens       | n0 n1 n2 n3 n4 | 1  1  1 |    padded rows attend to block 0, slot 0
+    block_tables   | real rows      | zeros    |
+    query_start_loc  0 1 2 ... 8 (fixed: one query token per row)
+
+The attention kernel is captured with max_seq_len = max_model_len, so its launch
+grid covers any context; programs past a row's seq_len exit at once. Mixed and
+prefill steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64 and every 16 beyond, ending at max_batch."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch]
+    s = 16
+    while s < max_batch:
+        sizes.append(s)
+        s += 8 if s < 64 else 16
+    return [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        assert device.type == "cuda", "CUDA graphs need a CUDA device"
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.sizes = capture_sizes(max_batch)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_batch, **i64)
+        self.positions = torch.zeros(max_batch, **i64)
+        self.slot_mapping = torch.full((max_batch,), -1, **i64)
+        self.seq_lens = torch.ones(max_batch, **i64)
+        self.query_start_loc = torch.arange(max_batch + 1, **i64)
+        self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture_all()
+
+    def _forward(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b],
+            block_tables=self.block_tables[:b],
+            seq_lens=self.seq_lens[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+        hidden = self.model(self.input_ids[:b], self.positions[:b], meta, self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        # Largest first, so smaller graphs reuse the memory of the largest one's pool.
+        with torch.cuda.stream(stream):
+            for b in reversed(self.sizes):
+                self._forward(b)  # warm-up: Triton compiles and autotunes outside capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(b)
+                self.graphs[b] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def can_run(self, num_decodes: int) -> bool:
+        return num_decodes <= self.sizes[-1]
+
+    def run(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: list[int],
+    ) -> torch.Tensor:
+        """Logits [n, vocab] float32 for n decodes (one token each)."""
+        n = len(input_ids)
+        b = next(s for s in self.sizes if s >= n)
+        graph, logits = self.graphs[b]
+        host = torch.tensor([input_ids, positions, seq_lens], dtype=torch.int64)
+        self.input_ids[:n].copy_(host[0], non_blocking=True)
+        self.positions[:n].copy_(host[1], non_blocking=True)
+        self.seq_lens[:n].copy_(host[2], non_blocking=True)
+        self.seq_lens[n:b].fill_(1)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.slot_mapping[n:b].fill_(-1)
+        width = block_tables.shape[1]
+        assert width <= self.max_blocks, "block table wider than max_model_len allows"
+        self.block_tables[:n, :width].copy_(block_tables)
+        self.block_tables[n:b].zero_()
+        graph.replay()
+        return logits[:n]
