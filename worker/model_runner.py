@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import ops
+from ops.block_copy import copy_blocks, swap_blocks
 from ops.sampling import SamplingTensors
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
@@ -43,9 +44,11 @@ class ModelRunner:
         max_num_seqs: int = 0,
         max_model_len: int = 0,
         cuda_graphs: bool = False,
+        num_cpu_blocks: int = 0,
     ) -> None:
         """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
-        replay graphs captured here, over contexts up to `max_model_len`."""
+        replay graphs captured here, over contexts up to `max_model_len`. `num_cpu_blocks`
+        sizes the swap space in host memory (pinned on CUDA, so swaps are DMA copies)."""
         cfg = model.config
         self.model = model
         self.device = device
@@ -56,6 +59,14 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        # torch.empty: host pages are touched only when a block is swapped into them.
+        self.cpu_caches: list[KVCache] = [
+            (torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
+             torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
+            for _ in range(cfg.num_layers)
+        ] if num_cpu_blocks else []
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             assert max_num_seqs > 0 and max_model_len > 0
@@ -66,8 +77,30 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
+    def move_blocks(self, step: SchedulerOutput) -> None:
+        """The step's KV moves, before its forward pass, in the order `kvcache.moves` argues
+        is safe: swap out, swap in, copy. One batched gather/scatter per layer tensor each."""
+        copy_backend = "triton" if ops.uses_triton(self.device) else "torch"
+        out_gpu, out_cpu = _unzip(step.blocks_to_swap_out)
+        in_cpu, in_gpu = _unzip(step.blocks_to_swap_in)
+        src, dst = _unzip(step.blocks_to_copy)
+        for gpu, cpu in zip(self.kv_caches, self.cpu_caches or [None] * len(self.kv_caches),
+                            strict=True):
+            for g, c in zip(gpu, cpu or (None, None), strict=True):
+                if out_gpu:
+                    assert c is not None, "swap-out with no swap space"
+                    swap_blocks(g, c, out_gpu, out_cpu)
+                if in_cpu:
+                    assert c is not None, "swap-in with no swap space"
+                    swap_blocks(c, g, in_cpu, in_gpu)
+                if src:
+                    copy_blocks(g, src, dst, backend=copy_backend)
+
+    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, SampleResult]:
         """Run one step; return the sampled token of every request that samples."""
+        if step.blocks_to_swap_out or step.blocks_to_swap_in or step.blocks_to_copy:
+            self.move_blocks(step)
         input_ids: list[int] = []
         positions: list[int] = []
         req_index: list[int] = []
@@ -172,3 +205,7 @@ class ModelRunner:
                 res.top_logprobs = list(zip(top_ids[i][:n], top_lp[i][:n], strict=True)) if top_ids else []
             results[r.request_id] = res
         return results
+
+
+def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [a for a, _ in pairs], [b for _, b in pairs]
