@@ -33,11 +33,20 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step for the runner. Before the forward pass it makes the KV moves, each kind
+    batched (one gather/scatter per layer), in this order: `blocks_to_swap_out`, then
+    `blocks_to_swap_in`, then `blocks_to_copy`. Blocks freed and reused within the step
+    are safe under that order only (`kvcache.moves` gives the argument). Moves come only
+    with scheduled requests (`schedule()` asserts it), so an empty step has none."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
-    # The runner drops any per-request state it keeps for these ids.
+    # The runner drops any per-request state it keeps for these ids (swapped ones too).
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # freed since the last step
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
 
     @property
     def is_empty(self) -> bool:
