@@ -1,0 +1,343 @@
+"""Sampling on the device with Triton: one program per row, no host sync.
+
+Same contract as `ops.sampling.sample_ref` (penalties -> temperature -> min-p -> top-k ->
+top-p -> draw; greedy rows take the argmax of the penalized logits; logprobs of the raw
+distribution). Each program walks its row in tiles of BLOCK tokens:
+
+1. One pass over the logits: penalties, the greedy argmax, the raw log-sum-exp (for
+   logprobs) and, for a sampling row, y = z / T. A row with no filter draws in this same
+   pass; a filtered row stores y in a float32 scratch row for the passes below.
+2. Filters become one threshold on y, so the kept set is {y >= thr}. min-p gives it in
+   closed form (y >= ymax + log(min_p)). top-k and top-p search for it: each step is a
+   pass that measures the weight of {y >= c} (a count for top-k, the mass exp(y - ymax)
+   for top-p) together with the smallest such y and the weight of the tokens equal to it.
+   That tells at once whether that smallest value is the exact boundary, so the search
+   stops as soon as a probe falls between the boundary token and the next one; the
+   threshold is then an actual logit of the row and the kept set is exact. Probes halve
+   the value range first and the float32 bit pattern later, which bounds the steps.
+3. The draw: argmax over kept tokens of y - log(E), E ~ Exp(1) (the exponential race, so
+   no normalisation is needed). E comes from Philox (tl.randint) keyed by a per-row key,
+   with the token index as counter: a row with a request seed uses a key made of
+   (seed, step), so its token does not depend on the batch or on the tile size.
+
+Ties at a top-k / top-p boundary keep every tied token (the reference keeps an arbitrary
+subset of them); for distinct logits the kept sets agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ops.sampling import SamplerOutput, SamplingTensors
+
+# Same (seed, step) mixing as the reference, so a seeded request's key space is the same.
+_SEED_MIX = 1_000_003
+_KEY_MASK = 0x7FFF_FFFF_FFFF_FFFF
+# Search steps: value halving first (fast for ordinary logit ranges), then bit-pattern
+# halving, which needs at most 32 more steps to separate any two float32 values.
+_VALUE_STEPS = 24
+_MAX_STEPS = 64
+
+
+@triton.jit
+def _key_midpoint(lo, hi):
+    """The float32 halfway between lo and hi in bit-pattern order (halves the floats between)."""
+    lo_bits = lo.to(tl.int32, bitcast=True)
+    hi_bits = hi.to(tl.int32, bitcast=True)
+    # Sign-magnitude -> two's complement order, and back.
+    lo_key = (lo_bits ^ ((lo_bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    hi_key = (hi_bits ^ ((hi_bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    mid = ((lo_key + hi_key) >> 1).to(tl.int32)
+    return (mid ^ ((mid >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _log_exp_noise(key, idx):
+    """log(E), E ~ Exp(1), for each token index, from the row's Philox key."""
+    r = tl.randint(key, idx).to(tl.uint32, bitcast=True)
+    # Uniform in (0, 1) with fine resolution near 0, where E = -log(1 - w) is small and its
+    # relative precision decides the race for unlikely tokens.
+    w = (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+    w = tl.minimum(w, 0.99999994)
+    # -log(1 - w): a series where 1 - w would round away w's low bits.
+    small = w * (1.0 + w * (0.5 + w * 0.3333333333))
+    e = tl.where(w < 0.0078125, small, -tl.log(1.0 - w))
+    return tl.log(e)
+
+
+@triton.jit
+def _threshold(
+    row_ptr, V, lo, target, ymax,
+    MASS: tl.constexpr, BLOCK: tl.constexpr, VALUE_STEPS: tl.constexpr, MAX_STEPS: tl.constexpr,
+):
+    """The y threshold that cuts {y >= lo} down to weight `target` (times its weight for MASS).
+
+    Weight is 1 per token (top-k) or exp(y - ymax) (top-p). Returns t, an element value, with
+    weight(y > t) < target <= weight(y >= t): the exact boundary; lo when {y >= lo} does not
+    exceed the target. Each step is one pass measuring, over {y >= c}: the weight, the
+    smallest y and the weight of the tokens equal to it (per-lane state, one reduction at
+    the end of the pass, so tiles cost no cross-warp traffic).
+    """
+    offs = tl.arange(0, BLOCK)
+    # Invariant after the first pass: weight(y >= lo) >= target > weight(y >= hi).
+    hi = ymax + tl.abs(ymax) * 1.2e-7 + 1e-38  # just above ymax: 1.2e-7 exceeds one ulp
+    c = lo
+    result = lo
+    todo = lo == lo  # true
+    step = 0
+    while todo & (step < MAX_STEPS):
+        total = tl.full([BLOCK], 0.0, tl.float32)
+        lane_min = tl.full([BLOCK], float("inf"), tl.float32)
+        lane_w = tl.full([BLOCK], 0.0, tl.float32)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            in_row = idx < V
+            y = tl.load(row_ptr + idx, mask=in_row, other=float("-inf"))
+            sel = in_row & (y >= c)
+            if MASS:
+                w = tl.where(sel, tl.exp(y - ymax), 0.0)
+            else:
+                w = sel.to(tl.float32)
+            total += w
+            ys = tl.where(sel, y, float("inf"))
+            lane_w = tl.where(ys < lane_min, w, tl.where(ys == lane_min, lane_w + w, lane_w))
+            lane_min = tl.minimum(lane_min, ys)
+        w = tl.sum(total, axis=0)
+        m = tl.min(lane_min, axis=0)
+        wm = tl.sum(tl.where(lane_min == m, lane_w, 0.0), axis=0)
+        if MASS:
+            if step == 0:
+                target = target * w  # top_p of the mass kept so far
+        # Done when the smallest kept value is the boundary, or when nothing needs cutting.
+        exact = (w >= target) & (w - wm < target)
+        result = tl.where(exact, m, result)
+        todo = todo & (exact == 0) & ((step > 0) | (w > target))
+        above = w >= target
+        lo = tl.where(above, m, lo)  # {y >= m} == {y >= c}: lo is an element value
+        hi = tl.where(above, hi, c)
+        # Next probe: halve the value range; when that stalls (or takes too long), halve
+        # the float32 bit patterns in between, which ends within 32 steps.
+        c = lo * 0.5 + hi * 0.5  # no overflow; -inf when lo is -inf
+        inside = (c > lo) & (c < hi)
+        if (step >= VALUE_STEPS) | (inside == 0):
+            c = _key_midpoint(lo, hi)
+        step += 1
+    # Out of steps (only for absurd logit ranges): lo keeps a superset of the target set.
+    return tl.where(todo, lo, result)
+
+
+@triton.jit
+def _race(row_ptr, V, thr, key, BLOCK: tl.constexpr):
+    """Exponential race over the kept tokens {y >= thr}: (winner, its score)."""
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        in_row = idx < V
+        y = tl.load(row_ptr + idx, mask=in_row, other=float("-inf"))
+        s = tl.where(in_row & (y >= thr), y - _log_exp_noise(key, idx), float("-inf"))
+        upd = s > best  # strict: the earliest index wins a tie within a lane
+        best = tl.where(upd, s, best)
+        best_i = tl.where(upd, idx, best_i)
+    top = tl.max(best, axis=0)
+    return tl.min(tl.where(best == top, best_i, V), axis=0), top
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, stride_logits, work_ptr, prompt_ptr, counts_ptr,
+    temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, rep_ptr, pres_ptr, freq_ptr, key_ptr,
+    token_ptr, chosen_ptr, kept_ptr, V,
+    HAS_PENALTIES: tl.constexpr, DO_SAMPLE: tl.constexpr, WANT_LOGPROBS: tl.constexpr,
+    WRITE_KEPT: tl.constexpr, BLOCK: tl.constexpr,
+    VALUE_STEPS: tl.constexpr, MAX_STEPS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    logits_row = logits_ptr + row * stride_logits
+    work_row = work_ptr + row * V
+
+    temp = tl.load(temp_ptr + row)
+    sampling = temp > 0
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    use_k = (top_k > 0) & (top_k < V)
+    use_p = top_p < 1.0
+    use_min_p = min_p > 0.0
+    filtered = sampling & (use_k | use_p | use_min_p)
+    plain = sampling & (filtered == 0)  # draws during the first pass
+    safe_temp = tl.where(sampling, temp, 1.0)
+    key = tl.load(key_ptr + row)
+    if HAS_PENALTIES:
+        rep = tl.load(rep_ptr + row)
+        pres = tl.load(pres_ptr + row)
+        freq = tl.load(freq_ptr + row)
+
+    # ---- pass 1: penalties, greedy argmax, raw log-sum-exp, y (stored or raced)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 0, tl.int32)
+    zmin = tl.full([BLOCK], float("inf"), tl.float32)
+    race = tl.full([BLOCK], float("-inf"), tl.float32)
+    race_i = tl.full([BLOCK], 0, tl.int32)
+    # A finite start keeps exp(old - new) well defined when a lane sees only -inf.
+    lane_m = tl.full([BLOCK], -3.0e38, tl.float32)
+    lane_s = tl.full([BLOCK], 0.0, tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + offs
+        in_row = idx < V
+        x = tl.load(logits_row + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+        if WANT_LOGPROBS:
+            new_m = tl.maximum(lane_m, x)
+            lane_s = lane_s * tl.exp(lane_m - new_m) + tl.exp(x - new_m)
+            lane_m = new_m
+        z = x
+        if HAS_PENALTIES:
+            base = row * V + idx
+            seen = tl.load(prompt_ptr + base, mask=in_row, other=0) != 0
+            cnt = tl.load(counts_ptr + base, mask=in_row, other=0.0)
+            occurred = cnt > 0
+            # Same operations, in the same order, as apply_penalties (IEEE division too).
+            pen = tl.where(z > 0, tl.math.div_rn(z, rep), z * rep)
+            z = tl.where(seen | occurred, pen, z)
+            z = z - freq * cnt
+            z = z - pres * occurred.to(tl.float32)
+            z = tl.where(in_row, z, float("-inf"))
+        upd = z > best  # strict: torch's argmax returns the first maximal index
+        best = tl.where(upd, z, best)
+        best_i = tl.where(upd, idx, best_i)
+        zmin = tl.minimum(zmin, tl.where(in_row, z, float("inf")))
+        if DO_SAMPLE:
+            if filtered:
+                tl.store(work_row + idx, tl.math.div_rn(z, safe_temp), mask=in_row)
+            if plain:
+                y = tl.math.div_rn(z, safe_temp)
+                s = tl.where(in_row, y - _log_exp_noise(key, idx), float("-inf"))
+                r_upd = s > race
+                race = tl.where(r_upd, s, race)
+                race_i = tl.where(r_upd, idx, race_i)
+
+    zmax = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == zmax, best_i, V), axis=0)
+    thr = tl.min(zmin, axis=0)  # overwritten for filtered rows; keeps the type uniform
+    if DO_SAMPLE:
+        if plain:
+            top = tl.max(race, axis=0)
+            drawn = tl.min(tl.where(race == top, race_i, V), axis=0)
+            token = tl.where(top > float("-inf"), drawn, token)
+        if filtered:
+            ymax = tl.math.div_rn(zmax, safe_temp)
+            thr = tl.math.div_rn(thr, safe_temp)
+            if use_min_p:
+                # probs < min_p * max(probs)  <=>  y < ymax + log(min_p)
+                thr = tl.maximum(thr, ymax + tl.log(min_p))
+            if use_k:
+                thr = _threshold(work_row, V, thr, top_k.to(tl.float32), ymax,
+                                 False, BLOCK, VALUE_STEPS, MAX_STEPS)
+            if use_p:
+                thr = _threshold(work_row, V, thr, top_p, ymax,
+                                 True, BLOCK, VALUE_STEPS, MAX_STEPS)
+            drawn, top = _race(work_row, V, thr, key, BLOCK)
+            token = tl.where(top > float("-inf"), drawn, token)
+    tl.store(token_ptr + row, token.to(tl.int64))
+
+    if WANT_LOGPROBS:
+        big = tl.max(lane_m, axis=0)
+        lse = big + tl.log(tl.sum(lane_s * tl.exp(lane_m - big), axis=0))
+        chosen = tl.load(logits_row + token).to(tl.float32) - lse
+        tl.store(chosen_ptr + row * 2, chosen)
+        tl.store(chosen_ptr + row * 2 + 1, lse)
+
+    if WRITE_KEPT:  # tests only: the set this row could have drawn from
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            in_row = idx < V
+            keep = idx == token
+            if DO_SAMPLE:
+                if plain:
+                    keep = in_row
+                if filtered:
+                    y = tl.load(work_row + idx, mask=in_row, other=float("-inf"))
+                    keep = in_row & (y >= thr)
+            tl.store(kept_ptr + row * V + idx, keep.to(tl.int8), mask=in_row)
+
+
+def _row_keys(st: SamplingTensors, device: torch.device) -> torch.Tensor:
+    """Philox key per row: (seed, step) for seeded rows, else one host draw per call + row."""
+    base = int(torch.randint(0, 1 << 62, (1,)))  # host generator: no device work, no sync
+    keys = [
+        (seed * _SEED_MIX + step) & _KEY_MASK if seed is not None else (base + i) & _KEY_MASK
+        for i, (seed, step) in enumerate(zip(st.seeds, st.steps, strict=True))
+    ]
+    return torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _block_size(vocab: int) -> int:
+    # Tiles of up to 2048 tokens keep the per-lane state in registers on the GPU.
+    return max(16, min(2048, triton.next_power_of_2(vocab)))
+
+
+def _launch(
+    logits: torch.Tensor, st: SamplingTensors, debug: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Run the kernel: (token ids, [B, 2] (chosen logprob, raw lse) or None, kept, scratch).
+
+    kept ([B, V] int8) and a NaN-filled scratch are only written when debug is set.
+    """
+    assert logits.dim() == 2 and logits.stride(-1) == 1
+    b, vocab = logits.shape
+    dev = logits.device
+    has_pen = st.prompt_mask is not None
+    do_sample = not st.all_greedy
+    want_lp = st.num_logprobs >= 0
+    tokens = torch.empty(b, dtype=torch.int64, device=dev)
+    # Only filtered rows write their scratch row; torch.empty costs no device work.
+    shape = (b, vocab) if do_sample else (1,)
+    work = torch.empty(shape, dtype=torch.float32, device=dev)
+    if debug:
+        work.fill_(float("nan"))
+    chosen = torch.empty((b, 2) if want_lp else (1,), dtype=torch.float32, device=dev)
+    kept = torch.empty((b, vocab) if debug else (1,), dtype=torch.int8, device=dev)
+    if has_pen:
+        assert st.prompt_mask is not None and st.output_counts is not None
+        prompt = st.prompt_mask.contiguous().view(torch.uint8)
+        counts = st.output_counts.to(torch.float32).contiguous()
+    else:
+        prompt, counts = tokens, work  # never read
+    block = _block_size(vocab)
+    _sample_kernel[(b,)](
+        logits, logits.stride(0), work, prompt, counts,
+        st.temperature.float(), st.top_k.long(), st.top_p.float(), st.min_p.float(),
+        st.repetition_penalty.float(), st.presence_penalty.float(), st.frequency_penalty.float(),
+        _row_keys(st, dev) if do_sample else tokens, tokens, chosen, kept, vocab,
+        HAS_PENALTIES=has_pen, DO_SAMPLE=do_sample, WANT_LOGPROBS=want_lp,
+        WRITE_KEPT=debug, BLOCK=block, VALUE_STEPS=_VALUE_STEPS, MAX_STEPS=_MAX_STEPS,
+        num_warps=8 if block >= 1024 else 4,
+        # No mul+add contraction: the penalties must round exactly as apply_penalties does.
+        enable_fp_fusion=False,
+    )
+    return tokens, chosen if want_lp else None, kept, work
+
+
+def sample_triton(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+    """logits: [B, V] -> one token per row; drop-in for sample_ref, all on the logits' device."""
+    tokens, chosen, _, _ = _launch(logits, st)
+    if chosen is None:
+        return SamplerOutput(tokens, None, None, None)
+    top_ids = top_lp = None
+    if st.num_logprobs > 0:
+        # log_softmax is monotone: the top raw logits are the top logprobs.
+        values, top_ids = logits.topk(st.num_logprobs, dim=-1)
+        top_lp = values.float() - chosen[:, 1:2]
+    return SamplerOutput(tokens, chosen[:, 0].contiguous(), top_ids, top_lp)
+
+
+def inspect_triton(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tests: (kept, scaled). kept [B, V] bool is the set each row's draw picks from
+    (a greedy row: its argmax). scaled [B, V] is the kernel's penalized logits / temperature
+    for rows with a top-k / top-p / min-p filter, NaN elsewhere (or [1] when all greedy)."""
+    _, _, kept, work = _launch(logits, st, debug=True)
+    return kept.bool(), work
