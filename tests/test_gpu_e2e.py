@@ -81,11 +81,15 @@ def test_triton_and_graphs_equal_torch_references_fp32(gpu_model_fp32, gpu_promp
     assert eager == fast
 
 
-def test_graph_replay_matches_eager_bf16() -> None:
-    """Dummy Llama-3.2-1B shapes in bfloat16: one decode-only step of 11 requests (padded to
-    the captured size 16) replayed from a graph gives the eager step's logits within bf16
-    attention tolerance (relative 1e-2; the two may split the attention differently)."""
-    loaded = load_model("dummy:llama-3.2-1b", "cuda", torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_matches_eager(dtype: torch.dtype) -> None:
+    """Dummy Llama-3.2-1B shapes: one decode-only step of 11 requests (padded to the
+    captured size 16) replayed from a graph gives the eager Triton step's logits. In float32
+    within 1e-4 relative (the graph's attention may split the context differently); in
+    bfloat16, with random weights whose logits swing with every rounding, the graph may
+    differ from eager by no more than twice what the kernels differ from the torch
+    references on the same step, plus 1e-3."""
+    loaded = load_model("dummy:llama-3.2-1b", "cuda", dtype)
     engine = _engine(loaded, "auto", graphs=True)
     rng = random.Random(3)
     for _ in range(11):
@@ -97,13 +101,22 @@ def test_graph_replay_matches_eager_bf16() -> None:
     assert len(step.scheduled) == 11 and all(s.num_new_tokens == 1 for s in step.scheduled)
     runner = engine.runner
     captured: list[torch.Tensor] = []
-    runner._sample = lambda reqs, logits: captured.append(logits.clone()) or {}
-    runner.execute(step)  # graph replay (writes this step's K/V)
-    graphs, runner.graphs = runner.graphs, None
-    runner.execute(step)  # eager, rewriting the same K/V values
-    runner.graphs = graphs
-    ops.set_backend("auto")
-    graph_logits, eager_logits = captured
-    assert graph_logits.shape == eager_logits.shape == (11, loaded.config.vocab_size)
-    err = (graph_logits - eager_logits).norm() / eager_logits.norm()
-    assert err < 1e-2, f"graph vs eager logits: relative error {err:.2e}"
+    runner._sample = lambda reqs, logits: captured.append(logits.float().clone()) or {}
+    try:
+        runner.execute(step)  # graph replay (writes this step's K/V)
+        graphs, runner.graphs = runner.graphs, None
+        runner.execute(step)  # eager Triton, rewriting the same slots
+        ops.set_backend("torch")
+        runner.execute(step)  # eager torch references
+        runner.graphs = graphs
+    finally:
+        ops.set_backend("auto")
+    graph_logits, eager_logits, ref_logits = captured
+    assert graph_logits.shape == (11, loaded.config.vocab_size)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    graph_err, kernel_err = rel(graph_logits, eager_logits), rel(eager_logits, ref_logits)
+    bound = 1e-4 if dtype == torch.float32 else 2 * kernel_err + 1e-3
+    assert graph_err <= bound, f"graph vs eager {graph_err:.2e}, eager vs torch {kernel_err:.2e}"
