@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import ops.sampling_triton
 from ops.sampling import SamplingTensors, _top_k_top_p_min_p, apply_penalties, sample_ref
 from ops.sampling_triton import inspect_triton, sample_triton
 from tests.helpers import kernel_device, requires_cuda, requires_triton
@@ -37,6 +38,12 @@ def _global_rng():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(4321)
         yield
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 1024 tokens, so that rows of a few thousand tokens span several tiles."""
+    monkeypatch.setattr(ops.sampling_triton, "_MAX_BLOCK", 1024)
 
 
 def on_dev(st: SamplingTensors, dev: torch.device = DEV) -> SamplingTensors:
@@ -115,17 +122,19 @@ def check_kept(logits: torch.Tensor, st: SamplingTensors, tol: float = 0.0) -> t
 # --------------------------------------------------------------------------- greedy
 
 
+@pytest.mark.usefixtures("small_tiles")
 def test_all_greedy_is_argmax_across_tiles():
-    v = 3000  # two tiles of 2048
+    v = 3000  # three tiles
     logits = rand_logits(6, v, seed=1)
-    logits[2, 2500] = logits[2].max() + 1.0  # the maximum in the second tile
-    logits[3, 7] = logits[3, 2100] = logits[3].max() + 1.0  # a tie: the first index wins
+    logits[2, 2500] = logits[2].max() + 1.0  # the maximum in the last tile
+    logits[3, 7] = logits[3, 2100] = logits[3].max() + 1.0  # a tie across tiles: first wins
     st = make_st(6, temperature=0.0)
     got = tokens(logits, st)
     assert torch.equal(got, sample_ref(logits, st).token_ids)
     assert int(got[2]) == 2500 and int(got[3]) == 7
 
 
+@pytest.mark.usefixtures("small_tiles")
 def test_greedy_rows_in_mixed_batch_with_penalties():
     b, v = 8, 2500
     logits, prompt_mask, counts = _penalty_inputs(5, b, v)
@@ -164,6 +173,7 @@ def _penalty_inputs(seed: int, b: int, v: int):
     return logits, prompt_mask, counts
 
 
+@pytest.mark.usefixtures("small_tiles")
 def test_penalized_scaled_logits_equal_reference():
     """Bit for bit: the kernel rounds penalties and temperature as torch does."""
     b, v = 5, 2200
@@ -199,8 +209,9 @@ def test_kept_set_top_k_top_p_min_p():
     assert 1 < int(counts[1]) < v and 1 < int(counts[2]) < v  # the filters really cut
 
 
+@pytest.mark.usefixtures("small_tiles")
 def test_kept_set_across_tiles_with_penalties():
-    b, v = 4, 5000  # three tiles
+    b, v = 4, 5000  # five tiles
     logits, prompt_mask, counts = _penalty_inputs(13, b, v)
     st = make_st(
         b, temperature=[1.0, 0.7, 1.5, 1.0], top_k=[300, 0, 50, 2500],
@@ -392,6 +403,7 @@ def test_unseeded_rows_follow_global_generator():
 # --------------------------------------------------------------------------- logprobs
 
 
+@pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize("n", [0, 1, 5])
 def test_logprobs_match_reference(n):
     b, v = 6, 2100

@@ -50,13 +50,18 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.sizes = capture_sizes(max_batch)
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_batch, **i64)
-        self.positions = torch.zeros(max_batch, **i64)
-        self.slot_mapping = torch.full((max_batch,), -1, **i64)
-        self.seq_lens = torch.ones(max_batch, **i64)
-        self.query_start_loc = torch.arange(max_batch + 1, **i64)
+        self.block_size = block_size
+        # One int64 buffer for the per-row inputs, so a step is one host-to-device copy
+        # (plus one for the block tables): input_ids, positions, slot_mapping, seq_lens.
+        self.packed = torch.zeros(4, max_batch, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.packed
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
+        self._host = torch.zeros(4, max_batch, dtype=torch.int64, pin_memory=True)
+        self._host_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32,
+                                        pin_memory=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture_all()
 
@@ -95,24 +100,27 @@ class DecodeGraphs:
         self,
         input_ids: list[int],
         positions: list[int],
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
         seq_lens: list[int],
+        block_tables: list[list[int]],
     ) -> torch.Tensor:
         """Logits [n, vocab] float32 for n decodes (one token each)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         graph, logits = self.graphs[b]
-        host = torch.tensor([input_ids, positions, seq_lens], dtype=torch.int64)
-        self.input_ids[:n].copy_(host[0], non_blocking=True)
-        self.positions[:n].copy_(host[1], non_blocking=True)
-        self.seq_lens[:n].copy_(host[2], non_blocking=True)
-        self.seq_lens[n:b].fill_(1)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.slot_mapping[n:b].fill_(-1)
-        width = block_tables.shape[1]
+        bs = self.block_size
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
+        pad = b - n
+        # The previous step's copies must have landed before the pinned staging is rewritten;
+        # sampling read its tokens back to the host since, which waited for them.
+        host = self._host
+        host[:, :b] = torch.tensor([input_ids + [0] * pad, positions + [0] * pad,
+                                    slots + [-1] * pad, seq_lens + [1] * pad], dtype=torch.int64)
+        width = max(len(t) for t in block_tables)
         assert width <= self.max_blocks, "block table wider than max_model_len allows"
-        self.block_tables[:n, :width].copy_(block_tables)
-        self.block_tables[n:b].zero_()
+        tables = self._host_tables[:b, :width]
+        tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in block_tables]
+                                  + [[0] * width] * pad, dtype=torch.int32))
+        self.packed[:, :b].copy_(host[:, :b], non_blocking=True)
+        self.block_tables[:b, :width].copy_(tables, non_blocking=True)
         graph.replay()
         return logits[:n]

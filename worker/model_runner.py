@@ -118,6 +118,13 @@ class ModelRunner:
             if s.will_sample:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s.request)
+        if self.graphs is not None and len(sample_rows) == len(input_ids) and self.graphs.can_run(
+            len(input_ids)
+        ):
+            # Every request decodes one token: replay a captured graph.
+            logits = self.graphs.run(input_ids, positions, seq_lens,
+                                     [s.block_table for s in step.scheduled])
+            return self._sample(sampling, logits)
         max_blocks = max(len(s.block_table) for s in step.scheduled)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in step.scheduled]
 
@@ -128,12 +135,6 @@ class ModelRunner:
             block_tables[rows, pos_t // self.block_size].long() * self.block_size
             + pos_t % self.block_size
         )
-        if self.graphs is not None and len(sample_rows) == len(input_ids) and self.graphs.can_run(
-            len(input_ids)
-        ):
-            # Every request decodes one token: replay a captured graph.
-            logits = self.graphs.run(input_ids, positions, slot_mapping, block_tables, seq_lens)
-            return self._sample(sampling, logits)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -154,9 +155,11 @@ class ModelRunner:
 
     def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
         ps = [r.sampling_params for r in reqs]
-
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(self.device, non_blocking=True)
+        # The per-row floats travel as one tensor: one host-to-device copy, not six.
+        floats = torch.tensor(
+            [[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+              p.frequency_penalty] for p in ps], dtype=torch.float32,
+        ).t().to(self.device, non_blocking=True)
 
         penalties = any(
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -174,13 +177,13 @@ class ModelRunner:
                     output_counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
         wants = [p.logprobs for p in ps if p.logprobs is not None]
         return SamplingTensors(
-            temperature=f32([p.temperature for p in ps]),
-            top_p=f32([p.top_p for p in ps]),
+            temperature=floats[0],
+            top_p=floats[1],
             top_k=self._tensor([p.top_k for p in ps]),
-            min_p=f32([p.min_p for p in ps]),
-            repetition_penalty=f32([p.repetition_penalty for p in ps]),
-            presence_penalty=f32([p.presence_penalty for p in ps]),
-            frequency_penalty=f32([p.frequency_penalty for p in ps]),
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             seeds=[p.seed for p in ps],
