@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -54,9 +55,8 @@ def copy_bandwidth(gib: float = 2.0) -> dict[str, float]:
 
 
 def attention_decode(batch: int, context: int, tunables: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from ops.attention_triton import paged_attention_triton
-
     from ops.attention import paged_attention_ref
+    from ops.attention_triton import paged_attention_triton
 
     hq, hkv, d, bs = 32, 8, 128, 16
     per_seq = -(-context // bs)
@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    # A copy without .git (e.g. a git-archive snapshot on a GPU machine) names its commit here.
+    commit = os.environ.get("LLMWORKER_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     info = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
             "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
             "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
