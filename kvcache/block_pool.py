@@ -1,11 +1,25 @@
-"""A pool of fixed-size KV blocks with reference counts.
+"""A pool of fixed-size KV blocks with reference counts and a prefix-cache registry.
 
-A block is an int id in ``0..num_blocks-1``; the runner owns the tensors, the pool
-only says which ids are taken. A block is free exactly when its reference count is 0.
+A block is an int id in ``0..num_blocks-1``; the runner owns the tensors, the pool only
+says which ids are taken. A block is free exactly when its reference count is 0.
+
+A full block may carry a content hash (`kvcache.block_hash`), registered in `cached`. A
+freed block keeps its hash and its contents, so a later request with the same prefix can
+take it back (`touch`) until an allocation needs the space: eviction is lazy. The free
+blocks sit in two queues, and `allocate` draws from them in this order:
+
+    free_uncached  FIFO (freed longest ago first)   no hash: nothing to lose by reusing it
+    free_cached    LRU  (freed longest ago first)   evicting drops the hash from `cached`
+
+A request frees its block table tail first, so within a request the tail is the older
+entry and is evicted before the head: a chain is cut from its end, and its surviving head
+still hits.
 """
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
+
+from kvcache.block_hash import BlockHash
 
 
 class BlockPool:
@@ -13,42 +27,120 @@ class BlockPool:
         assert num_blocks > 0, f"num_blocks must be > 0, got {num_blocks}"
         self.num_blocks = num_blocks
         self.ref_counts: list[int] = [0] * num_blocks
-        # FIFO reuse: a freed block goes to the back, so the block freed longest ago is
-        # handed out first. Prefix caching relies on this order for lazy LRU eviction.
-        self.free_blocks: deque[int] = deque(range(num_blocks))
-        # Prefix caching (a later issue) lives here: `cached: dict[hash, block]` and the
-        # reverse map. A freed block keeps its hash and stays findable until `allocate`
-        # pops it off the free list, which is when its hash is evicted (lazy LRU).
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.cached: dict[BlockHash, int] = {}  # hash -> the one block registered under it
+        self.free_uncached: deque[int] = deque(range(num_blocks))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # front = evicted first
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation may take, cached ones (evictable) included."""
+        return len(self.free_uncached) + len(self.free_cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
+    def free_blocks(self) -> list[int]:
+        """Every free block, in the order `allocate` hands them out."""
+        return [*self.free_uncached, *self.free_cached]
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use, 0..1."""
-        return 1.0 - len(self.free_blocks) / self.num_blocks
+        """Fraction of blocks in use, 0..1 (free cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each). Callers check `num_free_blocks` first."""
-        if n > len(self.free_blocks):
-            raise RuntimeError(f"need {n} blocks, only {len(self.free_blocks)} free")
-        blocks = [self.free_blocks.popleft() for _ in range(n)]
-        for b in blocks:
+        """Take `n` free blocks (ref count 1 each), evicting cached ones only when no
+        uncached block is left. Callers check `num_free_blocks` first."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"need {n} blocks, only {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(n):
+            if self.free_uncached:
+                b = self.free_uncached.popleft()
+            else:
+                b, _ = self.free_cached.popitem(last=False)
+                self._evict(b)
             assert self.ref_counts[b] == 0, f"block {b} on the free list has refs"
+            assert self.block_hashes[b] is None, f"block {b} handed out with a hash"
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
     def incref(self, blocks: Iterable[int]) -> None:
-        """Share blocks already in use (prefix sharing, copy-on-write)."""
+        """Share blocks already in use."""
         for b in blocks:
             assert self.ref_counts[b] > 0, f"incref of free block {b}"
             self.ref_counts[b] += 1
 
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Take a reference to cached blocks found by hash, free (evictable) or in use."""
+        for b in blocks:
+            assert self.block_hashes[b] is not None, f"touch of uncached block {b}"
+            if self.ref_counts[b] == 0:
+                del self.free_cached[b]  # no longer evictable
+            self.ref_counts[b] += 1
+
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference from each block; a block at 0 refs returns to the free list."""
+        """Drop one reference from each block; a block at 0 refs joins the back of its
+        free queue (the most recently used end)."""
         for b in blocks:
             assert self.ref_counts[b] > 0, f"double free of block {b}"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_blocks.append(b)
+                if self.block_hashes[b] is None:
+                    self.free_uncached.append(b)
+                else:
+                    self.free_cached[b] = None
+
+    # -- the prefix-cache registry ---------------------------------------------------------
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block: int, block_hash: BlockHash) -> bool:
+        """Register a full, computed block under its hash. A hash already registered keeps
+        its block (two requests computed the same prefix at once): this one stays uncached
+        and returns False."""
+        assert self.ref_counts[block] > 0, f"caching free block {block}"
+        assert self.block_hashes[block] is None, f"block {block} is cached already"
+        if block_hash in self.cached:
+            return False
+        self.cached[block_hash] = block
+        self.block_hashes[block] = block_hash
+        return True
+
+    def drop_all_hashes(self) -> int:
+        """Forget every hash; all cached blocks must be free. Returns how many were dropped.
+        They move to the uncached queue in their eviction order."""
+        assert all(self.ref_counts[b] == 0 for b in self.cached.values()), "cached block held"
+        dropped = len(self.cached)
+        for b in self.free_cached:
+            self.block_hashes[b] = None
+            self.free_uncached.append(b)
+        self.free_cached.clear()
+        self.cached.clear()
+        return dropped
+
+    def _evict(self, block: int) -> None:
+        block_hash = self.block_hashes[block]
+        assert block_hash is not None and self.cached[block_hash] == block
+        del self.cached[block_hash]
+        self.block_hashes[block] = None
+
+    def check_integrity(self) -> None:
+        """Free queues, ref counts and the registry agree. Raises AssertionError."""
+        free = [*self.free_uncached, *self.free_cached]
+        assert len(set(free)) == len(free), "free list has duplicates"
+        for b in free:
+            assert self.ref_counts[b] == 0, f"block {b} is both free and owned"
+        for b in self.free_uncached:
+            assert self.block_hashes[b] is None, f"free block {b} has a hash, queued uncached"
+        for b in self.free_cached:
+            assert self.block_hashes[b] is not None, f"free block {b} queued cached, no hash"
+        for h, b in self.cached.items():
+            assert self.block_hashes[b] == h, f"block {b}: registry and block hash disagree"
+        num_hashed = sum(h is not None for h in self.block_hashes)
+        assert num_hashed == len(self.cached), "a block has a hash outside the registry"

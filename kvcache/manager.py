@@ -1,8 +1,7 @@
-"""Per-request block tables over one `BlockPool`.
+"""Per-request block tables over one `BlockPool`, with prefix caching and CPU swap space.
 
 A request's block table lists the blocks that hold its tokens' keys and values, in
-position order. It grows one block at a time as the request's tokens are computed, and
-is freed in one go when the request finishes or is preempted.
+position order. It grows one block at a time as the request's tokens are computed.
 
     block_size = 4, block_table = [7, 2, 5]
 
@@ -14,9 +13,34 @@ is freed in one go when the request finishes or is preempted.
 
 A slot is the row of the flat KV tensor ``[num_blocks * block_size, ...]`` that the runner
 writes position `pos` into.
+
+A request's blocks go through these states (the scheduler drives them):
+
+    find_cached_prefix + allocate_slots   table = shared cached blocks + fresh ones
+    cache_full_blocks (after each step)   blocks that just filled get their hash
+    free                                  refs dropped tail first; cached ones stay
+                                          reusable until an allocation evicts them
+    swap_out / swap_in                    computed blocks to CPU blocks and back into
+                                          fresh GPU blocks
+
+Moves (swap and copy-on-write) accumulate during `schedule()`, which hands them to the
+runner with `take_moves()` and calls `moves_done()` once the runner made them (see
+`kvcache.moves` for why one step's moves cannot trample each other).
+
+Swapping shared blocks: a victim's computed blocks are all copied to its own CPU blocks,
+shared ones included, and its GPU references dropped like a free. Other holders keep the
+shared blocks; the CPU copy is private to the victim. That costs CPU space for shared
+prefixes but keeps ref counts simple: a CPU block has exactly one owner.
 """
 
+from collections import Counter
+from collections.abc import Sequence
+
+from kvcache.block_hash import ROOT, BlockHash, iter_block_hashes
 from kvcache.block_pool import BlockPool
+from kvcache.moves import KVMoves
+from kvcache.prefix_cache import PrefixCacheStats, PrefixHit, find_cached_prefix
+from kvcache.swap_space import SwapSpace
 
 
 def cdiv(a: int, b: int) -> int:
@@ -24,11 +48,28 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+    ) -> None:
         assert block_size > 0, f"block_size must be > 0, got {block_size}"
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self.swap_space = SwapSpace(num_cpu_blocks)
+        self.block_tables: dict[str, list[int]] = {}  # running requests (GPU blocks)
+        self.cpu_tables: dict[str, list[int]] = {}  # swapped-out requests (CPU blocks)
+        # Hashes of each request's leading full, computed blocks (the chain so far).
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self.stats = PrefixCacheStats()
+        self._moves = KVMoves()
+        self._written: set[int] = set()  # GPU blocks this step's moves write
+        self._pins: list[int] = []  # copy sources, held until the runner made the moves
+
+    # -- figures ---------------------------------------------------------------------------
 
     @property
     def num_blocks(self) -> int:
@@ -42,36 +83,210 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by hash, in use or free (evictable)."""
+        return self.pool.num_cached_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.swap_space.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.swap_space.num_free_blocks
+
     def blocks_in_use(self) -> int:
         return self.pool.num_blocks - self.pool.num_free_blocks
 
     def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block table (empty for an unknown id)."""
+        """A copy of the request's GPU block table (empty for an unknown id)."""
         return list(self.block_tables.get(request_id, ()))
 
-    def num_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
-        """New blocks needed so the table covers positions ``0..num_total_tokens-1``."""
-        have = len(self.block_tables.get(request_id, ()))
-        return max(0, cdiv(num_total_tokens, self.block_size) - have)
+    def cpu_block_table(self, request_id: str) -> list[int]:
+        """A copy of a swapped-out request's CPU block table (empty otherwise)."""
+        return list(self.cpu_tables.get(request_id, ()))
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> bool:
-        """Grow the table to cover `num_total_tokens` positions. All or nothing: returns
-        False and changes nothing when there are not enough free blocks."""
-        n = self.num_blocks_needed(request_id, num_total_tokens)
-        if n > self.pool.num_free_blocks:
-            return False
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self.cpu_tables
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None) -> PrefixHit:
+        """What a request with no blocks could reuse (`kvcache.prefix_cache`). Changes
+        nothing; pass the result to `allocate_slots`. Always empty when caching is off."""
+        if not self.enable_prefix_caching:
+            return PrefixHit(num_queried_tokens=len(token_ids))
+        return find_cached_prefix(self.pool, token_ids, self.block_size, cache_salt)
+
+    def num_blocks_needed(
+        self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None
+    ) -> int:
+        """Free blocks an allocation for positions ``0..num_total_tokens-1`` would take:
+        new blocks, plus the free (evictable) cached blocks of `hit` it takes back."""
+        fresh, taken = self._demand(request_id, num_total_tokens, hit)
+        return fresh + sum(1 for b in taken if self.pool.ref_counts[b] == 0)
+
+    def can_allocate(
+        self,
+        request_id: str,
+        num_total_tokens: int,
+        hit: PrefixHit | None = None,
+        freeing: Sequence[str] = (),
+    ) -> bool:
+        """Whether `allocate_slots` (or `swap_in`, for a swapped request) would succeed once
+        the requests in `freeing` released their GPU blocks. Exact with shared blocks: a
+        block frees only when all its holders are among them."""
+        fresh, taken = self._demand(request_id, num_total_tokens, hit)
+        refs = self.pool.ref_counts
+        if not freeing:  # the common case, once per running request and step
+            return fresh + sum(refs[b] == 0 for b in taken) <= self.pool.num_free_blocks
+        dropped = Counter(b for rid in freeing for b in self.block_tables.get(rid, ()))
+        freed = sum(1 for b, k in dropped.items() if refs[b] == k)
+        revived = sum(1 for b in taken if refs[b] == dropped[b])  # free by then: taken back
+        return fresh + revived <= self.pool.num_free_blocks + freed
+
+    def allocate_slots(
+        self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
+        """Grow the table to cover `num_total_tokens` positions, starting a request with no
+        blocks from `hit` (its cached prefix) when given. All or nothing: returns False and
+        changes nothing when there are not enough free blocks."""
+        assert request_id not in self.cpu_tables, f"{request_id}: swapped out, swap_in first"
+        if hit is not None and hit.num_tokens:
+            if not self.can_allocate(request_id, num_total_tokens, hit):
+                return False
+            self._take_hit(request_id, hit)
+        else:  # the common case (a running request's next block), kept short
+            have = len(self.block_tables.get(request_id, ()))
+            if cdiv(num_total_tokens, self.block_size) - have > self.pool.num_free_blocks:
+                return False
+        if hit is not None and self.enable_prefix_caching:
+            self.stats.record(hit)
         table = self.block_tables.setdefault(request_id, [])
-        if n:
+        n = cdiv(num_total_tokens, self.block_size) - len(table)
+        if n > 0:
             table.extend(self.pool.allocate(n))
         return True
 
+    def cache_full_blocks(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        cache_salt: str | None,
+    ) -> None:
+        """Hash the request's blocks that are now full of computed tokens (prompt or
+        generated) so later requests can hit them. Call once their keys and values are
+        written, i.e. after the step ran."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        hashes = self._hashes.setdefault(request_id, [])
+        num_full = num_computed_tokens // bs
+        if num_full <= len(hashes):
+            return
+        table = self.block_tables[request_id]
+        parent = hashes[-1] if hashes else ROOT
+        new = iter_block_hashes(token_ids, bs, cache_salt, parent, len(hashes), num_full)
+        for i, h in enumerate(new, start=len(hashes)):
+            b = table[i]
+            known = self.pool.block_hashes[b]
+            if known is None:
+                self.pool.cache(b, h)  # False for a duplicate (e.g. a copy-on-write copy)
+            else:
+                assert known == h, f"{request_id}: block {b} is cached under another prefix"
+            hashes.append(h)
+
+    def check_writable(self, request_id: str, start: int, end: int) -> None:
+        """Positions ``start..end-1`` are about to be written: their blocks must belong to
+        this request alone and be uncached (full blocks are never written again)."""
+        table = self.block_tables[request_id]
+        for i in range(start // self.block_size, cdiv(end, self.block_size)):
+            b = table[i]
+            assert self.pool.ref_counts[b] == 1, f"{request_id}: writing shared block {b}"
+            assert self.pool.block_hashes[b] is None, f"{request_id}: writing cached block {b}"
+
     def free(self, request_id: str) -> None:
-        """Release the request's blocks; a no-op for an unknown (or already freed) id."""
+        """Release the request's blocks, GPU or CPU; a no-op for an unknown id."""
         table = self.block_tables.pop(request_id, None)
         if table:
-            # Tail first: with prefix caching the tail is the least shareable, so it should
-            # be the first evicted (the free list is FIFO).
+            # Tail first: the tail is the least shareable part of a chain, so it should be
+            # evicted first (see `BlockPool`).
             self.pool.free(reversed(table))
+        cpu = self.cpu_tables.pop(request_id, None)
+        if cpu:
+            self.swap_space.free(cpu)
+        self._hashes.pop(request_id, None)
+
+    # -- swap ------------------------------------------------------------------------------
+
+    def can_swap_out(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether the request's computed blocks fit in the free CPU blocks (a request with
+        nothing computed has nothing to swap)."""
+        n = cdiv(num_computed_tokens, self.block_size)
+        return request_id in self.block_tables and 0 < n <= self.swap_space.num_free_blocks
+
+    def swap_out(self, request_id: str, num_computed_tokens: int) -> None:
+        """Copy the blocks holding the request's computed tokens to CPU blocks and release
+        its GPU blocks (like `free`; blocks past the computed ones hold nothing yet)."""
+        assert self.can_swap_out(request_id, num_computed_tokens), f"{request_id}: no room"
+        n = cdiv(num_computed_tokens, self.block_size)
+        table = self.block_tables.pop(request_id)
+        assert not self._written.intersection(table[:n]), (
+            f"{request_id}: swapped out in the step whose moves write its blocks"
+        )
+        cpu = self.swap_space.allocate(n)
+        self._moves.swap_out.extend(zip(table[:n], cpu, strict=True))
+        self.cpu_tables[request_id] = cpu
+        self.pool.free(reversed(table))
+
+    def swap_in(self, request_id: str, num_total_tokens: int) -> bool:
+        """Bring a swapped-out request back into fresh GPU blocks, enough for
+        `num_total_tokens` positions. All or nothing, like `allocate_slots`. Its full
+        blocks are cached again at once (the swap-in runs before anything reads them)."""
+        cpu = self.cpu_tables[request_id]
+        if not self.can_allocate(request_id, num_total_tokens):
+            return False
+        gpu = self.pool.allocate(max(len(cpu), cdiv(num_total_tokens, self.block_size)))
+        self._moves.swap_in.extend(zip(cpu, gpu[: len(cpu)], strict=True))
+        self._written.update(gpu[: len(cpu)])
+        self.swap_space.free_after_step(cpu)
+        del self.cpu_tables[request_id]
+        self.block_tables[request_id] = gpu
+        if self.enable_prefix_caching:
+            for h, b in zip(self._hashes.get(request_id, ()), gpu, strict=False):
+                self.pool.cache(b, h)
+        return True
+
+    # -- per step --------------------------------------------------------------------------
+
+    def take_moves(self) -> KVMoves:
+        """This step's swap-outs, swap-ins and copies, for the runner (`kvcache.moves`)."""
+        moves, self._moves = self._moves, KVMoves()
+        moves.check()
+        self._written.clear()
+        return moves
+
+    def moves_done(self) -> None:
+        """The runner made the moves taken last: unpin copy sources, free swapped-in CPU
+        blocks. Idempotent."""
+        self.pool.free(self._pins)
+        self._pins.clear()
+        self.swap_space.step_done()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, so that no lookup after the reset finds keys and values
+        computed before it. Refused (False, nothing changed) while any request holds blocks,
+        GPU or CPU (or a copy source is pinned): that KV was computed before the reset and
+        would be cached again as its blocks fill or swap back in. Otherwise drops the
+        hashes of all (then free) cached blocks and returns True."""
+        if self.blocks_in_use() or self.cpu_tables:
+            return False
+        self.pool.drop_all_hashes()
+        return True
+
+    # -- checks ----------------------------------------------------------------------------
 
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Slots of positions ``start..end-1`` (see the module docstring)."""
@@ -83,17 +298,59 @@ class KVCacheManager:
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
 
     def check_integrity(self) -> None:
-        """Prove no block is leaked or double-owned. Raises AssertionError on violation."""
+        """Prove no block, GPU or CPU, is leaked or double-owned, and that the prefix cache
+        agrees with the tables. Raises AssertionError on violation."""
         pool = self.pool
+        pool.check_integrity()
         owners = [0] * pool.num_blocks
         for rid, table in self.block_tables.items():
             for b in table:
                 assert 0 <= b < pool.num_blocks, f"{rid}: block id {b} out of range"
                 owners[b] += 1
+        for b in self._pins:
+            owners[b] += 1
         free = set(pool.free_blocks)
-        assert len(free) == len(pool.free_blocks), "free list has duplicates"
         for b in range(pool.num_blocks):
             refs = pool.ref_counts[b]
             assert refs == owners[b], f"block {b}: ref count {refs} != {owners[b]} owners"
-            assert not (b in free and owners[b]), f"block {b} is both free and owned"
             assert b in free or owners[b], f"block {b} is neither free nor owned (leaked)"
+        both = self.block_tables.keys() & self.cpu_tables.keys()
+        assert not both, f"{both}: both on GPU and swapped out"
+        self.swap_space.check_integrity(b for t in self.cpu_tables.values() for b in t)
+        for rid, hashes in self._hashes.items():
+            table = self.block_tables.get(rid, self.cpu_tables.get(rid))
+            assert table is not None, f"{rid}: hashes kept for a request without blocks"
+            assert len(hashes) <= len(table), f"{rid}: more hashes than blocks"
+            if rid in self.block_tables:
+                for h, b in zip(hashes, table, strict=False):
+                    assert pool.block_hashes[b] in (None, h), f"{rid}: block {b} hash mismatch"
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _demand(
+        self, request_id: str, num_total_tokens: int, hit: PrefixHit | None
+    ) -> tuple[int, list[int]]:
+        """(new blocks to allocate, cached blocks to take a reference to)."""
+        want = cdiv(num_total_tokens, self.block_size)
+        cpu = self.cpu_tables.get(request_id)
+        if cpu is not None:
+            return max(len(cpu), want), []
+        if hit is not None and hit.num_tokens:
+            assert request_id not in self.block_tables, f"{request_id}: hit for a live table"
+            taken = [*hit.blocks, *([] if hit.cow_src is None else [hit.cow_src])]
+            return want - len(hit.blocks), taken
+        return max(0, want - len(self.block_tables.get(request_id, ()))), []
+
+    def _take_hit(self, request_id: str, hit: PrefixHit) -> None:
+        self.pool.touch(hit.blocks)
+        table = list(hit.blocks)
+        if hit.cow_src is not None:
+            # Pin the source first, so the copy's own allocation cannot evict it.
+            self.pool.touch([hit.cow_src])
+            self._pins.append(hit.cow_src)
+            (dst,) = self.pool.allocate(1)
+            self._moves.copy.append((hit.cow_src, dst))
+            self._written.add(dst)
+            table.append(dst)
+        self.block_tables[request_id] = table
+        self._hashes[request_id] = list(hit.hashes)

@@ -5,9 +5,11 @@ Pure bookkeeping: imports `kvcache` only, no torch, no gRPC, nothing from `worke
 
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import PREEMPTION_MODES, PrefixCacheReset, Scheduler
 
 __all__ = [
+    "PREEMPTION_MODES",
+    "PrefixCacheReset",
     "Request",
     "RequestStatus",
     "SamplingParams",

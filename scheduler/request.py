@@ -13,13 +13,14 @@ MAX_LOGPROBS = 20
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # preempted with its KV in CPU swap space; resumes where it was
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED)
 
 
 _FINISH_REASONS = {
@@ -85,6 +86,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower = more urgent; negative allowed (see scheduler/scheduler.py)
+    # Prefix-cache sharing happens only between requests with the same salt (tenants).
+    cache_salt: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step
@@ -97,6 +100,7 @@ class Request:
     first_scheduled_time: float | None = field(default=None, init=False)
     first_token_time: float | None = field(default=None, init=False)
     finished_time: float | None = field(default=None, init=False)
+    # Prompt tokens served from the prefix cache at first admission (usage.cached_tokens).
     num_cached_tokens: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
     # Set by Scheduler.add_request: breaks ties between equal arrival times, FCFS.

@@ -27,6 +27,13 @@ re-enters in place) and the running requests are served in it. Blocks short:
   urgent `priority` (lowest-ranked first); otherwise admission stops there, nobody skips
   ahead. Equal priorities never displace each other on admission.
 
+Seats and tokens short (all `max_num_seqs` seats taken, or running requests took this
+step's whole token budget): a waiting request takes the seat of the lowest-ranked running
+request of a strictly less urgent priority, and the tokens that request was given this
+step (for tokens, only a request given some is a candidate). So an urgent arrival starts
+within one step instead of waiting for a low-priority request to finish or its long
+prompt to prefill.
+
 Because the order is fixed, a displaced request is always ranked behind its displacer and
 can never displace it back: no ping-pong. Starvation bound: a request R of priority p that
 arrives at t0 is ranked ahead of every priority-q request arriving after
@@ -35,17 +42,47 @@ what is ranked ahead of it (earlier arrivals ranked ahead, plus the flood of the
 (p - q) * aging_s seconds) and then for running requests to free a seat or its blocks
 (nothing behind it is admitted meanwhile); once running, only requests ranked ahead of it
 can preempt it. With `aging_s=None` the order is strict (priority, arrival): no bound.
+
+Preemption by swap or recompute (`preemption_mode`). A victim is swapped out when its
+computed blocks fit in the free CPU blocks (modes "auto" and "swap"), and recomputed
+otherwise (mode "recompute" always): its blocks are freed, `num_computed_tokens` goes back
+to 0 and it prefills its prompt plus its output again. "swap" differs from "auto" only in
+demanding a swap space; falling back to recompute when that is full keeps the scheduler
+live rather than stuck. A swapped request keeps `num_computed_tokens` and waits in
+`swapped`, ranked like the waiting queue; admission takes the most urgent of both
+queues' fronts, so a swapped request resumes before anything ranked behind it is
+admitted, into fresh GPU blocks (the runner copies its CPU blocks back).
+
+Prefix caching. A request admitted with no blocks first takes the longest cached prefix
+of its tokens (prompt, plus output when it was recomputed), so `num_computed_tokens`
+starts there; `num_cached_tokens` records the first admission's hit. After each step,
+blocks that filled up are hashed for later requests (`KVCacheManager.cache_full_blocks`).
 """
 
 import bisect
 import itertools
 import time
+from dataclasses import dataclass
 
 from kvcache.manager import KVCacheManager, cdiv
+from kvcache.prefix_cache import PrefixHit
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
 
 POLICIES = ("continuous", "static")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+@dataclass(frozen=True)
+class PrefixCacheReset:
+    """What `Scheduler.reset_prefix_cache` did; falsy when it was refused."""
+
+    ok: bool
+    num_requeued: int = 0  # running or swapped requests preempted to allow it
+    num_blocks_dropped: int = 0  # cached blocks forgotten
+
+    def __bool__(self) -> bool:
+        return self.ok
 
 
 class Scheduler:
@@ -57,11 +94,18 @@ class Scheduler:
         max_model_len: int,
         policy: str = "continuous",
         aging_s: float | None = 30.0,
+        preemption_mode: str = "auto",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if aging_s is not None and not 0 < aging_s < float("inf"):
             raise ValueError(f"aging_s must be > 0 and finite, or None; got {aging_s!r}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}"
+            )
+        if preemption_mode == "swap" and kv.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode 'swap' needs swap space (num_cpu_blocks > 0)")
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -69,10 +113,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = policy
         self.aging_s = aging_s
+        self.preemption_mode = preemption_mode
         self.requests: dict[str, Request] = {}  # unfinished ones, by id
         self.waiting: list[Request] = []  # in _rank order, front = next to admit
+        self.swapped: list[Request] = []  # in _rank order too
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # freed since the last schedule()
+        self._requeued_ids: list[str] = []  # preempted between steps (prefix-cache reset)
         self._seq = itertools.count()
 
     # -- the queue -------------------------------------------------------------------------
@@ -84,6 +131,10 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -124,23 +175,45 @@ class Scheduler:
     def finish_requests(
         self, request_ids: list[str], status: RequestStatus, now: float | None = None
     ) -> list[Request]:
-        """End requests now (abort, stop string); frees their blocks. Unknown ids are ignored."""
+        """End requests now (abort, stop string); frees their blocks, GPU or CPU. Unknown
+        ids are ignored."""
         assert status.is_finished(), status
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
+            self._queue_of(req).remove(req)
             req.status = status
             self._release(req, now)
             done.append(req)
         return done
 
+    def reset_prefix_cache(self, requeue: bool = False) -> PrefixCacheReset:
+        """Forget every cached block (`KVCacheManager.reset_prefix_cache`). Call between
+        steps. Refused (falsy result, nothing changed) while any request holds blocks,
+        running or swapped out. With `requeue`, every running and swapped request is first
+        preempted by recompute (back to waiting in rank order, their blocks freed, reported
+        in the next step's `preempted_ids`); then the reset succeeds."""
+        requeued = 0
+        if requeue:
+            for req in sorted([*self.running, *self.swapped], key=self._rank):
+                self._queue_of(req).remove(req)
+                self._recompute(req)
+                self._requeued_ids.append(req.request_id)
+                requeued += 1
+        dropped = self.kv.num_cached_blocks
+        if not self.kv.reset_prefix_cache():
+            return PrefixCacheReset(False, requeued)
+        return PrefixCacheReset(True, requeued, dropped)
+
     # -- one step --------------------------------------------------------------------------
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """The next step. The runner must make its KV moves (see `SchedulerOutput`) before
+        the next `schedule()` or `update_from_output()`."""
         now = time.monotonic() if now is None else now
+        self.kv.moves_done()  # the previous step's, if update_from_output did not say so
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
@@ -159,34 +232,47 @@ class Scheduler:
                 victim = self._pick_victim(req)
                 if self.running.index(victim) < i:
                     i -= 1
-                budget += self._preempt(victim, scheduled)
-                preempted.append(victim.request_id)
+                budget += self._preempt(victim, scheduled, preempted)
             if victim is req:
                 continue  # it preempted itself; running[i] is now the next one
             scheduled[req.request_id] = self._scheduled(req, num_new, now)
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, unless blocks just ran out (re-admitting a victim would thrash).
+        # 2. Swapped and waiting requests, unless blocks just ran out (re-admitting a victim
+        # would thrash).
         if not preempted:
             budget = self._admit(budget, scheduled, preempted, now)
 
+        moves = self.kv.take_moves()
         out = SchedulerOutput(
             scheduled=list(scheduled.values()),
             num_batched_tokens=self.max_num_batched_tokens - budget,
-            preempted_ids=preempted,
+            preempted_ids=self._requeued_ids + preempted,
             finished_ids=self._finished_ids,
+            blocks_to_swap_out=moves.swap_out,
+            blocks_to_swap_in=moves.swap_in,
+            blocks_to_copy=moves.copy,
         )
         self._finished_ids = []
+        self._requeued_ids = []
+        self._check_step(out)
+        return out
+
+    def _check_step(self, out: SchedulerOutput) -> None:
         assert sum(s.num_new_tokens for s in out.scheduled) == out.num_batched_tokens
         assert 0 <= out.num_batched_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
-        ranks = [self._rank(r) for r in self.waiting]
-        assert all(a <= b for a, b in itertools.pairwise(ranks)), "waiting queue out of order"
+        assert out.scheduled or not (
+            out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
+        ), "KV moves in a step that runs nothing"
+        for queue in (self.waiting, self.swapped):
+            ranks = [self._rank(r) for r in queue]
+            assert all(a <= b for a, b in itertools.pairwise(ranks)), "queue out of order"
         for s in out.scheduled:
             assert s.num_new_tokens >= 1 and s.request.status is RequestStatus.RUNNING
             assert len(s.block_table) * self.kv.block_size >= s.start + s.num_new_tokens
-        return out
+            self.kv.check_writable(s.request_id, s.start, s.start + s.num_new_tokens)
 
     def _admit(
         self,
@@ -195,40 +281,66 @@ class Scheduler:
         preempted: list[str],
         now: float,
     ) -> int:
-        """Move waiting requests into running, front first; returns the budget left. A request
-        short of blocks may preempt lower-ranked running requests of a strictly less urgent
-        priority; if that cannot make room, admission stops (nobody skips ahead)."""
+        """Move swapped and waiting requests into running, most urgent first; returns the
+        budget left. A request short of blocks may preempt lower-ranked running requests of
+        a strictly less urgent priority; if that cannot make room, admission stops (nobody
+        skips ahead)."""
         static = self.policy == "static"
         if static and self.running:
             return budget  # static: the next batch starts when the whole current one is done
-        queue = self._waiting_order()
-        while queue and len(self.running) < self.max_num_seqs:
-            req = queue[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            # Static moves the whole batch in at once; members past the budget wait as running.
-            if num_new == 0 and not static:
+        while True:
+            req = self._next_to_admit()
+            if req is None:
                 break
             if req.request_id in preempted:
                 break  # preempted by someone this step; re-admitting it now would thrash
-            if num_new and not self.kv.allocate_slots(req.request_id, num_new):
-                victims = self._displaceable(req, num_new)
+            need_seat = len(self.running) >= self.max_num_seqs
+            if need_seat or (budget <= 0 and not static):
+                # A strictly more urgent request takes the seat (and the tokens this step
+                # gave) of the lowest-ranked running one; otherwise it waits its turn.
+                victim = None if static else self._room_victim(req, budget <= 0, scheduled)
+                if victim is None:
+                    break
+                budget += self._preempt(victim, scheduled, preempted)
+                continue
+            swapped = req.status is RequestStatus.SWAPPED
+            hit = None
+            if not swapped and budget > 0:
+                hit = self.kv.find_cached_prefix(req.all_token_ids, req.cache_salt)
+            start = req.num_computed_tokens if hit is None else hit.num_tokens
+            num_new = min(req.num_tokens - start, budget)
+            # Static moves the whole batch in at once; members past the budget wait as
+            # running, without blocks (a swapped one cannot: it waits for the next batch).
+            if num_new == 0 and (swapped or not static):
+                break
+            if num_new and not self._allocate(req, start + num_new, hit):
+                victims = self._displaceable(req, start + num_new, hit)
                 if victims is None:
                     break  # nobody skips ahead of a request that does not fit yet
                 for victim in victims:  # lowest-ranked first
-                    budget += self._preempt(victim, scheduled)
-                    preempted.append(victim.request_id)
-                    if self.kv.allocate_slots(req.request_id, num_new):
+                    budget += self._preempt(victim, scheduled, preempted)
+                    if self._allocate(req, start + num_new, hit):
                         break
                 else:
                     raise AssertionError(f"{req.request_id}: displacing freed too few blocks")
+            queue = self._queue_of(req)
             assert queue[0] is req  # victims rank behind req
             queue.pop(0)
+            if hit is not None and num_new:
+                req.num_computed_tokens = hit.num_tokens
+                if req.first_scheduled_time is None:
+                    req.num_cached_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if num_new:
                 scheduled[req.request_id] = self._scheduled(req, num_new, now)
                 budget -= num_new
         return budget
+
+    def _allocate(self, req: Request, num_total_tokens: int, hit: PrefixHit | None) -> bool:
+        if req.status is RequestStatus.SWAPPED:
+            return self.kv.swap_in(req.request_id, num_total_tokens)
+        return self.kv.allocate_slots(req.request_id, num_total_tokens, hit)
 
     def _rank(self, req: Request) -> tuple[float, float, int]:
         """Sort key, most urgent first (see the module docstring). Sorting by effective
@@ -246,41 +358,89 @@ class Scheduler:
         new arrivals and preempted requests (which keep their arrival time) go in place."""
         return self.waiting
 
+    def _next_to_admit(self) -> Request | None:
+        """The more urgent of the swapped and waiting queues' fronts."""
+        fronts = [q[0] for q in (self.swapped, self._waiting_order()) if q]
+        return min(fronts, key=self._rank, default=None)
+
+    def _queue_of(self, req: Request) -> list[Request]:
+        return {
+            RequestStatus.WAITING: self.waiting,
+            RequestStatus.RUNNING: self.running,
+            RequestStatus.SWAPPED: self.swapped,
+        }[req.status]
+
     def _pick_victim(self, req: Request) -> Request:
         """The running request to preempt so that running `req` gets its blocks: the
         lowest-ranked one, possibly `req` itself (never one ranked ahead of `req`). Among
-        equal priorities that is the latest arrival, so the oldest always progresses.
-        TODO(prefix caching): prefer victims whose blocks are not shared."""
+        equal priorities that is the latest arrival, so the oldest always progresses. Rank
+        alone decides, even if the victim's blocks are shared and free nothing: preferring
+        unshared victims would break the priority guarantees."""
         victim = max(self.running, key=self._rank)
         assert self._rank(victim) >= self._rank(req)
         return victim
 
-    def _displaceable(self, req: Request, num_tokens: int) -> list[Request] | None:
-        """Running requests that waiting `req` may preempt to get blocks for `num_tokens`,
-        lowest-ranked first: those ranked behind it with a strictly less urgent priority.
-        None when even all of them would not free enough blocks."""
+    def _room_victim(
+        self, req: Request, need_tokens: bool, scheduled: dict[str, ScheduledRequest]
+    ) -> Request | None:
+        """The running request `req` may preempt for a seat (and, with `need_tokens`, for
+        this step's token budget): the lowest-ranked one of a strictly less urgent priority
+        (and, for tokens, one given some this step). None if there is none."""
+        key = self._rank(req)
+        victims = [
+            r for r in self.running
+            if r.priority > req.priority and self._rank(r) > key
+            and (not need_tokens or r.request_id in scheduled)
+        ]
+        return max(victims, key=self._rank) if victims else None
+
+    def _displaceable(
+        self, req: Request, num_total_tokens: int, hit: PrefixHit | None
+    ) -> list[Request] | None:
+        """Running requests that `req` (waiting or swapped) may preempt to get blocks for
+        `num_total_tokens` positions, lowest-ranked first: those ranked behind it with a
+        strictly less urgent priority. None when even all of them would not free enough
+        blocks (shared blocks free only with their last holder)."""
         key = self._rank(req)
         victims = sorted(
             (r for r in self.running if r.priority > req.priority and self._rank(r) > key),
             key=self._rank,
             reverse=True,
         )
-        freeable = sum(len(self.kv.block_table(r.request_id)) for r in victims)
-        need = self.kv.num_blocks_needed(req.request_id, num_tokens)
-        return victims if victims and need <= self.kv.num_free_blocks + freeable else None
+        freeing = [r.request_id for r in victims]
+        if victims and self.kv.can_allocate(req.request_id, num_total_tokens, hit, freeing):
+            return victims
+        return None
 
-    def _preempt(self, req: Request, scheduled: dict[str, ScheduledRequest]) -> int:
-        """Preempt by recompute: free the blocks, keep the output tokens, and requeue in place
-        (it keeps its arrival time). Returns the tokens it was given this step, handed back.
-        TODO(swap): swap the blocks to CPU when swap space allows, recompute otherwise."""
+    def _preempt(
+        self, req: Request, scheduled: dict[str, ScheduledRequest], preempted: list[str]
+    ) -> int:
+        """Preempt a running request by swap when the mode and the CPU blocks allow, else by
+        recompute; either way it keeps its arrival time and re-queues in place. Returns the
+        tokens it was given this step, handed back."""
         self.running.remove(req)
+        preempted.append(req.request_id)
+        rid = req.request_id
+        if self.preemption_mode != "recompute" and self.kv.can_swap_out(
+            rid, req.num_computed_tokens
+        ):
+            self.kv.swap_out(rid, req.num_computed_tokens)
+            req.status = RequestStatus.SWAPPED
+            req.num_preemptions += 1
+            bisect.insort(self.swapped, req, key=self._rank)
+        else:
+            self._recompute(req)
+        given = scheduled.pop(rid, None)
+        return given.num_new_tokens if given else 0
+
+    def _recompute(self, req: Request) -> None:
+        """Free the blocks, keep the output tokens, and requeue as waiting: it prefills its
+        prompt plus output again (from whatever of it is still cached)."""
         self.kv.free(req.request_id)
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0  # prefill prompt + output again
+        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self._enqueue(req)
-        given = scheduled.pop(req.request_id, None)
-        return given.num_new_tokens if given else 0
 
     def _scheduled(self, req: Request, num_new: int, now: float) -> ScheduledRequest:
         if req.first_scheduled_time is None:
@@ -300,8 +460,10 @@ class Scheduler:
         self, output: SchedulerOutput, sampled: dict[str, int], now: float | None = None
     ) -> list[Request]:
         """Advance each scheduled request; returns those that got a new token (finished or
-        not), for the engine to publish. Finished ones leave running with their blocks freed."""
+        not), for the engine to publish. Finished ones leave running with their blocks freed.
+        Blocks that filled up this step are hashed into the prefix cache."""
         now = time.monotonic() if now is None else now
+        self.kv.moves_done()  # the runner made the step's moves before its forward pass
         updated = []
         any_finished = False
         for s in output.scheduled:
@@ -310,6 +472,9 @@ class Scheduler:
                 continue  # aborted or stopped by the engine while the step ran
             assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == s.start
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(
+                req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt
+            )
             if not s.will_sample:
                 continue
             req.append_output_token(sampled[req.request_id])

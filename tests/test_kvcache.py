@@ -1,8 +1,59 @@
-"""Block pool, block tables, slot mapping, integrity checks and budget arithmetic."""
+"""Block hashes, block pool (ref counts, cached blocks, lazy LRU eviction), swap space,
+block tables, slot mapping, integrity checks and budget arithmetic."""
+
+import hashlib
+import struct
 
 import pytest
 
-from kvcache import BlockPool, KVBudget, KVCacheManager, kv_bytes_per_token, num_blocks_for_budget
+from kvcache import (
+    ROOT,
+    BlockPool,
+    KVBudget,
+    KVCacheManager,
+    SwapSpace,
+    hash_block,
+    iter_block_hashes,
+    kv_bytes_per_token,
+    num_blocks_for_budget,
+)
+
+# -- block hashes -----------------------------------------------------------------------------
+
+
+def test_hash_encoding_is_stable():
+    # Pinned bytes: the same prefix must hash the same in every process and Python version.
+    want = hashlib.sha256(bytes(32) + b"\x00" + struct.pack("<4Q", 1, 2, 3, 4)).digest()
+    assert hash_block(ROOT, [1, 2, 3, 4]) == want
+    assert want.hex().startswith("98cabf44735ff2ef")
+    salted = bytes(32) + b"\x01" + (6).to_bytes(4, "little") + b"tenant"
+    salted += struct.pack("<4Q", 1, 2, 3, 4)
+    assert hash_block(ROOT, [1, 2, 3, 4], "tenant") == hashlib.sha256(salted).digest()
+
+
+def test_hash_depends_on_salt():
+    toks = [5, 6, 7, 8]
+    hashes = {hash_block(ROOT, toks, s) for s in (None, "", "a", "b", "ab")}
+    assert len(hashes) == 5  # None and "" differ too
+
+
+def test_hash_depends_on_the_whole_chain():
+    a = list(iter_block_hashes([1, 2, 3, 4, 9, 9, 9, 9], 4))
+    b = list(iter_block_hashes([0, 2, 3, 4, 9, 9, 9, 9], 4))
+    assert a[0] != b[0] and a[1] != b[1]  # same second block, other parent
+    assert a[1] == hash_block(a[0], [9, 9, 9, 9])
+    assert a[0] != hash_block(ROOT, [2, 3, 4, 9])  # no confusion across boundaries
+
+
+def test_only_full_blocks_are_hashed_and_lazily():
+    toks = list(range(10))
+    assert len(list(iter_block_hashes(toks, 4))) == 2
+    assert list(iter_block_hashes(toks[:3], 4)) == []
+    full = list(iter_block_hashes(toks, 4))
+    assert list(iter_block_hashes(toks, 4, parent=full[0], start_block=1)) == full[1:]
+    it = iter_block_hashes(list(range(4000)), 4)
+    assert next(it) == hash_block(ROOT, [0, 1, 2, 3])  # no need to hash the rest
+
 
 # -- BlockPool --------------------------------------------------------------------------------
 
@@ -38,6 +89,108 @@ def test_pool_refcounts():
         pool.free([b])
     with pytest.raises(AssertionError, match="incref of free"):
         pool.incref([b])
+
+
+def _cached_pool(n: int = 6) -> tuple[BlockPool, list[int]]:
+    """A pool whose first 3 blocks hold a cached chain, freed tail first like a request."""
+    pool = BlockPool(n)
+    blocks = pool.allocate(3)
+    for i, b in enumerate(blocks):
+        assert pool.cache(b, bytes([i]) * 32)
+    pool.free(reversed(blocks))
+    return pool, blocks
+
+
+def test_freed_cached_blocks_stay_findable_until_evicted():
+    pool, blocks = _cached_pool()
+    assert pool.num_free_blocks == 6 and pool.num_cached_blocks == 3
+    assert [pool.lookup(bytes([i]) * 32) for i in range(3)] == blocks
+    pool.check_integrity()
+
+
+def test_uncached_blocks_are_handed_out_before_cached_ones():
+    pool, _ = _cached_pool()
+    assert pool.allocate(3) == [3, 4, 5]
+    assert pool.num_cached_blocks == 3  # nothing evicted yet
+
+
+def test_eviction_is_lru_and_takes_chain_tails_first():
+    pool, blocks = _cached_pool()
+    pool.allocate(3)
+    (b,) = pool.allocate(1)
+    assert b == blocks[2]  # the tail, freed first
+    assert pool.lookup(bytes([2]) * 32) is None and pool.block_hashes[b] is None
+    assert pool.lookup(bytes([0]) * 32) == blocks[0]  # the head still hits
+    assert pool.allocate(2) == [blocks[1], blocks[0]]
+    assert pool.num_cached_blocks == 0
+    pool.check_integrity()
+
+
+def test_touch_revives_a_free_cached_block_and_refreshes_its_lru_place():
+    pool, blocks = _cached_pool()
+    pool.touch([blocks[2]])  # a hit on the tail: in use again, not evictable
+    assert pool.ref_counts[blocks[2]] == 1 and pool.num_free_blocks == 5
+    pool.free([blocks[2]])  # now the most recently used
+    pool.allocate(3)
+    assert pool.allocate(3) == [blocks[1], blocks[0], blocks[2]]
+    with pytest.raises(AssertionError, match="uncached"):
+        pool.touch([0])
+
+
+def test_duplicate_hash_keeps_the_first_block():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    assert pool.cache(a, b"h" * 32)
+    assert not pool.cache(b, b"h" * 32)
+    assert pool.lookup(b"h" * 32) == a and pool.block_hashes[b] is None
+    pool.free([b])
+    assert list(pool.free_uncached)[-1] == b  # a duplicate frees as a plain block
+    pool.check_integrity()
+
+
+def test_drop_all_hashes():
+    pool, blocks = _cached_pool()
+    assert pool.drop_all_hashes() == 3
+    assert pool.num_cached_blocks == 0 and pool.num_free_blocks == 6
+    assert pool.free_blocks == [3, 4, 5, blocks[2], blocks[1], blocks[0]]
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda p: p.block_hashes.__setitem__(3, b"x" * 32), "free block 3 has a hash"),
+        (lambda p: p.cached.__setitem__(b"y" * 32, 0), "registry and block hash disagree"),
+        (lambda p: p.free_cached.popitem(), "leaked"),
+    ],
+)
+def test_integrity_catches_registry_corruption(corrupt, message):
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    kv.pool, _ = _cached_pool()
+    kv.check_integrity()
+    corrupt(kv.pool)
+    with pytest.raises(AssertionError, match=message):
+        kv.check_integrity()
+
+
+# -- SwapSpace --------------------------------------------------------------------------------
+
+
+def test_swap_space_never_over_commits_and_parks_swapped_in_blocks():
+    cpu = SwapSpace(3)
+    a = cpu.allocate(2)
+    with pytest.raises(RuntimeError, match="need 2 CPU blocks"):
+        cpu.allocate(2)
+    cpu.free_after_step(a)  # read by this step's swap-in: not reusable yet
+    assert cpu.num_free_blocks == 1
+    cpu.check_integrity([])
+    cpu.step_done()
+    assert cpu.num_free_blocks == 3
+    with pytest.raises(AssertionError, match="twice"):
+        cpu.check_integrity([a[0]])
+    cpu.free_blocks.pop()
+    with pytest.raises(AssertionError, match="leaked"):
+        cpu.check_integrity([])
 
 
 # -- KVCacheManager ---------------------------------------------------------------------------
@@ -105,7 +258,7 @@ def test_free_is_idempotent():
 
 
 def _corrupt_dup_free(kv: KVCacheManager) -> None:
-    kv.pool.free_blocks.append(kv.pool.free_blocks[0])
+    kv.pool.free_uncached.append(kv.pool.free_uncached[0])
 
 
 def _corrupt_refcount(kv: KVCacheManager) -> None:

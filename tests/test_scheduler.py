@@ -3,6 +3,7 @@ preemption by recompute, the static policy, and block accounting after every sce
 
 import math
 import random
+import zlib
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from kvcache import KVCacheManager
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerOutput
 from tests.fake_runner import FakeRunner
+from tests.test_kvcache_runner import KVRunner
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -25,12 +27,13 @@ def make(
 ) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, block_size)
     sched = Scheduler(kv, max_num_seqs, budget, max_model_len, policy)
-    return sched, FakeRunner(block_size)
+    return sched, KVRunner(block_size)
 
 
 def req(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.0, **params) -> Request:
     params.setdefault("ignore_eos", True)
-    prompt = [(len(rid) * 31 + i * 7) % 1000 for i in range(prompt_len)]
+    # Prompts depend on the id: cache hits come (almost) only from its own preemption.
+    prompt = [(zlib.crc32(rid.encode()) + i * 7) % 1000 for i in range(prompt_len)]
     sp = SamplingParams(max_tokens=max_tokens, **params)
     return Request(rid, prompt, sp, eos_token_ids=(2,), arrival_time=arrival)
 

@@ -389,6 +389,49 @@ def test_grpcurl_generate_matches_the_stub(worker: Worker) -> None:
     assert ours.text == curl_text and ours.finish_reason == "length"
 
 
+def test_prefix_cache_hits_salts_and_reset(worker: Worker) -> None:
+    """A repeated long prompt is served from the prefix cache (usage.cached_tokens), a
+    different cache_salt shares nothing, and ResetPrefixCache (through grpcurl) is refused
+    while a request holds blocks, requeues it on request without changing its tokens, and
+    empties the cache."""
+    prompt = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(40))
+    stopping = pb.StoppingCriteria(max_tokens=4)
+    first_chunks, first = run(worker.stub, text=prompt, sampling=GREEDY, stopping=stopping)
+    chunks, again = run(worker.stub, text=prompt, sampling=GREEDY, stopping=stopping)
+    assert text_of(chunks) == text_of(first_chunks)  # a cached prefix changes nothing
+    n = first.usage.prompt_tokens
+    assert n > 300 and again.usage.prompt_tokens == n
+    # Every full block but the last token's is reused; at least one token is recomputed.
+    assert n - 16 <= again.usage.cached_tokens < n, (again.usage.cached_tokens, n)
+    _, salted = run(worker.stub, text=prompt, sampling=GREEDY, stopping=stopping,
+                    cache_salt="tenant-b")
+    assert salted.usage.cached_tokens == 0
+
+    # A long greedy request holds blocks: a plain reset is refused, a requeue preempts it.
+    long_stop = pb.StoppingCriteria(max_tokens=48)
+    alone, _ = run(worker.stub, text=prompt + " Now count:", sampling=GREEDY, stopping=long_stop)
+    done: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: done.update(r=run(
+        worker.stub, text=prompt + " Now count:", sampling=GREEDY, stopping=long_stop)))
+    thread.start()
+    wait_until(lambda: worker.stub.GetLoad(pb.GetLoadRequest(), timeout=5).num_running == 1,
+               what="the long request to run")
+    refused = grpcurl(worker, f"{SERVICE}/ResetPrefixCache")
+    assert refused.returncode != 0 and "FailedPrecondition" in refused.stderr, refused.stderr
+    requeued = grpcurl(worker, "-d", json.dumps({"requeue": True}), f"{SERVICE}/ResetPrefixCache")
+    assert requeued.returncode == 0, requeued.stderr
+    assert json.loads(requeued.stdout)["num_requeued"] >= 1
+    thread.join(timeout=120)
+    chunks_r, complete_r = done["r"]  # type: ignore[misc]
+    assert [t for c in chunks_r for t in c.token_ids] == [t for c in alone for t in c.token_ids]
+    assert text_of(chunks_r) == text_of(alone) and complete_r.usage.completion_tokens == 48
+    wait_until(lambda: blocks_all_free(worker), what="blocks to be freed")
+    reset = grpcurl(worker, f"{SERVICE}/ResetPrefixCache")
+    assert reset.returncode == 0, reset.stderr
+    _, after = run(worker.stub, text=prompt, sampling=GREEDY, stopping=stopping)
+    assert after.usage.cached_tokens == 0
+
+
 # ----- the small worker: dummy weights, one slot running and one waiting --------------------
 
 

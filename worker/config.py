@@ -43,8 +43,14 @@ class CacheConfig:
                                  "--gpu-memory-utilization of free memory on CUDA")
     gpu_memory_utilization: float = opt(0.85, "on CUDA with --kv-cache-memory 0: fraction of the "
                                         "free device memory (after weights) given to the KV cache")
+    swap_space: float = opt(4.0, "CPU swap space in GiB (pinned host memory on CUDA) for the KV "
+                            "blocks of preempted requests; 0 = preempted requests recompute")
+    enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes seen before "
+                                      "(full blocks, keyed by a chained hash and cache_salt)")
 
     def __post_init__(self) -> None:
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory < 0:
@@ -59,6 +65,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = opt(512, "token budget of one step (prefill chunks + decodes)")
     policy: str = opt("continuous", "continuous batching, or static (admit a batch, run it to its "
                       "end; for benchmarks only)", ("continuous", "static"))
+    preemption_mode: str = opt("auto", "how a preempted request gives up its KV blocks: swap them "
+                               "to CPU memory when they fit there, else recompute (auto); swap "
+                               "(needs --swap-space; recomputes only when it is full); or always "
+                               "recompute", ("auto", "swap", "recompute"))
+    priority_aging_s: float = opt(30.0, "a waiting request gains one priority level per this many "
+                                  "seconds, so low-priority work cannot starve; 0 = no aging")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,7 +25,7 @@ import ops
 from kvcache.budget import KVBudget, kv_bytes_per_token, num_blocks_for_budget
 from kvcache.manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import PrefixCacheReset, Scheduler
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.outputs import OutputState, RequestOutput
@@ -85,17 +86,27 @@ class Engine:
             )
         self.budget = self._kv_budget()
         log.info(self.budget.describe())
-        self.kv = KVCacheManager(self.budget.num_blocks, config.cache.block_size)
-        sc = config.scheduler
+        cc, sc = config.cache, config.scheduler
+        block_bytes = self.budget.bytes_per_token * cc.block_size
+        num_cpu_blocks = 0 if sc.preemption_mode == "recompute" else int(cc.swap_space * GiB) // block_bytes
+        if num_cpu_blocks:
+            log.info("swap space: %d CPU blocks (%.2f GiB%s)", num_cpu_blocks,
+                     num_cpu_blocks * block_bytes / GiB,
+                     ", pinned" if loaded.device.type == "cuda" else "")
+        self.kv = KVCacheManager(self.budget.num_blocks, cc.block_size,
+                                 enable_prefix_caching=cc.enable_prefix_caching,
+                                 num_cpu_blocks=num_cpu_blocks)
         self.scheduler = Scheduler(
-            self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy
+            self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy,
+            aging_s=sc.priority_aging_s or None, preemption_mode=sc.preemption_mode,
         )
         ops.set_backend(config.model.kernels)
         self.runner = ModelRunner(
-            loaded.model, self.budget.num_blocks, config.cache.block_size, loaded.device, loaded.dtype,
+            loaded.model, self.budget.num_blocks, cc.block_size, loaded.device, loaded.dtype,
             max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
             # The torch references sync with the host inside; only the kernels can be captured.
             cuda_graphs=config.model.cuda_graphs and ops.uses_triton(loaded.device),
+            num_cpu_blocks=num_cpu_blocks,
         )
         torch.manual_seed(config.model.seed)
         self._states: dict[str, OutputState] = {}
@@ -136,6 +147,7 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate at the door; raise ValueError naming the field and the limit."""
         ids = list(prompt_token_ids)
@@ -150,6 +162,13 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
+        if not self.scheduler.can_ever_fit(len(ids) + params.max_tokens):
+            # Unreachable while max_model_len <= the cache (checked at start), kept so that
+            # a request that could never fit is refused here and never left waiting.
+            raise ValueError(
+                f"prompt + max_tokens ({len(ids) + params.max_tokens} tokens) exceeds what the "
+                f"whole KV cache holds ({self.kv.num_blocks * self.kv.block_size} tokens)"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (send stop_token_ids)")
         return Request(
@@ -158,6 +177,7 @@ class Engine:
             sampling_params=params,
             eos_token_ids=self.loaded.eos_token_ids,
             priority=priority,
+            cache_salt=cache_salt or None,
         )
 
     def submit(self, request: Request) -> None:
@@ -167,6 +187,14 @@ class Engine:
     def abort(self, request_ids: Sequence[str]) -> None:
         self._inbox.put(("abort", list(request_ids)))
         self._wake.set()
+
+    def reset_prefix_cache(self, requeue: bool = False) -> Future[PrefixCacheReset]:
+        """Forget the cached prefix blocks, between two steps on the engine thread (see
+        `Scheduler.reset_prefix_cache`). Safe from any thread; the future says what happened."""
+        fut: Future[PrefixCacheReset] = Future()
+        self._inbox.put(("reset_prefix_cache", (requeue, fut)))
+        self._wake.set()
+        return fut
 
     # ----- the step -----
 
@@ -188,12 +216,19 @@ class Engine:
                         prompt_tokens=item.num_prompt_tokens, error=str(e)))
                     continue
                 self._states[item.request_id] = OutputState.create(item, self.tokenizer)
+            elif kind == "reset_prefix_cache":
+                requeue, fut = item  # type: ignore[misc]
+                try:
+                    fut.set_result(self.scheduler.reset_prefix_cache(requeue))
+                except Exception as e:  # the caller hears of it; the engine goes on
+                    fut.set_exception(e)
             else:
                 assert isinstance(item, list)
                 for req in self.scheduler.abort_requests(item):
                     outputs.append(self._output(req, [], finished=True))
 
     def has_work(self) -> bool:
+        # The inbox counts: a reset or an abort must be answered even when nothing runs.
         return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
 
     def step(self) -> list[RequestOutput]:

@@ -316,7 +316,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             skip_special_tokens=not msg.include_special_tokens,
         )
         rid = msg.request_id or uuid.uuid4().hex
-        return engine.make_request(ids, params, request_id=rid, priority=msg.priority)
+        return engine.make_request(ids, params, request_id=rid, priority=msg.priority,
+                                   cache_salt=msg.cache_salt or None)
 
     async def _prompt_ids(self, msg: pb.GenerateRequest, bridge: EngineBridge) -> list[int]:
         kind = msg.WhichOneof("input")
@@ -382,7 +383,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return pb.GetLoadResponse(
             num_running=bridge.num_running,
             num_waiting=bridge.num_waiting,
-            num_swapped=0,  # TODO(swap)
+            num_swapped=bridge.engine.scheduler.num_swapped,
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
@@ -400,10 +401,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             versions=self.versions,
             requests_by_finish_reason=dict(bridge.finish_counts) if bridge else {},
             num_preemptions=bridge.num_preemptions if bridge else 0,
-            prefix_cache_hit_tokens=0,  # TODO(prefix caching)
+            prefix_cache_hit_tokens=bridge.engine.kv.stats.num_hit_tokens if bridge else 0,
             num_steps=bridge.engine.num_steps if bridge else 0,
             draining=self.draining,
         )
+
+    @traced
+    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext):
+        bridge = await self._engine(context)
+        result = await asyncio.wrap_future(bridge.engine.reset_prefix_cache(request.requeue))
+        if not result:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "requests hold KV blocks computed before the reset; retry when idle, or send "
+                "requeue=true to preempt them (they recompute)",
+            )
+        return pb.ResetPrefixCacheResponse(num_requeued=result.num_requeued,
+                                           num_blocks_dropped=result.num_blocks_dropped)
 
     @traced
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext):

@@ -283,3 +283,17 @@ class DrainResponse(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     in_flight: int
     def __init__(self, in_flight: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("requeue",)
+    REQUEUE_FIELD_NUMBER: _ClassVar[int]
+    requeue: bool
+    def __init__(self, requeue: _Optional[bool] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_requeued", "num_blocks_dropped")
+    NUM_REQUEUED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    num_requeued: int
+    num_blocks_dropped: int
+    def __init__(self, num_requeued: _Optional[int] = ..., num_blocks_dropped: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class WorkerServiceStub:
                 request_serializer=llmworker_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=llmworker_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/llmworker.v1.WorkerService/ResetPrefixCache',
+                request_serializer=llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -109,6 +114,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forget every cached prefix block. Refused (FAILED_PRECONDITION) while running
+        requests share cached blocks, unless `requeue` preempts them first (they recompute).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +154,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=llmworker_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=llmworker_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +323,33 @@ class WorkerService:
             '/llmworker.v1.WorkerService/Drain',
             llmworker_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             llmworker_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmworker.v1.WorkerService/ResetPrefixCache',
+            llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
