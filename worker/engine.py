@@ -244,6 +244,11 @@ class Engine:
         except Exception as e:  # a failed step fails its requests, never hangs them
             log.exception("model step failed")
             reqs = [s.request for s in sched.scheduled]
+            # Requests swapped out this step hold CPU blocks the failed copy may not have
+            # written: they fail too, rather than resume on garbage keys and values.
+            reqs += [r for rid in sched.preempted_ids
+                     if (r := self.scheduler.get_request(rid)) is not None
+                     and r.status is RequestStatus.SWAPPED]
             self.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)
             return outputs + [self._output(r, [], finished=True, error=f"model step failed: {e}") for r in reqs]
         self.num_steps += 1
