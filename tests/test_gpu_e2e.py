@@ -120,3 +120,34 @@ def test_graph_replay_matches_eager(dtype: torch.dtype) -> None:
     graph_err, kernel_err = rel(graph_logits, eager_logits), rel(eager_logits, ref_logits)
     bound = 1e-4 if dtype == torch.float32 else 2 * kernel_err + 1e-3
     assert graph_err <= bound, f"graph vs eager {graph_err:.2e}, eager vs torch {kernel_err:.2e}"
+
+
+def test_preemption_and_prefix_caching_on_gpu_fp32() -> None:
+    """Swap (pinned host memory, batched copies), recompute and prefix caching (with
+    copy-on-write) on the GPU with the Triton kernels and graphs: greedy tokens of 32
+    requests sharing prefixes under a 40-block cache equal those of a big cache without
+    prefix caching (dummy SmolLM2 shapes, float32)."""
+    loaded = load_model("dummy:smollm2-135m", "cuda", torch.float32)
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(rng.choice((16, 32, 48, 70)))]
+                for _ in range(4)]
+    work = [(prefixes[i % 4] + [rng.randrange(100, 40000) for _ in range(rng.randint(0, 120))],
+             rng.randint(6, 16)) for i in range(32)]
+
+    def run(blocks: int, mode: str, prefix: bool) -> tuple[list[list[int]], Engine]:
+        conf = WorkerConfig(
+            model=ModelConfig(max_model_len=512),
+            cache=CacheConfig(kv_cache_memory=blocks * 16 * 2 * 30 * 3 * 64 * 4 / (1 << 30),
+                              enable_prefix_caching=prefix, swap_space=0.05),
+            scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=128,
+                                      preemption_mode=mode),
+        )
+        engine = Engine(conf, loaded=loaded)
+        assert engine.runner.graphs is not None
+        return _run(engine, [p for p, _ in work], [n for _, n in work]), engine
+
+    reference, _ = run(1024, "recompute", prefix=False)
+    for mode in ("swap", "recompute"):
+        tokens, engine = run(40, mode, prefix=True)
+        assert engine.kv.stats.num_hit_tokens > 0
+        assert tokens == reference, f"{mode}: differs from the reference"
