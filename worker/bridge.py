@@ -208,9 +208,11 @@ class EngineBridge:
 
     @property
     def num_waiting(self) -> int:
-        """Waiting for the engine: in its scheduler's queue or still in its inbox. In flight
-        minus running counts both without touching the inbox."""
-        return max(self.engine.scheduler.num_waiting, self.num_in_flight - self.num_running)
+        """Waiting for the engine: in its scheduler's queue or still in its inbox (swapped-out
+        requests are counted apart). In flight minus running and swapped counts both without
+        touching the inbox."""
+        sched = self.engine.scheduler
+        return max(sched.num_waiting, self.num_in_flight - self.num_running - sched.num_swapped)
 
     def tokens_per_second(self) -> float:
         now = time.monotonic()
