@@ -408,7 +408,7 @@ def test_prefix_cache_hits_salts_and_reset(worker: Worker) -> None:
     assert salted.usage.cached_tokens == 0
 
     # A long greedy request holds blocks: a plain reset is refused, a requeue preempts it.
-    long_stop = pb.StoppingCriteria(max_tokens=48)
+    long_stop = pb.StoppingCriteria(max_tokens=96)
     alone, _ = run(worker.stub, text=prompt + " Now count:", sampling=GREEDY, stopping=long_stop)
     done: dict[str, object] = {}
     thread = threading.Thread(target=lambda: done.update(r=run(
@@ -424,7 +424,7 @@ def test_prefix_cache_hits_salts_and_reset(worker: Worker) -> None:
     thread.join(timeout=120)
     chunks_r, complete_r = done["r"]  # type: ignore[misc]
     assert [t for c in chunks_r for t in c.token_ids] == [t for c in alone for t in c.token_ids]
-    assert text_of(chunks_r) == text_of(alone) and complete_r.usage.completion_tokens == 48
+    assert text_of(chunks_r) == text_of(alone) and complete_r.usage.completion_tokens == 96
     wait_until(lambda: blocks_all_free(worker), what="blocks to be freed")
     reset = grpcurl(worker, f"{SERVICE}/ResetPrefixCache")
     assert reset.returncode == 0, reset.stderr
