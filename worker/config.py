@@ -93,6 +93,21 @@ class ServerConfig:
     max_stop_strings: int = opt(16, "most stop strings one request may send")
     max_stop_len: int = opt(256, "longest stop string, in characters")
     max_request_id_len: int = opt(256, "longest request_id, in characters")
+    max_message_bytes: int = opt(4 << 20, "largest gRPC message accepted, in bytes")
+    max_prompt_tokens: int = opt(0, "most prompt tokens one request may send; 0 = --max-model-len")
+    max_chat_messages: int = opt(256, "most chat messages in one request")
+    max_generation_time_s: float = opt(600.0, "a request still generating after this many "
+                                       "seconds is ended (finish reason length); 0 = no limit")
+    tls_cert: str = opt("", "PEM certificate chain: serve TLS (with --tls-key)")
+    tls_key: str = opt("", "PEM private key of --tls-cert")
+    tls_client_ca: str = opt("", "PEM CA bundle: require client certificates signed by it (mTLS)")
+    auth_token: str = opt("", "bearer token Generate requires in 'authorization' metadata "
+                          "(prefer the LLMWORKER_AUTH_TOKEN variable); empty = no token")
+    admin_token: str = opt("", "bearer token the admin RPCs (Abort, Drain, ResetPrefixCache, ...) "
+                           "require (prefer LLMWORKER_ADMIN_TOKEN); empty = no token")
+    health_port: int = opt(0, "also answer gRPC health checks, plaintext and without auth, on "
+                           "127.0.0.1:PORT (for probes when the main port needs TLS or tokens); "
+                           "0 = off")
     log_format: str = opt("auto", "log lines: JSON when stderr is not a terminal (auto), or forced",
                           ("auto", "json", "console"))
     log_level: str = opt("INFO", "lowest level logged", ("DEBUG", "INFO", "WARNING", "ERROR"))
