@@ -37,7 +37,13 @@ class DuplicateRequestError(ValueError):
 
 
 class RequestStream:
-    """One request's outputs: at most one pending (coalesced) output and an event."""
+    """One request's outputs: at most one pending (coalesced) output and an event.
+
+    This is the bound on per-stream buffered chunks: however far the reader falls behind,
+    `push` merges into the one pending `RequestOutput` (the buffered text and token ids grow
+    by what the engine generated, at most max_tokens, never by a count of messages), and
+    the reader sends one gRPC message per `next`. No queue of chunks exists to grow.
+    """
 
     def __init__(self, request: Request, tracked: bool = True) -> None:
         self.request = request
@@ -45,6 +51,7 @@ class RequestStream:
         self.tracked = tracked  # counted in the finish-reason and preemption counters
         self.finished = False  # a finished output has arrived (maybe not read yet)
         self.aborting = False
+        self.finish_as: str | None = None  # an abort we asked for ends with this reason
         self._pending: RequestOutput | None = None
         self._ready = asyncio.Event()
 
@@ -108,7 +115,10 @@ class EngineBridge:
         self._fail_all("the worker shut down before the request finished")
 
     async def _watch(self) -> None:
-        """An engine thread that died would hang every stream: fail them instead."""
+        """An engine thread that died would hang every stream: fail them instead, and call
+        `on_dead` (the server drains: health NOT_SERVING, exit code 1). The engine thread
+        also ends itself after `Engine.max_consecutive_failed_steps` failed model steps in
+        a row, so a broken device lands here too."""
         while not self.closed:
             await asyncio.sleep(self.watchdog_period_s)
             thread = self.engine._thread
@@ -154,6 +164,18 @@ class EngineBridge:
             self.engine.abort([request_id])
         return True
 
+    def expire(self, request_id: str, finish_reason: str = "length") -> bool:
+        """End a request in flight through the abort path (blocks freed in the engine's
+        next step) but report it finished with `finish_reason` (--max-generation-time-s).
+        A request that finished on its own first keeps its own reason. False if it is not
+        in flight."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return False
+        if not stream.aborting:
+            stream.finish_as = finish_reason
+        return self.abort(request_id)
+
     def abort_all(self) -> int:
         return sum(self.abort(rid) for rid in list(self._streams))
 
@@ -186,6 +208,8 @@ class EngineBridge:
 
     def _finish(self, stream: RequestStream, out: RequestOutput) -> None:
         del self._streams[stream.request_id]
+        if stream.finish_as is not None and out.finish_reason == "abort":
+            out.finish_reason = stream.finish_as
         stream.push(out)
         if stream.tracked:
             self.finish_counts[out.finish_reason or "error"] += 1

@@ -125,6 +125,12 @@ class ServerConfig:
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if self.max_stop_strings < 0 or self.retry_after_ms < 0:
             raise ValueError("--max-stop-strings and --retry-after-ms must be >= 0")
+        if self.max_message_bytes < 1024 or self.max_chat_messages < 1:
+            raise ValueError("--max-message-bytes must be >= 1024 and --max-chat-messages >= 1")
+        if self.max_prompt_tokens < 0 or self.max_generation_time_s < 0:
+            raise ValueError("--max-prompt-tokens and --max-generation-time-s must be >= 0")
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"--health-port must be in [0, 65535], got {self.health_port}")
 
 
 @dataclass(frozen=True)

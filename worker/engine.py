@@ -70,6 +70,11 @@ class Completion:
 
 
 class Engine:
+    # A model step that raises fails the requests of that step and the engine goes on; this
+    # many failed steps in a row mean it cannot (a broken device): the engine thread ends,
+    # and the bridge's watchdog fails what is left and marks the worker NOT_SERVING.
+    max_consecutive_failed_steps = 3
+
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         device = resolve_device(config.model.device)
@@ -116,6 +121,7 @@ class Engine:
         self._stop = False
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_failed_steps = 0  # in a row; reset by a step that succeeds
 
     # ----- sizing -----
 
@@ -243,6 +249,7 @@ class Engine:
             sampled = self.runner.execute(sched)
         except Exception as e:  # a failed step fails its requests, never hangs them
             log.exception("model step failed")
+            self.num_failed_steps += 1
             reqs = [s.request for s in sched.scheduled]
             # Requests swapped out this step hold CPU blocks the failed copy may not have
             # written: they fail too, rather than resume on garbage keys and values.
@@ -252,6 +259,7 @@ class Engine:
             self.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)
             return outputs + [self._output(r, [], finished=True, error=f"model step failed: {e}") for r in reqs]
         self.num_steps += 1
+        self.num_failed_steps = 0
         updated = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
         stopped: list[str] = []
         for req in updated:
@@ -319,6 +327,10 @@ class Engine:
             outputs = self.step()
             if outputs:
                 on_outputs(outputs)
+            if self.num_failed_steps >= self.max_consecutive_failed_steps:
+                log.error("%d model steps failed in a row; the engine stops",
+                          self.num_failed_steps)
+                return
 
     # ----- offline API -----
 

@@ -8,6 +8,12 @@ loop keeps answering, run one warm-up generation, then health SERVING and the re
 SIGTERM or SIGINT drains: health NOT_SERVING at once, new Generate calls get UNAVAILABLE,
 in-flight requests get --drain-grace-s to finish (a second signal cuts the grace short),
 the rest are aborted; then the server and the engine stop and `serve` returns 0.
+
+Security (see `worker.auth`): --tls-cert/--tls-key serve TLS, --tls-client-ca adds mutual
+TLS; --auth-token/--admin-token are bearer tokens checked by an interceptor (health stays
+open; reflection, when on, needs the admin token). --health-port N answers health checks
+plaintext on 127.0.0.1:N from the same health servicer. Tokens never reach the logs or
+GetServerStatus.config_json.
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from llmworker.v1 import worker_pb2_grpc
+from llmworker.v1 import worker_pb2
 
 from scheduler.request import SamplingParams
-from worker import telemetry
+from worker import auth, telemetry, wire
 from worker.bridge import EngineBridge
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -62,25 +68,45 @@ async def serve(config: WorkerConfig) -> int:
     telemetry.configure_logging(sc.log_format, sc.log_level)
     tracing = telemetry.configure_tracing()
     loop = asyncio.get_running_loop()
-    _say("config", config=config.to_dict(), tracing=tracing)
+    _say("config", config=auth.redacted_config(config), tracing=tracing)
+    credentials = auth.server_credentials(sc)  # ValueError on a missing file: exit 2
 
     health_servicer = health.aio.HealthServicer()
     for name in HEALTH_SERVICES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = WorkerServicer(config, on_drain=health_servicer.enter_graceful_shutdown)
+    servicer.config_json = auth.redacted_config_json(config)  # no tokens in GetServerStatus
+    interceptor = auth.TokenInterceptor.from_config(sc)
     # so_reuseport off: a second worker on a taken port must fail, not share it silently.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", sc.max_message_bytes),
+                                      ("grpc.max_send_message_length", sc.max_message_bytes)],
+                             interceptors=[interceptor] if interceptor else None)
+    # Not the generated add_..._to_server: bytes that do not parse get INVALID_ARGUMENT.
+    wire.add_servicer(servicer, worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if sc.reflection:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = _address(sc.host, sc.port)
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as e:
         raise ValueError(f"cannot listen on {address}: {e}") from e
+    health_server = _health_server(health_servicer, sc.health_port) if sc.health_port else None
     await server.start()
+    if health_server is not None:
+        await health_server.start()
+        _say(f"health checks (plaintext, no auth) on 127.0.0.1:{sc.health_port}")
+    if credentials is not None:
+        _say("TLS on" + ("; client certificates required (mTLS)" if sc.tls_client_ca else ""))
+    if interceptor is not None:
+        _say("bearer tokens required: " + ", ".join(
+            what for what, on in (("Generate", sc.auth_token), ("admin RPCs", sc.admin_token))
+            if on))
     _say(f"listening on {_address(sc.host, port)}; loading {config.model.model}")
 
     stop, force = asyncio.Event(), asyncio.Event()
@@ -132,11 +158,26 @@ async def serve(config: WorkerConfig) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await server.stop(_STOP_GRACE_S)
+        if health_server is not None:
+            await health_server.stop(None)
         if bridge is not None:
             await bridge.close()
         telemetry.shutdown_tracing()
     _say("stopped")
     return exit_code
+
+
+def _health_server(health_servicer: health.aio.HealthServicer, port: int) -> grpc.aio.Server:
+    """Only grpc.health.v1, plaintext, on 127.0.0.1:`port`, sharing the main server's
+    health servicer (so SERVING/NOT_SERVING change on both at once)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = _address("127.0.0.1", port)
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise ValueError(f"--health-port: cannot listen on {address}: {e}") from e
+    return server
 
 
 async def _drain(bridge: EngineBridge, grace_s: float, force: asyncio.Event) -> None:

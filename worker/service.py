@@ -5,28 +5,43 @@ engine's outputs back. Status codes:
 
 ==========================  =========================================================
 INVALID_ARGUMENT            bad input; the message names the field and the limit (no
-                            input, empty text/chat/token ids, unknown chat role, token id
-                            out of vocabulary, prompt + max_tokens over max_model_len,
-                            any sampling value out of range, too many or too long stop
-                            strings, top_logprobs > 20, request_id too long, text or chat
-                            sent to a model without a tokenizer)
+                            input, empty text/chat/token ids, unknown chat role, more
+                            chat messages than --max-chat-messages, token id out of
+                            vocabulary, more prompt tokens than --max-prompt-tokens,
+                            prompt + max_tokens over max_model_len, any sampling value
+                            out of range, too many or too long stop strings,
+                            top_logprobs > 20, request_id too long, text or chat sent to
+                            a model without a tokenizer)
 ALREADY_EXISTS              a request_id that is still in flight
 RESOURCE_EXHAUSTED          the waiting queue is at --max-waiting; trailing metadata
-                            ``retry-after-ms`` says when to try again
-UNAVAILABLE                 the model is still loading, the worker is draining, or the
-                            engine thread died
+                            ``retry-after-ms`` says when to try again. Also (from gRPC
+                            itself, before any of our code runs) a message larger than
+                            --max-message-bytes
+UNAVAILABLE                 the model is still loading, the worker is draining, the
+                            engine thread died, or the worker shut down under a request
 DEADLINE_EXCEEDED           the client's deadline passed; the request is aborted
 CANCELLED                   (the client's own) a cancel or disconnect aborts the request
-OK + complete(ERROR, msg)   the request failed inside the engine (a failed model step):
-                            the stream ends normally with finish_reason ERROR and
-                            `error_message`, after whatever chunks it already sent, so
-                            a client reads one place for every way a request can end
+INTERNAL                    the request failed inside the engine (an exception in a model
+                            step; the engine thread dying under it): the stream ends
+                            with this status and a message, after whatever chunks it
+                            already sent. No ``complete`` is sent: a stream either ends
+                            OK after ``complete`` or with a non-OK status
 ==========================  =========================================================
 
-Any abort (Abort RPC, cancel, disconnect, deadline) frees the request's KV blocks in the
-engine's next step. `Generate` sends at most one chunk per engine step (a slow reader gets
-coalesced chunks, see `worker.bridge`); the step that finishes a request sends its last
-chunk and then `complete`.
+(``FINISH_REASON_ERROR`` is still in the proto, and `complete_response` still maps it, but
+Generate no longer sends a ``complete`` with it: engine errors are the INTERNAL status.)
+
+--max-generation-time-s: a request still in flight that long after it arrived (queue time
+counts) is ended through the abort path (`EngineBridge.expire`): its KV blocks are freed in
+the engine's next step and the stream ends OK with its last chunk and ``complete`` with
+finish_reason LENGTH (usage counts what it generated). It is checked whenever the stream
+waits for or sends output, so a slow reader cannot dodge it.
+
+Any abort (Abort RPC, cancel, disconnect, deadline, generation-time limit) frees the
+request's KV blocks in the engine's next step. `Generate` sends at most one chunk per engine
+step, and per stream at most one output is buffered (a slow reader gets coalesced chunks,
+see `worker.bridge`); the step that finishes a request sends its last chunk and then
+`complete`.
 
 Text input is tokenized as is (BOS prepended only when the model's tokenizer adds one to
 plain text); chat input is rendered with the model's chat template and a generation prompt.
@@ -212,23 +227,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         loop = asyncio.get_running_loop()
         remaining = context.time_remaining()
         deadline = None if remaining is None else loop.time() + remaining
+        limit_s = self.sc.max_generation_time_s
+        # Counted from arrival (req.arrival_time is time.monotonic(); loop.time() need not be).
+        expires = (None if limit_s <= 0
+                   else loop.time() + limit_s - (time.monotonic() - req.arrival_time))
         done = False
         first = True
         preemptions = 0  # the engine thread bumps req.num_preemptions; reading an int is safe
         try:
             while True:
-                if deadline is None:
+                if expires is not None and loop.time() >= expires:
+                    # Past --max-generation-time-s: ended through the abort path (blocks
+                    # freed in the next step); the stream still ends with complete(LENGTH).
+                    bridge.expire(rid)
+                    expires = None
+                    logger.info("request ended", reason="max-generation-time-s", limit_s=limit_s)
+                wake = min((t for t in (deadline, expires) if t is not None), default=None)
+                if wake is None:
                     out = await stream.next()
                 else:
                     try:
-                        async with asyncio.timeout_at(deadline):
+                        async with asyncio.timeout_at(wake):
                             out = await stream.next()
                     except TimeoutError:
-                        bridge.abort(rid)
-                        await context.abort(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"request {rid}: the deadline passed after "
-                            f"{req.num_output_tokens} tokens; it was aborted")
+                        if deadline is not None and loop.time() >= deadline:
+                            bridge.abort(rid)
+                            await context.abort(
+                                grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"request {rid}: the deadline passed after "
+                                f"{req.num_output_tokens} tokens; it was aborted")
+                        continue  # the generation-time limit: expired at the top
                 if req.num_preemptions > preemptions:
                     # Seen late (at the next output), so back-dating is not possible; the
                     # event still says it happened and how often.
@@ -249,6 +277,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 if out.finished:
                     done = True
                     self._finished(gen, logger, rid, out, "".join(text) if record else None)
+                    if out.finish_reason == "error":
+                        await self._fail(context, bridge, rid, out)
                     yield complete_response(rid, out)
                     return
         finally:
@@ -258,6 +288,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 bridge.abort(rid)
                 gen.finish("abort", req.num_prompt_tokens, req.num_output_tokens)
                 logger.info("request aborted", reason="cancelled, disconnected or deadline")
+
+    @staticmethod
+    async def _fail(context: grpc.aio.ServicerContext, bridge: EngineBridge, rid: str,
+                    out: RequestOutput) -> None:
+        """End the RPC for a request the engine failed: INTERNAL (a fault: a model step
+        raised, the engine thread died), or UNAVAILABLE when the worker shut down under it
+        (another replica can serve it)."""
+        shut_down = bridge.closed and not bridge.dead
+        code = grpc.StatusCode.UNAVAILABLE if shut_down else grpc.StatusCode.INTERNAL
+        await context.abort(code, f"request {rid} failed after {out.completion_tokens} "
+                                  f"tokens: {out.error or 'engine error'}")
 
     @staticmethod
     def _finished(gen: telemetry.GenerationTrace, logger: Any, rid: str,
@@ -278,6 +319,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if len(msg.request_id) > sc.max_request_id_len:
             raise InvalidArgument(f"request_id is {len(msg.request_id)} characters; at most "
                                   f"{sc.max_request_id_len} are allowed")
+        if msg.WhichOneof("input") == "chat" and len(msg.chat.messages) > sc.max_chat_messages:
+            raise InvalidArgument(f"chat.messages has {len(msg.chat.messages)} messages; at most "
+                                  f"{sc.max_chat_messages} are allowed (--max-chat-messages)")
         if msg.top_logprobs > MAX_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must be <= {MAX_LOGPROBS}, got {msg.top_logprobs}")
         stops = list(msg.stopping.stop)
@@ -291,6 +335,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 raise InvalidArgument(f"stopping.stop[{i}] is {len(s)} characters; at most "
                                       f"{sc.max_stop_len} are allowed (--max-stop-len)")
         ids = await self._prompt_ids(msg, bridge)
+        max_prompt = sc.max_prompt_tokens or engine.max_model_len
+        if len(ids) > max_prompt:
+            flag = "--max-prompt-tokens" if sc.max_prompt_tokens else "max_model_len"
+            raise InvalidArgument(f"the prompt is {len(ids)} tokens; at most {max_prompt} are "
+                                  f"allowed ({flag})")
 
         max_tokens = msg.stopping.max_tokens
         if max_tokens == 0:  # the default, clipped to what fits
