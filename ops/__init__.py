@@ -12,10 +12,11 @@ Triton modules are imported on first use, so a CPU-only install never imports tr
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -27,6 +28,8 @@ from ops.sampling import SamplerOutput, SamplingTensors, sample_ref
 
 BACKENDS = ("auto", "torch", "triton")
 _BACKEND = "auto"
+P = ParamSpec("P")
+R = TypeVar("R")
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -53,73 +56,32 @@ def uses_triton(device: torch.device) -> bool:
     return device.type == "cuda" and _HAS_TRITON
 
 
-_kernels: dict[str, Callable[..., Any]] = {}
+def _op(ref: Callable[P, R], module: str, name: str) -> Callable[P, R]:
+    """The op with `ref`'s signature: `module.name` (imported on first use) when the first
+    argument's device runs Triton under the current backend, else `ref` itself."""
+    kernel: Callable[P, R] | None = None
+
+    @functools.wraps(ref)
+    def op(*args: P.args, **kwargs: P.kwargs) -> R:
+        nonlocal kernel
+        first = args[0]
+        assert isinstance(first, torch.Tensor)
+        if not uses_triton(first.device):
+            return ref(*args, **kwargs)
+        if kernel is None:
+            kernel = getattr(importlib.import_module(module), name)
+        return kernel(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = ref.__name__.removesuffix("_ref")
+    return op
 
 
-def _kernel(module: str, name: str) -> Callable[..., Any]:
-    fn = _kernels.get(name)
-    if fn is None:
-        fn = _kernels[name] = getattr(importlib.import_module(module), name)
-    return fn
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if uses_triton(x.device):
-        return _kernel("ops.norm_triton", "rms_norm_triton")(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if uses_triton(x.device):
-        return _kernel("ops.activation_triton", "silu_and_mul_triton")(x)
-    return silu_and_mul_ref(x)
-
-
-def rotary_kv_write(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See ops.rotary.rotary_kv_write_ref. The kernel rotates q and k in place."""
-    fn = (
-        _kernel("ops.rotary_triton", "rotary_kv_write_triton")
-        if uses_triton(q.device)
-        else rotary_kv_write_ref
-    )
-    return fn(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-) -> torch.Tensor:
-    fn = (
-        _kernel("ops.attention_triton", "paged_attention_triton")
-        if uses_triton(q.device)
-        else paged_attention_ref
-    )
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
-              max_seq_len, scale)
-
-
-def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
-    if uses_triton(logits.device):
-        return _kernel("ops.sampling_triton", "sample_triton")(logits, st)
-    return sample_ref(logits, st)
+rms_norm = _op(rms_norm_ref, "ops.norm_triton", "rms_norm_triton")
+silu_and_mul = _op(silu_and_mul_ref, "ops.activation_triton", "silu_and_mul_triton")
+# The kernel rotates q and k in place (the reference returns new tensors).
+rotary_kv_write = _op(rotary_kv_write_ref, "ops.rotary_triton", "rotary_kv_write_triton")
+paged_attention = _op(paged_attention_ref, "ops.attention_triton", "paged_attention_triton")
+sample = _op(sample_ref, "ops.sampling_triton", "sample_triton")
 
 
 __all__ = [
