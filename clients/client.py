@@ -391,9 +391,10 @@ class WorkerClient(_Base):
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """`generate` with the same arguments, gathered into a `Completion`.
 
-        A generation that ends with FINISH_REASON_ERROR is returned (``finish_reason
-        == "error"``, ``error_message``), not raised; a failed call raises
-        ``grpc.RpcError``.
+        A failed call raises ``grpc.RpcError``; that includes a request the engine
+        failed, which this worker ends with status INTERNAL. A ``complete`` with
+        FINISH_REASON_ERROR (the proto still allows it) is returned as ``finish_reason
+        == "error"`` with ``error_message``, not raised.
         """
         call = self.generate(prompt, **kwargs)
         acc = CompletionBuilder()

@@ -84,15 +84,13 @@ class ModelRunner:
         out_gpu, out_cpu = _unzip(step.blocks_to_swap_out)
         in_cpu, in_gpu = _unzip(step.blocks_to_swap_in)
         src, dst = _unzip(step.blocks_to_copy)
-        for gpu, cpu in zip(self.kv_caches, self.cpu_caches or [None] * len(self.kv_caches),
-                            strict=True):
-            for g, c in zip(gpu, cpu or (None, None), strict=True):
+        assert self.cpu_caches or not (out_gpu or in_cpu), "a swap with no swap space"
+        for layer, gpu_kv in enumerate(self.kv_caches):
+            for i, g in enumerate(gpu_kv):  # the layer's K, then its V
                 if out_gpu:
-                    assert c is not None, "swap-out with no swap space"
-                    swap_blocks(g, c, out_gpu, out_cpu)
+                    swap_blocks(g, self.cpu_caches[layer][i], out_gpu, out_cpu)
                 if in_cpu:
-                    assert c is not None, "swap-in with no swap space"
-                    swap_blocks(c, g, in_cpu, in_gpu)
+                    swap_blocks(self.cpu_caches[layer][i], g, in_cpu, in_gpu)
                 if src:
                     copy_blocks(g, src, dst, backend=copy_backend)
 
