@@ -70,6 +70,7 @@ from scheduler.request import MAX_LOGPROBS, Request, SamplingParams
 from worker import telemetry
 from worker.bridge import DuplicateRequestError, EngineBridge
 from worker.config import WorkerConfig
+from worker.load import snapshot
 from worker.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -427,16 +428,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @traced
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext):
-        bridge = await self._engine(context)
-        kv = bridge.engine.kv
+        load = snapshot(await self._engine(context))
         return pb.GetLoadResponse(
-            num_running=bridge.num_running,
-            num_waiting=bridge.num_waiting,
-            num_swapped=bridge.engine.scheduler.num_swapped,
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_blocks,
-            tokens_per_second=bridge.tokens_per_second(),
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_swapped=load.num_swapped,
+            kv_cache_usage=load.kv_cache_usage,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            tokens_per_second=load.tokens_per_second,
             draining=self.draining,
         )
 
