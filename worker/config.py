@@ -108,6 +108,13 @@ class ServerConfig:
     health_port: int = opt(0, "also answer gRPC health checks, plaintext and without auth, on "
                            "127.0.0.1:PORT (for probes when the main port needs TLS or tokens); "
                            "0 = off")
+    metrics_port: int = opt(0, "serve Prometheus metrics (vLLM's names) over HTTP on "
+                            "--metrics-host:PORT at /metrics; 0 = off")
+    metrics_host: str = opt("127.0.0.1", "address of the --metrics-port HTTP server")
+    vllm_protocol: bool = opt(True, "also serve vllm.grpc.engine.VllmEngine (the protocol SMG "
+                              "speaks to its workers) on the same port")
+    kv_events: bool = opt(True, "publish prefix-cache block events on the vLLM protocol's "
+                          "SubscribeKvEvents (for SMG's cache-aware routing)")
     log_format: str = opt("auto", "log lines: JSON when stderr is not a terminal (auto), or forced",
                           ("auto", "json", "console"))
     log_level: str = opt("INFO", "lowest level logged", ("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -131,6 +138,8 @@ class ServerConfig:
             raise ValueError("--max-prompt-tokens and --max-generation-time-s must be >= 0")
         if not 0 <= self.health_port <= 65535:
             raise ValueError(f"--health-port must be in [0, 65535], got {self.health_port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
 
 
 @dataclass(frozen=True)
