@@ -24,6 +24,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from scheduler.request import Request
 from worker.engine import Engine
@@ -73,6 +74,15 @@ class RequestStream:
         return out
 
 
+class RequestObserver(Protocol):
+    """Sees tracked requests' outputs on the loop (`worker.metrics`): `output` for each one
+    dispatched (`t`: when its engine step ended), then `finished` once per request."""
+
+    def output(self, stream: RequestStream, out: RequestOutput, t: float) -> None: ...
+
+    def finished(self, stream: RequestStream, out: RequestOutput) -> None: ...
+
+
 class EngineBridge:
     """Starts the engine thread and routes its outputs into `RequestStream`s."""
 
@@ -92,6 +102,7 @@ class EngineBridge:
         # Counters for GetServerStatus (tracked requests only: not the warm-up).
         self.finish_counts: collections.Counter[str] = collections.Counter()
         self.num_preemptions = 0
+        self.observers: list[RequestObserver] = []
 
     # ----- lifecycle -----
 
@@ -198,6 +209,9 @@ class EngineBridge:
             if stream is None:
                 log.warning("output for unknown request %s", out.request_id)
                 continue
+            if stream.tracked:
+                for obs in self.observers:
+                    obs.output(stream, out, t)
             if out.finished:
                 self._finish(stream, out)
             else:
@@ -214,6 +228,8 @@ class EngineBridge:
         if stream.tracked:
             self.finish_counts[out.finish_reason or "error"] += 1
             self.num_preemptions += stream.request.num_preemptions
+            for obs in self.observers:
+                obs.finished(stream, out)
 
     def _trim(self, now: float) -> None:
         while self._rate and self._rate[0][0] < now - self.rate_window_s:

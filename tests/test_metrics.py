@@ -1,0 +1,206 @@
+"""Prometheus metrics under vLLM's names (worker/metrics.py), scraped over HTTP from a real
+`llm-worker serve` process: the gauges move under load and come back to zero, and after a
+known set of requests every per-request histogram, token counter and finish-reason counter
+agrees with what the clients were told."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from llmworker.v1 import worker_pb2 as pb
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.test_server import GREEDY, Worker, run, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+PER_REQUEST_HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+    "vllm:request_time_per_output_token_seconds", "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens", "vllm:request_params_max_tokens",
+)
+REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+           pb.FINISH_REASON_ABORT: "abort"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Scrape:
+    """One /metrics answer, parsed: sample name -> value (every series must carry our
+    model_name and engine labels)."""
+
+    def __init__(self, port: int) -> None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        self.values: dict[str, float] = {}
+        self.by_reason: dict[str, float] = {}
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+        for fam in self.families.values():
+            for s in fam.samples:
+                if not s.name.startswith("vllm:"):
+                    continue
+                assert s.labels["model_name"] == MODEL and s.labels["engine"] == "0", s
+                if s.name == "vllm:request_success_total":
+                    self.by_reason[s.labels["finished_reason"]] = s.value
+                elif "le" not in s.labels:
+                    self.values[s.name] = s.value
+
+    def __getitem__(self, name: str) -> float:
+        return self.values[name]
+
+
+@pytest.fixture(scope="module")
+def metrics_worker() -> Iterator[tuple[Worker, int]]:
+    port = free_port()
+    w = Worker("--metrics-port", str(port))
+    try:
+        w.wait_ready()
+        w.wait_for(rf"Prometheus metrics .* on http://127\.0\.0\.1:{port}/metrics", timeout=5)
+        yield w, port
+    finally:
+        w.close()
+
+
+def test_fresh_worker_publishes_vllm_names_at_zero(metrics_worker: tuple[Worker, int]) -> None:
+    w, port = metrics_worker
+    m = Scrape(port)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_requests_swapped", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:num_preemptions_total", "vllm:inter_token_latency_seconds_count",
+                 "vllm:time_per_output_token_seconds_count"):
+        assert m[name] == 0, name  # the warm-up generation is not counted
+    for name in PER_REQUEST_HISTOGRAMS:
+        assert m.families[name].type == "histogram" and m[f"{name}_count"] == 0, name
+    assert m.by_reason == {"stop": 0, "length": 0, "abort": 0, "error": 0}
+    assert m["vllm:prefix_cache_hits_total"] <= m["vllm:prefix_cache_queries_total"]
+    load = w.stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+    info = next(s for s in m.families["vllm:cache_config_info"].samples)
+    assert int(info.labels["num_gpu_blocks"]) == load.num_total_blocks
+
+
+def test_gauges_move_under_load_and_return_to_zero(metrics_worker: tuple[Worker, int]) -> None:
+    w, port = metrics_worker
+    calls = [w.stub.Generate(pb.GenerateRequest(
+        request_id=f"long-{i}", text=f"Story number {i}: once upon a time", sampling=GREEDY,
+        stopping=pb.StoppingCriteria(max_tokens=400, ignore_eos=True)), timeout=120)
+        for i in range(4)]
+    ends: list[pb.GenerateComplete] = []
+
+    def drain(call) -> None:
+        ends.extend(r.complete for r in call if r.HasField("complete"))
+
+    readers = [threading.Thread(target=drain, args=(c,)) for c in calls]
+    for t in readers:
+        t.start()
+    seen: dict[str, float] = {}
+    end = time.monotonic() + 60
+    while not (seen.get("running", 0) >= 2 and seen.get("kv", 0) > 0):
+        assert time.monotonic() < end, f"gauges never moved: {seen}"
+        m = Scrape(port)
+        seen["running"] = max(seen.get("running", 0), m["vllm:num_requests_running"])
+        seen["kv"] = max(seen.get("kv", 0), m["vllm:kv_cache_usage_perc"])
+        assert 0 <= m["vllm:kv_cache_usage_perc"] <= 1
+        assert m["vllm:kv_cache_usage_perc"] == m["vllm:gpu_cache_usage_perc"]
+        time.sleep(0.05)
+    assert Scrape(port)["vllm:generation_tokens_total"] > 0  # counted while streaming
+    w.stub.Abort(pb.AbortRequest(request_ids=[f"long-{i}" for i in range(4)]), timeout=5)
+    for t in readers:
+        t.join(30)
+    assert [e.finish_reason for e in ends] == [pb.FINISH_REASON_ABORT] * 4
+
+    def idle() -> bool:
+        m = Scrape(port)
+        return (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"],
+                m["vllm:kv_cache_usage_perc"]) == (0, 0, 0)
+
+    wait_until(idle, timeout=10, what="the gauges back at zero")
+
+
+def test_histograms_and_counters_match_client_usage(metrics_worker: tuple[Worker, int]) -> None:
+    w, port = metrics_worker
+    before = Scrape(port)
+    done: list[pb.GenerateComplete] = []
+    # A prompt over two KV blocks, sent twice: the second one hits the prefix cache.
+    shared = "The quick brown fox jumps over the lazy dog. " * 4
+    for text, n in ((shared, 6), (shared, 9), ("1, 2, 3, 4,", 12)):
+        _, c = run(w.stub, text=text, sampling=GREEDY,
+                   stopping=pb.StoppingCriteria(max_tokens=n, ignore_eos=True))
+        done.append(c)
+    # Stop on the third greedy token of a known continuation: finish reason "stop".
+    chunks, c = run(w.stub, text="Roses are red,", sampling=GREEDY,
+                    stopping=pb.StoppingCriteria(max_tokens=5, ignore_eos=True))
+    done.append(c)
+    third = [t for ch in chunks for t in ch.token_ids][2]
+    for _ in range(2):
+        _, c = run(w.stub, text="Roses are red,", sampling=GREEDY,
+                   stopping=pb.StoppingCriteria(max_tokens=50, stop_token_ids=[third]))
+        done.append(c)
+    # One aborted after its first chunk.
+    call = w.stub.Generate(pb.GenerateRequest(
+        request_id="abort-one", text="Count slowly:", sampling=GREEDY,
+        stopping=pb.StoppingCriteria(max_tokens=500, ignore_eos=True)), timeout=120)
+    assert next(call).HasField("chunk")
+    w.stub.Abort(pb.AbortRequest(request_ids=["abort-one"]), timeout=5)
+    done.append([r.complete for r in call if r.HasField("complete")][-1])
+
+    n = len(done)
+    usage = [c.usage for c in done]
+    assert all(u.completion_tokens >= 1 for u in usage)
+    after = Scrape(port)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    for name in PER_REQUEST_HISTOGRAMS:
+        assert delta(f"{name}_count") == n, name
+    prompt = sum(u.prompt_tokens for u in usage)
+    generated = sum(u.completion_tokens for u in usage)
+    assert delta("vllm:prompt_tokens_total") == prompt
+    assert delta("vllm:generation_tokens_total") == generated
+    assert delta("vllm:request_prompt_tokens_sum") == prompt
+    assert delta("vllm:request_generation_tokens_sum") == generated
+    # One inter-token gap per token after each request's first, under both names.
+    assert delta("vllm:inter_token_latency_seconds_count") == generated - n
+    assert delta("vllm:time_per_output_token_seconds_count") == generated - n
+    # The same timings the clients got in GenerateComplete (milliseconds there).
+    for name, field in (("vllm:e2e_request_latency_seconds", "total_time_ms"),
+                        ("vllm:time_to_first_token_seconds", "ttft_ms"),
+                        ("vllm:request_queue_time_seconds", "queue_time_ms")):
+        got = sum(getattr(c, field) for c in done) / 1000
+        assert delta(f"{name}_sum") == pytest.approx(got, rel=1e-6, abs=1e-6), name
+    reasons = Counter(REASONS[c.finish_reason] for c in done)
+    assert reasons == {"length": 4, "stop": 2, "abort": 1}
+    for reason in ("stop", "length", "abort", "error"):
+        assert after.by_reason[reason] - before.by_reason[reason] == reasons[reason], reason
+    hits = delta("vllm:prefix_cache_hits_total")
+    assert hits == sum(u.cached_tokens for u in usage) and hits >= 32
+    assert delta("vllm:prefix_cache_queries_total") >= prompt
+
+
+def _listening_ports(pid: int) -> set[int]:
+    return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def test_metrics_are_off_by_default() -> None:
+    w = Worker("--model", "dummy:smollm2-135m", "--max-num-seqs", "1", "--no-reflection")
+    try:
+        w.wait_ready()
+        grpc_port = int(w.address.rsplit(":", 1)[1])
+        assert _listening_ports(w.proc.pid) == {grpc_port}
+        assert not any("Prometheus metrics" in line for line in w.lines)
+    finally:
+        w.close()

@@ -1,0 +1,318 @@
+"""Prometheus metrics under vLLM's names, served over HTTP at --metrics-host:--metrics-port
+/metrics (off when the port is 0), for the Gateway API Inference Extension endpoint pickers
+(llm-d and others) and the Grafana dashboards built for vLLM.
+
+Every series carries the labels ``model_name`` (the served model's name, as GetModelInfo
+reports it) and ``engine="0"`` (vLLM's engine index; we have one engine). Names and bucket
+boundaries follow vLLM's V1 engine. Only tracked requests count: the warm-up does not.
+
+Read at scrape time from the one `worker.load.Load` snapshot (the same figures as GetLoad):
+
+==========================================  =========  ===================================
+vllm:num_requests_running                   gauge      requests in the scheduler's running
+                                                       set
+vllm:num_requests_waiting                   gauge      queued for the engine, not swapped
+vllm:num_requests_swapped                   gauge      preempted to the CPU swap space
+                                                       (vLLM V0's name; V1 has no swap)
+vllm:kv_cache_usage_perc                    gauge      fraction of KV blocks held by
+                                                       requests, 0..1
+vllm:gpu_cache_usage_perc                   gauge      the same figure under the name
+                                                       vLLM used before 0.9 (deprecated
+                                                       there; older pickers still read it)
+vllm:prefix_cache_queries_total             counter    prompt tokens looked up in the
+                                                       prefix cache (tokens, as vLLM counts)
+vllm:prefix_cache_hits_total                counter    of those, tokens found cached
+vllm:num_preemptions_total                  counter    preemptions of finished requests
+                                                       (counted when the request finishes)
+vllm:cache_config_info                      gauge      always 1; labels block_size,
+                                                       num_gpu_blocks (KV blocks on the
+                                                       model's device), enable_prefix_caching
+==========================================  =========  ===================================
+
+The prefix-cache counters come from the KV cache's own statistics, which the warm-up's one
+lookup also feeds.
+
+Observed on the event loop as each engine step's outputs are dispatched (tokens) and once
+per finished request (everything else); times are seconds of ``time.monotonic()``:
+
+==========================================  =========  ===================================
+vllm:prompt_tokens_total                    counter    prompt tokens, counted when a
+                                                       request's first token arrives
+                                                       (prefill done), cached ones included
+vllm:generation_tokens_total                counter    generated tokens, as they arrive
+vllm:time_to_first_token_seconds            histogram  arrival -> first token, observed
+                                                       when it arrives
+vllm:inter_token_latency_seconds            histogram  gap between a request's consecutive
+                                                       tokens (one per token after the
+                                                       first), between the engine steps
+                                                       that produced them
+vllm:time_per_output_token_seconds          histogram  the same observations under vLLM's
+                                                       pre-0.11 name (deprecated there)
+vllm:request_time_per_output_token_seconds  histogram  per request: decode time / (output
+                                                       tokens - 1); 0 for one token or none
+vllm:e2e_request_latency_seconds            histogram  arrival -> finished
+vllm:request_queue_time_seconds             histogram  arrival -> first scheduled (the whole
+                                                       life of one never scheduled)
+vllm:request_prefill_time_seconds           histogram  first scheduled -> first token
+vllm:request_decode_time_seconds            histogram  first token -> finished
+vllm:request_inference_time_seconds         histogram  first scheduled -> finished
+vllm:request_prompt_tokens                  histogram  prompt tokens per finished request
+vllm:request_generation_tokens              histogram  output tokens per finished request
+vllm:request_params_max_tokens              histogram  max_tokens per finished request
+vllm:request_success_total                  counter    finished requests by finished_reason:
+                                                       stop, length, abort, error
+==========================================  =========  ===================================
+
+So once every finished request produced at least one token, each per-request histogram
+counts exactly the finished requests, and the token counters equal the sums of the usage
+reported to clients. A request that ends before its first token (aborted while queued,
+failed) adds no TTFT and no prompt tokens, as in vLLM.
+
+Threads: prometheus_client answers scrapes on its own threads, while the engine runs on
+another and the bridge lives on the event loop, where `EngineBridge.tokens_per_second` trims
+a deque that `_dispatch` appends to. So a scrape never computes the snapshot itself: it asks
+the loop for one (``call_soon_threadsafe``) and waits for it, up to `SNAPSHOT_TIMEOUT_S`;
+when the loop does not answer in time (or has closed) it serves the last snapshot taken.
+The snapshot is then computed on the loop by the same function as GetLoad's. Histograms and
+counters are prometheus_client objects, which lock internally; only the loop writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.bridge import EngineBridge, RequestStream
+from worker.load import Load, snapshot
+from worker.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+LABELS = ("model_name", "engine")
+SNAPSHOT_TIMEOUT_S = 2.0
+
+# vLLM's boundaries, so that dashboards' histogram_quantile reads the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def one_two_five(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class LoadCollector(Collector):
+    """The gauges and cache counters, from a `Load` taken on the loop at each scrape."""
+
+    def __init__(self, bridge: EngineBridge, loop: asyncio.AbstractEventLoop,
+                 labels: tuple[str, str], enable_prefix_caching: bool) -> None:
+        self.bridge = bridge
+        self.loop = loop
+        self.labels = list(labels)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._last: Load | None = None
+
+    def load(self) -> Load | None:
+        if self._on_loop():
+            self._last = snapshot(self.bridge)
+            return self._last
+        fut: concurrent.futures.Future[Load] = concurrent.futures.Future()
+
+        def take() -> None:  # on the loop
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(snapshot(self.bridge))
+                except Exception as e:
+                    fut.set_exception(e)
+
+        try:
+            self.loop.call_soon_threadsafe(take)
+            self._last = fut.result(SNAPSHOT_TIMEOUT_S)
+        except (RuntimeError, concurrent.futures.TimeoutError):  # loop closed, or busy
+            fut.cancel()
+            log.warning("metrics: the event loop did not answer; serving the last snapshot")
+        return self._last
+
+    def _on_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def collect(self) -> Iterator[Metric]:
+        load = self.load()
+        if load is None:
+            return
+        names = list(LABELS)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(self.labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(self.labels, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running set.", load.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for the engine (not swapped).",
+                    load.num_waiting)
+        yield gauge("vllm:num_requests_swapped", "Requests preempted to the CPU swap space.",
+                    load.num_swapped)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.",
+                    load.kv_cache_usage)
+        yield gauge("vllm:gpu_cache_usage_perc",
+                    "KV-cache usage; 1 means 100 percent. Deprecated: vllm:kv_cache_usage_perc.",
+                    load.kv_cache_usage)
+        yield counter("vllm:prefix_cache_queries",
+                      "Prefix cache queries, in queried tokens.", load.prefix_cache_queried_tokens)
+        yield counter("vllm:prefix_cache_hits",
+                      "Prefix cache hits, in cached tokens.", load.prefix_cache_hit_tokens)
+        yield counter("vllm:num_preemptions", "Preemptions of finished requests.",
+                      load.num_preemptions)
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching",
+                                         *names])
+        info.add_metric([str(load.block_size), str(load.num_total_blocks),
+                         str(self.enable_prefix_caching), *self.labels], 1)
+        yield info
+
+
+class RequestMetrics:
+    """The counters and histograms fed by the bridge (an `EngineBridge` observer): every
+    call comes on the loop, for tracked requests only."""
+
+    def __init__(self, registry: CollectorRegistry, labels: tuple[str, str],
+                 max_model_len: int) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=registry).labels(*labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
+            return Histogram(name, doc, LABELS, registry=registry, buckets=buckets).labels(*labels)
+
+        tokens = one_two_five(max_model_len)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               (*LABELS, "finished_reason"), registry=registry)
+        self._labels = labels
+        for reason in ("stop", "length", "abort", "error"):  # present from the start, at 0
+            self.success.labels(*labels, reason)
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Inter-token latency in seconds.", TOKEN_GAP_BUCKETS)
+        self.tpot_old = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Inter-token latency in seconds. Deprecated: vllm:inter_token_latency_seconds.",
+            TOKEN_GAP_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Mean time per output token of each request, seconds.",
+                                      TOKEN_GAP_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "End-to-end request latency in seconds.", REQUEST_TIME_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Seconds from arrival to first scheduled.", REQUEST_TIME_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds",
+                                 "Seconds from first scheduled to first token.",
+                                 REQUEST_TIME_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds",
+                                "Seconds from first token to finished.", REQUEST_TIME_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds",
+                                   "Seconds from first scheduled to finished.",
+                                   REQUEST_TIME_BUCKETS)
+        self.request_prompt = histogram("vllm:request_prompt_tokens",
+                                        "Prompt tokens of each finished request.", tokens)
+        self.request_generation = histogram("vllm:request_generation_tokens",
+                                            "Output tokens of each finished request.", tokens)
+        self.max_tokens = histogram("vllm:request_params_max_tokens",
+                                    "max_tokens of each finished request.", tokens)
+        self._last_token_t: dict[str, float] = {}  # request id -> when its last token came
+
+    def output(self, stream: RequestStream, out: RequestOutput, t: float) -> None:
+        """An output dispatched at `t` (the engine step's end); may be the finished one."""
+        n = len(out.new_token_ids)
+        if not n:
+            return
+        rid, req = stream.request_id, stream.request
+        last = self._last_token_t.get(rid)
+        if last is None:
+            first = req.first_token_time if req.first_token_time is not None else t
+            self.ttft.observe(max(0.0, first - req.arrival_time))
+            self.prompt_tokens.inc(out.prompt_tokens)
+        else:
+            self.itl.observe(t - last)
+            self.tpot_old.observe(t - last)
+        self.generation_tokens.inc(n)
+        self._last_token_t[rid] = t
+
+    def finished(self, stream: RequestStream, out: RequestOutput) -> None:
+        """Once per finished request, after its last `output`."""
+        self._last_token_t.pop(stream.request_id, None)
+        req = stream.request
+        self.success.labels(*self._labels, out.finish_reason or "error").inc()
+        e2e = out.total_time_s if out.total_time_s is not None else 0.0
+        # Times since arrival; a phase never reached ends where the request did.
+        scheduled = (e2e if req.first_scheduled_time is None
+                     else req.first_scheduled_time - req.arrival_time)
+        first = e2e if req.first_token_time is None else req.first_token_time - req.arrival_time
+        self.e2e.observe(e2e)
+        self.queue.observe(scheduled)
+        self.prefill.observe(max(0.0, first - scheduled))
+        self.decode.observe(max(0.0, e2e - first))
+        self.inference.observe(max(0.0, e2e - scheduled))
+        n = out.completion_tokens
+        self.request_tpot.observe(max(0.0, e2e - first) / (n - 1) if n > 1 else 0.0)
+        self.request_prompt.observe(out.prompt_tokens)
+        self.request_generation.observe(n)
+        self.max_tokens.observe(req.sampling_params.max_tokens)
+
+
+class MetricsServer:
+    """The registry, the bridge observer and the HTTP server of one worker."""
+
+    def __init__(self, bridge: EngineBridge, host: str, port: int) -> None:
+        engine = bridge.engine
+        labels = (engine.loaded.name, "0")
+        # No `*_created` series: vLLM publishes none, and they double the counters' lines.
+        prometheus_client.disable_created_metrics()
+        self.registry = CollectorRegistry()  # private: not the process-wide default
+        self.requests = RequestMetrics(self.registry, labels, engine.max_model_len)
+        self.registry.register(LoadCollector(bridge, asyncio.get_running_loop(), labels,
+                                             engine.config.cache.enable_prefix_caching))
+        self._httpd: WSGIServer
+        self._thread: threading.Thread
+        try:
+            self._httpd, self._thread = prometheus_client.start_http_server(
+                port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise ValueError(f"--metrics-port: cannot listen on {host}:{port}: {e}") from e
+        self.port: int = self._httpd.server_address[1]
+        bridge.observers.append(self.requests)
+
+    def stop(self) -> None:
+        """Blocks until the server thread ends (up to its 0.5 s poll): call off the loop."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5.0)
