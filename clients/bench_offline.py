@@ -27,15 +27,9 @@ Unlike the rest of `clients/`, this benchmark imports the worker: it is offline,
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import gc
-import io
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,84 +38,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from clients.bench.chat import pick_questions
+from clients.bench.environment import environment
+from clients.bench.lengths import output_lengths
+from clients.bench.peer_transformers import hf_generate_batch, load_hf_model
 from scheduler.request import SamplingParams
 from worker.config import SchedulerConfig, WorkerConfig
 from worker.engine import Engine
-from worker.weights import LoadedModel, default_model_path, load_model
+from worker.weights import LoadedModel, load_model
 
 SYSTEMS = ("continuous", "static", "transformers")
 
-# Varied user turns: everyday, coding, math, writing. Rendered through the chat template.
-QUESTIONS = [
-    # everyday
-    "What is the capital of France?",
-    "How do I get a red wine stain out of a white shirt?",
-    "Why is the sky blue?",
-    "What should I pack for a weekend camping trip?",
-    "How long should I boil an egg for a runny yolk?",
-    "Suggest three board games for a family with young kids.",
-    "What is the difference between weather and climate?",
-    "How often should I water a cactus?",
-    "Give me a simple recipe for pancakes.",
-    "What are some good stretches after a long run?",
-    "How can I fall asleep faster at night?",
-    "Why do leaves change color in the autumn?",
-    "What is a good way to start learning a new language?",
-    "Recommend a few classic novels for a teenager.",
-    "How does a refrigerator keep food cold?",
-    "What should I do if my phone gets wet?",
-    # coding
-    "Write a Python function that reverses a string.",
-    "What is the difference between a list and a tuple in Python?",
-    "Explain what a hash map is and when to use one.",
-    "How do I read a CSV file with pandas?",
-    "Write a SQL query that counts orders per customer.",
-    "What does the `git rebase` command do?",
-    "Write a JavaScript function that checks whether a number is prime.",
-    "Explain recursion with a short example in Python.",
-    "What is the difference between a process and a thread?",
-    "How do I center a div with CSS?",
-    "Write a bash one-liner that counts lines in all .py files in a folder.",
-    "What is Big O notation?",
-    "Explain what a REST API is in simple terms.",
-    "Write a Python class for a stack with push, pop and peek.",
-    "How do I handle exceptions in Python?",
-    "What is a race condition and how can I avoid one?",
-    # math
-    "What is 17 times 23?",
-    "Solve for x: 3x + 7 = 22.",
-    "What is the derivative of x^3 + 2x?",
-    "Explain the Pythagorean theorem with an example.",
-    "What is the sum of the first 100 positive integers?",
-    "Is 91 a prime number? Explain.",
-    "Convert 0.375 to a fraction.",
-    "What is the probability of rolling two sixes with two dice?",
-    "How many seconds are there in a day?",
-    "What is the area of a circle with radius 4?",
-    "Explain what a logarithm is.",
-    "If a train travels 120 km in 1.5 hours, what is its average speed?",
-    "What is 15% of 240?",
-    "Find the next number in the sequence 2, 6, 12, 20, 30.",
-    "What is the square root of 144?",
-    "Explain the difference between mean and median.",
-    # writing
-    "Write a haiku about autumn leaves.",
-    "Write a short poem about the ocean.",
-    "Write a two-sentence horror story.",
-    "Draft a polite email asking my manager for a day off.",
-    "Write a product description for a stainless steel water bottle.",
-    "Write a limerick about a cat who loves to cook.",
-    "Summarize the plot of Romeo and Juliet in three sentences.",
-    "Write a short thank-you note to a teacher.",
-    "Give me a catchy slogan for a bicycle shop.",
-    "Write the opening paragraph of a mystery novel.",
-    "Write a tweet announcing a new coffee shop opening.",
-    "Describe a sunset to someone who has never seen one.",
-    "Write a short bedtime story about a brave little turtle.",
-    "Write a cover letter opening for a junior developer job.",
-    "Write a motivational message for someone starting a new job.",
-    "Write a short dialogue between a robot and a child.",
-]
 
 
 # ----------------------------------------------------------------------------- workload
@@ -152,25 +79,10 @@ class Workload:
         }
 
 
-def output_lengths(n: int, seed: int, max_len: int = 320) -> list[int]:
-    """Long-tailed: lognormal with median 24 clipped to [4, 200], then (n + 8) // 16 of them
-    (4 of 64) at seeded positions set to 201..320. `max_len` caps everything (quick runs)."""
-    rng = np.random.default_rng(seed)
-    lens = np.clip(np.rint(np.exp(rng.normal(np.log(24), 0.8, n))), 4, 200).astype(int)
-    n_long = (n + 8) // 16
-    where = rng.choice(n, size=n_long, replace=False)
-    lens[where] = rng.integers(201, 321, size=n_long)
-    return [int(x) for x in np.clip(lens, 1, max_len)]
-
-
 def make_workload(loaded: LoadedModel, n: int, seed: int, max_output_len: int = 320) -> Workload:
     tok = loaded.tokenizer
     assert tok is not None, "the benchmark needs a model with a tokenizer and chat template"
-    rng = np.random.default_rng([seed, 1])  # its own stream: lengths do not move with order
-    order: list[int] = []
-    while len(order) < n:
-        order += rng.permutation(len(QUESTIONS)).tolist()
-    questions = [QUESTIONS[i] for i in order[:n]]
+    questions = pick_questions(n, seed)
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions
     ]
@@ -236,52 +148,15 @@ def run_engine(
     return Result(policy, len(done), sum(map(len, tokens)), wall, steps, tokens)
 
 
-def load_hf_model():
-    """transformers' own load of the default GGUF, float32 (as tests/conftest.py does)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    path = default_model_path()
-    with contextlib.redirect_stderr(io.StringIO()):  # its GGUF loader's own progress bar
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
-    return model.eval()
-
-
-@torch.inference_mode()
-def _hf_batch(hf_model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
-    """One left-padded greedy batch of exactly `new_tokens` new tokens per row.
-
-    ``eos_token_id=[]`` is transformers' ignore_eos: EOS neither stops a row nor is
-    suppressed (``min_new_tokens`` alone would forbid EOS and change the greedy tokens
-    wherever the model wants to end); ``min_new_tokens`` is then a no-op kept for intent.
-    """
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    out = hf_model.generate(
-        ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, eos_token_id=[], pad_token_id=pad_id,
-    )
-    assert out.shape[1] == width + new_tokens, (out.shape, width, new_tokens)
-    return out[:, width:].tolist()
-
-
 def run_transformers(hf_model, wl: Workload, batch_size: int, pad_id: int) -> Result:
-    _hf_batch(hf_model, wl.prompts[:2], 4, pad_id)  # warm-up
+    hf_generate_batch(hf_model, wl.prompts[:2], 4, pad_id)  # warm-up
 
     tokens: list[list[int]] = []
     steps = 0
     t0 = time.perf_counter()
     for b in range(0, wl.num_requests, batch_size):
         prompts, lens = wl.prompts[b : b + batch_size], wl.output_lens[b : b + batch_size]
-        rows = _hf_batch(hf_model, prompts, max(lens), pad_id)
+        rows = hf_generate_batch(hf_model, prompts, max(lens), pad_id)
         tokens += [row[:n] for row, n in zip(rows, lens, strict=True)]  # only its own length counts
         steps += max(lens)
     wall = time.perf_counter() - t0
@@ -303,27 +178,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return r.stdout.strip() if r.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
+    return {**environment(), "torch_threads": torch.get_num_threads()}
 
 
 def _table(results: list[Result]) -> str:

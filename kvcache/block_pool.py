@@ -14,12 +14,34 @@ blocks sit in two queues, and `allocate` draws from them in this order:
 A request frees its block table tail first, so within a request the tail is the older
 entry and is evicted before the head: a chain is cut from its end, and its surviving head
 still hits.
+
+An optional `KVEventListener` hears of the registry's changes (for a router's prefix
+index): the pool reports evictions and a full clear, the manager (which knows the tokens)
+reports newly registered blocks.
 """
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from kvcache.block_hash import BlockHash
+
+
+class KVEventListener(Protocol):
+    """Called on the thread that changes the cache (the engine thread), in order: it must
+    only record the event and return at once (no blocking, no waiting on another thread)."""
+
+    def blocks_stored(self, hashes: Sequence[BlockHash], parent: BlockHash | None,
+                      token_ids: Sequence[int] | None, cache_salt: str | None) -> None:
+        """Consecutive full blocks of one chain were registered; `parent` is the hash of
+        the block before the first (None at the start of a sequence); `token_ids` are
+        theirs, block after block (None where the caller does not know them: a swap-in)."""
+
+    def blocks_removed(self, hashes: Sequence[BlockHash]) -> None:
+        """Blocks were evicted: their hashes are no longer findable."""
+
+    def all_cleared(self) -> None:
+        """Every hash was forgotten (a prefix-cache reset)."""
 
 
 class BlockPool:
@@ -31,6 +53,7 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}  # hash -> the one block registered under it
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # front = evicted first
+        self.listener: KVEventListener | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,6 +145,8 @@ class BlockPool:
             self.free_uncached.append(b)
         self.free_cached.clear()
         self.cached.clear()
+        if self.listener is not None:
+            self.listener.all_cleared()
         return dropped
 
     def _evict(self, block: int) -> None:
@@ -129,6 +154,8 @@ class BlockPool:
         assert block_hash is not None and self.cached[block_hash] == block
         del self.cached[block_hash]
         self.block_hashes[block] = None
+        if self.listener is not None:
+            self.listener.blocks_removed((block_hash,))
 
     def check_integrity(self) -> None:
         """Free queues, ref counts and the registry agree. Raises AssertionError."""

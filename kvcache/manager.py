@@ -189,14 +189,19 @@ class KVCacheManager:
         table = self.block_tables[request_id]
         parent = hashes[-1] if hashes else ROOT
         new = iter_block_hashes(token_ids, bs, cache_salt, parent, len(hashes), num_full)
+        stored: list[int] = []  # indexes of blocks registered now, for the listener
         for i, h in enumerate(new, start=len(hashes)):
             b = table[i]
             known = self.pool.block_hashes[b]
             if known is None:
-                self.pool.cache(b, h)  # False for a duplicate (e.g. a copy-on-write copy)
+                # False for a duplicate (e.g. a copy-on-write copy)
+                if self.pool.cache(b, h):
+                    stored.append(i)
             else:
                 assert known == h, f"{request_id}: block {b} is cached under another prefix"
             hashes.append(h)
+        if stored and self.pool.listener is not None:
+            self._publish_stored(hashes, stored, token_ids, cache_salt)
 
     def check_writable(self, request_id: str, start: int, end: int) -> None:
         """Positions ``start..end-1`` are about to be written: their blocks must belong to
@@ -255,8 +260,11 @@ class KVCacheManager:
         del self.cpu_tables[request_id]
         self.block_tables[request_id] = gpu
         if self.enable_prefix_caching:
-            for h, b in zip(self._hashes.get(request_id, ()), gpu, strict=False):
-                self.pool.cache(b, h)
+            hashes = self._hashes.get(request_id, [])
+            stored = [i for i, (h, b) in enumerate(zip(hashes, gpu, strict=False))
+                      if self.pool.cache(b, h)]
+            if stored and self.pool.listener is not None:
+                self._publish_stored(hashes, stored, None, None)
         return True
 
     # -- per step --------------------------------------------------------------------------
@@ -326,6 +334,26 @@ class KVCacheManager:
                     assert pool.block_hashes[b] in (None, h), f"{rid}: block {b} hash mismatch"
 
     # -- internals -------------------------------------------------------------------------
+
+    def _publish_stored(self, hashes: Sequence[BlockHash], stored: list[int],
+                        token_ids: Sequence[int] | None, cache_salt: str | None) -> None:
+        """Tell the pool's listener of the blocks at indexes `stored` (ascending) of a
+        chain, one call per run of consecutive blocks (a run's parent is the block before)."""
+        listener = self.pool.listener
+        assert listener is not None
+        bs = self.block_size
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[start], stored[k - 1]
+            listener.blocks_stored(
+                hashes[first : last + 1],
+                hashes[first - 1] if first else None,
+                None if token_ids is None else list(token_ids[first * bs : (last + 1) * bs]),
+                cache_salt,
+            )
+            start = k
 
     def _demand(
         self, request_id: str, num_total_tokens: int, hit: PrefixHit | None

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmworker.v1 import worker_pb2 as pb
 from llmworker.v1 import worker_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2
 
 from tests.test_server import GREEDY, ROOT, SERVING, Worker, code_of, grpcurl_bin
 
@@ -305,3 +307,51 @@ def test_drain_with_the_admin_token_turns_both_health_ports_not_serving(tokens: 
         ADMIN_RPCS["Drain"](tokens.stub, _bearer(ADMIN_TOKEN))
         assert _health(ch) == not_serving
     assert tokens.health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == not_serving
+
+
+# ----- the vLLM engine protocol on the same port -------------------------------------------
+
+VLLM = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
+# What a gateway holding only the Generate token must be able to call (see worker.auth).
+VLLM_GENERATE_LEVEL = {"Generate", "Abort", "HealthCheck", "GetModelInfo", "GetServerInfo",
+                       "GetLoads", "GetTokenizer", "SubscribeKvEvents"}
+
+
+def _vllm_call(w: Worker, name: str, md) -> None:
+    """Call VllmEngine/`name` with an empty request (read the first answer of a stream)."""
+    m = VLLM.methods_by_name[name]
+    request = message_factory.GetMessageClass(m.input_type)()
+    path = f"/{VLLM.full_name}/{name}"
+    des = message_factory.GetMessageClass(m.output_type).FromString
+    if m.server_streaming:
+        call = w.channel.unary_stream(path, request_serializer=type(request).SerializeToString,
+                                      response_deserializer=des)
+        stream = call(request, timeout=10, metadata=md)
+        try:
+            next(stream)
+        finally:
+            stream.cancel()
+    else:
+        w.channel.unary_unary(path, request_serializer=type(request).SerializeToString,
+                              response_deserializer=des)(request, timeout=10, metadata=md)
+
+
+def _vllm_code(w: Worker, name: str, md) -> grpc.StatusCode:
+    try:
+        _vllm_call(w, name, md)
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("rpc", [m.name for m in VLLM.methods])
+def test_every_vllm_rpc_needs_a_token(tokens: Worker, rpc: str) -> None:
+    for md in (None, _bearer("wrong-token")):
+        assert _vllm_code(tokens, rpc, md) == UNAUTHENTICATED
+    with_gen = _vllm_code(tokens, rpc, _bearer(GEN_TOKEN))
+    if rpc in VLLM_GENERATE_LEVEL:  # past the interceptor: whatever the servicer answers
+        assert with_gen not in (UNAUTHENTICATED, PERMISSION_DENIED), with_gen
+    else:  # FlushCache, Embed, profiling, and any method added later: admin only
+        assert with_gen == PERMISSION_DENIED
+        assert _vllm_code(tokens, rpc, _bearer(ADMIN_TOKEN)) not in (UNAUTHENTICATED,
+                                                                      PERMISSION_DENIED)

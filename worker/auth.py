@@ -9,7 +9,12 @@ method                                                 needs
 =====================================================  ===================================
 ``grpc.health.v1.Health/*``                            nothing (probes)
 ``llmworker.v1.WorkerService/Generate``                --auth-token or --admin-token
-every other method (admin RPCs, reflection, unknown)   --admin-token
+``vllm.grpc.engine.VllmEngine/`` Generate, Abort and   --auth-token or --admin-token
+what SMG reads to route (HealthCheck, GetModelInfo,
+GetServerInfo, GetLoads, GetTokenizer,
+SubscribeKvEvents)
+every other method (admin RPCs, the vLLM protocol's    --admin-token
+FlushCache, Embed and profiling, reflection, unknown)
 =====================================================  ===================================
 
 An empty token flag turns its check off. No token, or one that matches nothing, is
@@ -36,6 +41,13 @@ import grpc
 from worker.config import ServerConfig, WorkerConfig
 
 GENERATE_METHOD = "/llmworker.v1.WorkerService/Generate"
+# The gateway (SMG) holds the Generate token: it needs these to register, route and tokenize,
+# and Abort, which it sends (instead of cancelling the stream) when its client disconnects:
+# with Abort admin-only, a gateway without the admin token would leave those running.
+VLLM_GENERATE_METHODS = frozenset(
+    f"/vllm.grpc.engine.VllmEngine/{m}"
+    for m in ("Generate", "Abort", "HealthCheck", "GetModelInfo", "GetServerInfo", "GetLoads",
+              "GetTokenizer", "SubscribeKvEvents"))
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 SECRET_FIELDS = ("auth_token", "admin_token")
 
@@ -45,7 +57,7 @@ OPEN, GENERATE, ADMIN = "open", "generate", "admin"
 def required_level(method: str) -> str:
     if method.startswith(OPEN_PREFIXES):
         return OPEN
-    if method == GENERATE_METHOD:
+    if method == GENERATE_METHOD or method in VLLM_GENERATE_METHODS:
         return GENERATE
     return ADMIN  # deny by default: admin RPCs, reflection, anything unknown
 

@@ -26,13 +26,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmworker.v1 import worker_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2
 
 from scheduler.request import SamplingParams
 from worker import auth, telemetry, wire
 from worker.bridge import EngineBridge
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.metrics import MetricsServer
 from worker.service import SERVICE_NAME, WorkerServicer
+from worker.vllm_service import SERVICE_NAME as VLLM_SERVICE_NAME
+from worker.vllm_service import VllmEngineServicer
 
 log = telemetry.get_logger("worker.server")
 
@@ -72,7 +76,8 @@ async def serve(config: WorkerConfig) -> int:
     credentials = auth.server_credentials(sc)  # ValueError on a missing file: exit 2
 
     health_servicer = health.aio.HealthServicer()
-    for name in HEALTH_SERVICES:
+    health_names = HEALTH_SERVICES + ((VLLM_SERVICE_NAME,) if sc.vllm_protocol else ())
+    for name in health_names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = WorkerServicer(config, on_drain=health_servicer.enter_graceful_shutdown)
     servicer.config_json = auth.redacted_config_json(config)  # no tokens in GetServerStatus
@@ -80,14 +85,24 @@ async def serve(config: WorkerConfig) -> int:
     # so_reuseport off: a second worker on a taken port must fail, not share it silently.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", sc.max_message_bytes),
-                                      ("grpc.max_send_message_length", sc.max_message_bytes)],
+                                      ("grpc.max_send_message_length", sc.max_message_bytes),
+                                      # A gateway's keepalive pings (every 10 s) during a long
+                                      # non-streaming Generate must not cost it the connection.
+                                      ("grpc.http2.min_recv_ping_interval_without_data_ms",
+                                       10_000),
+                                      ("grpc.keepalive_permit_without_calls", 1)],
                              interceptors=[interceptor] if interceptor else None)
     # Not the generated add_..._to_server: bytes that do not parse get INVALID_ARGUMENT.
     wire.add_servicer(servicer, worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], server)
+    # The vLLM engine protocol (SMG's), sharing the servicer's state: see worker.vllm_service.
+    vllm = VllmEngineServicer(servicer) if sc.vllm_protocol else None
+    if vllm is not None:
+        wire.add_servicer(vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if sc.reflection:
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            + ((VLLM_SERVICE_NAME,) if vllm is not None else ()), server)
     address = _address(sc.host, sc.port)
     try:
         if credentials is None:
@@ -138,6 +153,7 @@ async def serve(config: WorkerConfig) -> int:
         begin_drain()
 
     bridge: EngineBridge | None = None
+    metrics: MetricsServer | None = None
     try:
         engine = await asyncio.to_thread(Engine, config)  # the loop keeps serving health
         bridge = EngineBridge(engine)
@@ -146,7 +162,13 @@ async def serve(config: WorkerConfig) -> int:
         if not stop.is_set():
             await warm_up(bridge)
             servicer.attach(bridge)
-            for name in HEALTH_SERVICES:
+            if vllm is not None:
+                vllm.attach(bridge)
+            if sc.metrics_port:
+                metrics = MetricsServer(bridge, sc.metrics_host, sc.metrics_port)
+                _say(f"Prometheus metrics (vLLM's names) on "
+                     f"http://{_address(sc.metrics_host, metrics.port)}/metrics")
+            for name in health_names:
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             loaded = engine.loaded
             _say(f"{engine.budget.describe()}")
@@ -162,6 +184,8 @@ async def serve(config: WorkerConfig) -> int:
             await health_server.stop(None)
         if bridge is not None:
             await bridge.close()
+        if metrics is not None:
+            await asyncio.to_thread(metrics.stop)
         telemetry.shutdown_tracing()
     _say("stopped")
     return exit_code

@@ -43,6 +43,10 @@ step, and per stream at most one output is buffered (a slow reader gets coalesce
 see `worker.bridge`); the step that finishes a request sends its last chunk and then
 `complete`.
 
+The door (`check_door`, `build_request`), admission (`serving`, `open_stream`) and the
+output stream (`follow`) are shared with the vLLM protocol's adapter (`worker.vllm_service`),
+so both wire formats check the same limits and end requests the same way.
+
 Text input is tokenized as is (BOS prepended only when the model's tokenizer adds one to
 plain text); chat input is rendered with the model's chat template and a generation prompt.
 Admin RPCs read plain counters and never wait on the engine thread.
@@ -51,13 +55,14 @@ Admin RPCs read plain counters and never wait on the engine thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.metadata
 import logging
 import platform
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import google.protobuf
@@ -68,10 +73,12 @@ from llmworker.v1 import worker_pb2_grpc
 
 from scheduler.request import MAX_LOGPROBS, Request, SamplingParams
 from worker import telemetry
-from worker.bridge import DuplicateRequestError, EngineBridge
-from worker.config import WorkerConfig
+from worker.bridge import DuplicateRequestError, EngineBridge, RequestStream
+from worker.config import ServerConfig, WorkerConfig
+from worker.engine import Engine
 from worker.load import snapshot
 from worker.outputs import RequestOutput
+from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +154,54 @@ def complete_response(rid: str, out: RequestOutput) -> pb.GenerateResponse:
     ))
 
 
+# ----- the door: one set of checks for every wire format (ours and worker.vllm_service) -----
+
+
+def check_door(sc: ServerConfig, request_id: str, stops: Sequence[str], stop_field: str) -> None:
+    """The cheap checks made before tokenizing; raises InvalidArgument naming the field."""
+    if len(request_id) > sc.max_request_id_len:
+        raise InvalidArgument(f"request_id is {len(request_id)} characters; at most "
+                              f"{sc.max_request_id_len} are allowed")
+    if len(stops) > sc.max_stop_strings:
+        raise InvalidArgument(f"{stop_field} has {len(stops)} strings; at most "
+                              f"{sc.max_stop_strings} are allowed (--max-stop-strings)")
+    for i, s in enumerate(stops):
+        if not s:
+            raise InvalidArgument(f"{stop_field}[{i}] is empty")
+        if len(s) > sc.max_stop_len:
+            raise InvalidArgument(f"{stop_field}[{i}] is {len(s)} characters; at most "
+                                  f"{sc.max_stop_len} are allowed (--max-stop-len)")
+
+
+async def encode_text(tok: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text`; a long text is tokenized off the event loop."""
+    if len(text) > _LONG_TEXT:
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+    return tok.encode(text, add_special_tokens)
+
+
+def build_request(sc: ServerConfig, engine: Engine, ids: list[int], *, request_id: str,
+                  max_tokens: int, priority: int = 0, cache_salt: str | None = None,
+                  **sampling: Any) -> Request:
+    """The checks made on the prompt's token ids, then the `Request`: the prompt within
+    --max-prompt-tokens (or max_model_len), max_tokens 0 = the default clipped to what fits,
+    every sampling value within `SamplingParams`' limits, the ids within the vocabulary.
+    Raises ValueError naming the field and the limit; `sampling` are SamplingParams fields."""
+    max_prompt = sc.max_prompt_tokens or engine.max_model_len
+    if len(ids) > max_prompt:
+        flag = "--max-prompt-tokens" if sc.max_prompt_tokens else "max_model_len"
+        raise InvalidArgument(f"the prompt is {len(ids)} tokens; at most {max_prompt} are "
+                              f"allowed ({flag})")
+    if max_tokens == 0:  # the default, clipped to what fits
+        max_tokens = min(sc.default_max_tokens, engine.max_model_len - len(ids))
+        if max_tokens < 1:
+            raise InvalidArgument(f"the prompt ({len(ids)} tokens) leaves no room for output "
+                                  f"in max_model_len ({engine.max_model_len})")
+    params = SamplingParams(max_tokens=max_tokens, **sampling)
+    return engine.make_request(ids, params, request_id=request_id or uuid.uuid4().hex,
+                               priority=priority, cache_salt=cache_salt)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Serves before the engine exists (admin RPCs say UNAVAILABLE, GetServerStatus
     answers); `attach` hands it the running bridge."""
@@ -190,14 +245,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 yield response
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        bridge = await self._engine(context)
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "the worker is draining; send the request to another replica")
+        bridge = await self.serving(context)
         try:
             req = await self._to_request(request, bridge)
         except ValueError as e:  # ours, SamplingParams', make_request's, the tokenizer's
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = await self.open_stream(context, bridge, req)
+        rid = req.request_id
+        logprobs = req.sampling_params.logprobs is not None
+        prompt = request.text if request.HasField("text") else None
+        async with contextlib.aclosing(self.follow(context, bridge, req, stream, prompt)) as outs:
+            async for out in outs:
+                if out.new_token_ids or out.new_text:
+                    yield chunk_response(rid, out, logprobs)
+                if out.finished:
+                    if out.finish_reason == "error":
+                        await self.fail(context, bridge, rid, out)
+                    yield complete_response(rid, out)
+
+    # ----- the door and the stream, shared with the vLLM adapter (worker.vllm_service) -----
+
+    async def serving(self, context: grpc.aio.ServicerContext) -> EngineBridge:
+        """The bridge, for a new generation: UNAVAILABLE while loading or draining."""
+        bridge = await self._engine(context)
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the worker is draining; send the request to another replica")
+        return bridge
+
+    async def open_stream(self, context: grpc.aio.ServicerContext, bridge: EngineBridge,
+                          req: Request) -> RequestStream:
+        """Hand a validated request to the engine: RESOURCE_EXHAUSTED when the waiting queue
+        is full, ALREADY_EXISTS for a request_id in flight."""
         if bridge.num_waiting >= self.sc.max_waiting:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -206,21 +285,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 trailing_metadata=(("retry-after-ms", str(self.sc.retry_after_ms)),),
             )
         try:
-            stream = bridge.open(req)
+            return bridge.open(req)
         except DuplicateRequestError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        raise AssertionError("unreachable: context.abort raises")
 
+    async def follow(self, context: grpc.aio.ServicerContext, bridge: EngineBridge, req: Request,
+                     stream: RequestStream, prompt_text: str | None = None,
+                     ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine publishes them (coalesced when the reader is
+        slow), ending with the finished one; traced and logged. Enforces the client's
+        deadline (DEADLINE_EXCEEDED) and --max-generation-time-s; closing it early
+        (cancel, disconnect, a failed write) aborts the request. Use it under
+        `contextlib.aclosing` so that the abort happens at once."""
         rid = req.request_id
         p = req.sampling_params
-        logprobs = p.logprobs is not None
         record = self.sc.trace_content
         gen = telemetry.GenerationTrace(
             bridge.engine.loaded.name, rid, max_tokens=p.max_tokens, temperature=p.temperature,
             top_p=p.top_p, top_k=p.top_k, seed=p.seed, priority=req.priority,
-            prompt=request.text if record and request.HasField("text") else None,
-            record_content=record)
+            prompt=prompt_text if record else None, record_content=record)
         arrival_wall = telemetry.monotonic_to_wall(req.arrival_time)
         gen.event("queued", timestamp_s=arrival_wall, prompt_tokens=req.num_prompt_tokens)
         logger = telemetry.bind_request(rid, gen.span)
@@ -273,14 +359,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     gen.event("first_token")
                 if record:
                     text.append(out.new_text)
-                if out.new_token_ids or out.new_text:
-                    yield chunk_response(rid, out, logprobs)
                 if out.finished:
                     done = True
                     self._finished(gen, logger, rid, out, "".join(text) if record else None)
-                    if out.finish_reason == "error":
-                        await self._fail(context, bridge, rid, out)
-                    yield complete_response(rid, out)
+                yield out
+                if out.finished:
                     return
         finally:
             # Cancelled, disconnected (GeneratorExit), past its deadline or failed: free the
@@ -291,8 +374,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 logger.info("request aborted", reason="cancelled, disconnected or deadline")
 
     @staticmethod
-    async def _fail(context: grpc.aio.ServicerContext, bridge: EngineBridge, rid: str,
-                    out: RequestOutput) -> None:
+    async def fail(context: grpc.aio.ServicerContext, bridge: EngineBridge, rid: str,
+                   out: RequestOutput) -> None:
         """End the RPC for a request the engine failed: INTERNAL (a fault: a model step
         raised, the engine thread died), or UNAVAILABLE when the worker shut down under it
         (another replica can serve it)."""
@@ -316,40 +399,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _to_request(self, msg: pb.GenerateRequest, bridge: EngineBridge) -> Request:
         """Validate and translate; raises ValueError naming the field and the limit."""
-        sc, engine = self.sc, bridge.engine
-        if len(msg.request_id) > sc.max_request_id_len:
-            raise InvalidArgument(f"request_id is {len(msg.request_id)} characters; at most "
-                                  f"{sc.max_request_id_len} are allowed")
+        sc = self.sc
+        stops = list(msg.stopping.stop)
+        check_door(sc, msg.request_id, stops, "stopping.stop")
         if msg.WhichOneof("input") == "chat" and len(msg.chat.messages) > sc.max_chat_messages:
             raise InvalidArgument(f"chat.messages has {len(msg.chat.messages)} messages; at most "
                                   f"{sc.max_chat_messages} are allowed (--max-chat-messages)")
         if msg.top_logprobs > MAX_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must be <= {MAX_LOGPROBS}, got {msg.top_logprobs}")
-        stops = list(msg.stopping.stop)
-        if len(stops) > sc.max_stop_strings:
-            raise InvalidArgument(f"stopping.stop has {len(stops)} strings; at most "
-                                  f"{sc.max_stop_strings} are allowed (--max-stop-strings)")
-        for i, s in enumerate(stops):
-            if not s:
-                raise InvalidArgument(f"stopping.stop[{i}] is empty")
-            if len(s) > sc.max_stop_len:
-                raise InvalidArgument(f"stopping.stop[{i}] is {len(s)} characters; at most "
-                                      f"{sc.max_stop_len} are allowed (--max-stop-len)")
         ids = await self._prompt_ids(msg, bridge)
-        max_prompt = sc.max_prompt_tokens or engine.max_model_len
-        if len(ids) > max_prompt:
-            flag = "--max-prompt-tokens" if sc.max_prompt_tokens else "max_model_len"
-            raise InvalidArgument(f"the prompt is {len(ids)} tokens; at most {max_prompt} are "
-                                  f"allowed ({flag})")
-
-        max_tokens = msg.stopping.max_tokens
-        if max_tokens == 0:  # the default, clipped to what fits
-            max_tokens = min(sc.default_max_tokens, engine.max_model_len - len(ids))
-            if max_tokens < 1:
-                raise InvalidArgument(f"the prompt ({len(ids)} tokens) leaves no room for output "
-                                      f"in max_model_len ({engine.max_model_len})")
         s = msg.sampling
-        params = SamplingParams(
+        return build_request(
+            sc, bridge.engine, ids, request_id=msg.request_id,
+            max_tokens=msg.stopping.max_tokens, priority=msg.priority,
+            cache_salt=msg.cache_salt or None,
             temperature=s.temperature if s.HasField("temperature") else 1.0,
             top_p=s.top_p if s.HasField("top_p") else 1.0,
             top_k=s.top_k if s.HasField("top_k") else 0,
@@ -358,16 +421,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
             frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
             seed=s.seed if s.HasField("seed") else None,  # any uint64 is valid
-            max_tokens=max_tokens,
             stop=tuple(stops),
             stop_token_ids=tuple(msg.stopping.stop_token_ids),
             ignore_eos=msg.stopping.ignore_eos,
             logprobs=msg.top_logprobs if msg.logprobs or msg.top_logprobs else None,
             skip_special_tokens=not msg.include_special_tokens,
         )
-        rid = msg.request_id or uuid.uuid4().hex
-        return engine.make_request(ids, params, request_id=rid, priority=msg.priority,
-                                   cache_salt=msg.cache_salt or None)
 
     async def _prompt_ids(self, msg: pb.GenerateRequest, bridge: EngineBridge) -> list[int]:
         kind = msg.WhichOneof("input")
@@ -396,10 +455,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             text = tok.apply_chat_template([{"role": m.role, "content": m.content}
                                             for m in messages], add_generation_prompt=True)
         # A rendered template writes its own BOS; raw text gets one only if the model adds it.
-        add_special = kind == "text"
-        if len(text) > _LONG_TEXT:
-            return await asyncio.to_thread(tok.encode, text, add_special)
-        return tok.encode(text, add_special)
+        return await encode_text(tok, text, add_special_tokens=kind == "text")
 
     # ----- admin -----
 

@@ -1,0 +1,481 @@
+"""llm-worker-bench: metric math on constructed traces, arrivals, datasets, SSE and the OpenAI
+backend against an in-test HTTP server, and one end-to-end sweep against a real Worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from clients.bench import dataset as ds
+from clients.bench.arrival import arrival_offsets, dispatch
+from clients.bench.backend_openai import OpenAIBackend
+from clients.bench.cli import main
+from clients.bench.knee import find_knee
+from clients.bench.lengths import output_lengths, parse_lengths
+from clients.bench.metrics import parse_slo, summarize
+from clients.bench.record import RequestRecord
+from clients.bench.runner import run_once
+from clients.bench.sse import SSEParser
+from tests.test_server import Worker
+
+
+def rec(index: int, times: list[float], tokens: list[int], *, ok: bool = True,
+        prompt: int = 10) -> RequestRecord:
+    r = RequestRecord(index, sum(tokens), success=ok, prompt_tokens=prompt,
+                      output_tokens=sum(tokens) if ok else 0)
+    for t, k in zip(times, tokens, strict=True):
+        r.add_chunk(t, k)
+    if not ok:
+        r.error = "UNAVAILABLE: gone"
+    return r
+
+
+# ----- metrics ---------------------------------------------------------------------------
+
+
+def traces() -> list[RequestRecord]:
+    return [
+        rec(0, [0.1, 0.2, 0.4, 0.5], [1, 1, 1, 1]),  # TTFT 100 ms, TPOT 400/3 ms, ITL 100,200,100
+        rec(1, [0.2, 0.3], [1, 3]),                  # a chunk with 3 tokens: one ITL gap of 100
+        rec(2, [0.05], [1]),                         # one token: no TPOT
+        rec(3, [0.3], [1], ok=False),                # failed: counted, not in the figures
+    ]
+
+
+def test_per_request_ttft_tpot_itl_from_chunk_times() -> None:
+    a, b, c, _ = traces()
+    assert a.ttft == 0.1 and a.latency == 0.5
+    assert a.tpot == pytest.approx(0.4 / 3)
+    assert a.itl == pytest.approx([0.1, 0.2, 0.1])
+    # vLLM counts one gap per chunk, whatever it carries; TPOT divides by tokens.
+    assert b.itl == pytest.approx([0.1])
+    assert b.tpot == pytest.approx(0.1 / 3)
+    assert c.tpot is None and c.itl == []
+    j = a.to_json(start=a.sent_at)
+    assert j["itl_ms"] == pytest.approx([100, 200, 100]) and j["e2el_ms"] == pytest.approx(500)
+
+
+def test_summary_matches_vllm_definitions() -> None:
+    s = summarize(traces(), duration_s=2.0)
+    assert (s["num_requests"], s["completed"], s["failed"]) == (4, 3, 1)
+    assert s["errors"] == {"UNAVAILABLE: gone": 1}
+    assert s["request_throughput"] == pytest.approx(1.5)
+    assert s["total_output_tokens"] == 4 + 4 + 1
+    assert s["output_throughput"] == pytest.approx(9 / 2)
+    assert s["input_throughput"] == pytest.approx(30 / 2)
+    ttft = s["ttft_ms"]  # 100, 200, 50
+    assert ttft["mean"] == pytest.approx(350 / 3)
+    assert ttft["median"] == pytest.approx(100)
+    assert ttft["p90"] == pytest.approx(180)  # linear: 100 + 0.8 * (200 - 100)
+    assert ttft["p99"] == pytest.approx(198)
+    tpot = s["tpot_ms"]  # only requests with > 1 token: 133.3, 33.3
+    assert tpot["mean"] == pytest.approx((400 / 3 + 100 / 3) / 2)
+    itl = s["itl_ms"]  # pooled: 100, 200, 100, 100
+    assert itl["mean"] == pytest.approx(125) and itl["median"] == pytest.approx(100)
+    assert s["e2el_ms"]["median"] == pytest.approx(300)  # 500, 300, 50
+    assert "request_goodput" not in s
+
+
+def test_goodput_counts_requests_meeting_every_slo() -> None:
+    slo = parse_slo("ttft=150ms,tpot=120ms")
+    assert slo == {"ttft": pytest.approx(0.15), "tpot": pytest.approx(0.12)}
+    s = summarize(traces(), duration_s=2.0, slo=slo)
+    # 0: TTFT ok, TPOT 133 > 120; 1: TTFT 200 > 150; 2: TTFT 50, TPOT 0 (one token) -> good;
+    # 3 failed, never good.
+    assert s["num_good"] == 1 and s["request_goodput"] == pytest.approx(0.5)
+    loose = summarize(traces(), 2.0, parse_slo("ttft=1s,tpot=0.2s,e2el=600"))
+    assert loose["num_good"] == 3 and loose["slo_ms"]["e2el"] == pytest.approx(600)
+    assert summarize([], 1.0)["ttft_ms"]["p99"] is None
+    for bad in ("ttft", "latency=5ms", "tpot=fast"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_knee_is_last_rate_before_p99_ttft_triples() -> None:
+    def run(rate: float | str, p99: float, failed: int = 0) -> dict[str, Any]:
+        return {"request_rate": rate, "summary": {
+            "ttft_ms": {"p99": p99}, "failed": failed, "output_throughput": 10.0 * p99}}
+
+    runs = [run(4, 250), run(1, 100), run(2, 290), run(8, 400)]
+    k = find_knee(runs)
+    assert (k["request_rate"], k["first_rate_past"], k["reached"]) == (4, 8, True)
+    assert k["baseline_p99_ttft_ms"] == 100
+    assert find_knee([run(1, 100), run(2, 120)])["reached"] is False
+    assert find_knee([run(1, 100), run(2, 120, failed=1)])["request_rate"] == 1
+
+
+# ----- datasets ----------------------------------------------------------------------------
+
+
+def test_length_specs() -> None:
+    rng = np.random.default_rng(0)
+    assert parse_lengths("128").sample(3, rng) == [128] * 3
+    u = parse_lengths("uniform:5:9").sample(500, rng)
+    assert min(u) == 5 and max(u) == 9
+    ln = parse_lengths("lognormal:24:0.8:100").sample(2000, rng)
+    assert 20 <= np.median(ln) <= 28 and max(ln) <= 100
+    lt = parse_lengths("longtail").sample(64, np.random.default_rng(3))
+    assert lt == output_lengths(64, 3) and sum(x > 200 for x in lt) == 4
+    for spec in ("uniform:9:5", "0", "lognormal:24", "gauss:1", "uniform:a:b"):
+        with pytest.raises(ValueError):
+            parse_lengths(spec)
+
+
+def test_random_dataset_lengths_and_determinism() -> None:
+    inp, out = parse_lengths("uniform:8:40"), parse_lengths("16")
+    a = ds.random_dataset(50, inp, out, vocab_size=49152, seed=7)
+    assert all(8 <= len(r.token_ids or []) <= 40 and r.output_len == 16 for r in a)
+    assert all(1000 <= t < 49152 for r in a for t in r.token_ids or [])
+    b = ds.random_dataset(50, inp, out, vocab_size=49152, seed=7)
+    c = ds.random_dataset(50, inp, out, vocab_size=49152, seed=8)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+
+
+def test_chat_and_mixed_datasets() -> None:
+    lt = parse_lengths("longtail")
+    chats = ds.chat_dataset(64, lt, seed=0)
+    assert [r.output_len for r in chats] == output_lengths(64, 0)  # bench_offline's workload
+    assert all(r.messages and r.messages[0]["role"] == "user" for r in chats)
+    assert len({r.messages[0]["content"] for r in chats if r.messages}) > 32
+    mixed = ds.mixed_dataset(40, lt, 0, long_fraction=0.25, long_input_len=2000,
+                             long_output_len=16, vocab_size=49152)
+    longs = [r for r in mixed if r.kind == "long"]
+    assert len(longs) == 10 and all(len(r.token_ids or []) == 2000 for r in longs)
+    assert all(r.output_len == 16 for r in longs)
+    again = ds.mixed_dataset(40, lt, 0, long_fraction=0.25, long_input_len=2000,
+                             long_output_len=16, vocab_size=49152)
+    assert [r.index for r in longs] == [r.index for r in again if r.kind == "long"]
+    assert ds.describe(mixed)["kinds"] == {"chat": 30, "long": 10}
+
+
+def test_client_side_text_for_servers_that_take_none_of_ids_or_messages() -> None:
+    from clients.bench.tokenizer import as_text, ids_as_text, load_tokenizer, prompt_ids
+
+    tok = load_tokenizer()
+    [rnd] = ds.random_dataset(1, parse_lengths("300"), parse_lengths("4"), 49152, seed=0)
+    t = ids_as_text(rnd, tok)
+    assert t.token_ids is None and t.text and 250 <= len(tok.encode(t.text)) <= 300
+    [chat] = ds.chat_dataset(1, parse_lengths("4"), seed=0)
+    rendered = as_text(chat, tok)
+    assert rendered.text and chat.messages and chat.messages[0]["content"] in rendered.text
+    # The peer's ids for a chat are what the worker computes: template, then encode.
+    assert prompt_ids(chat, tok) == tok.encode(rendered.text)
+
+
+# ----- arrivals ----------------------------------------------------------------------------
+
+
+def test_poisson_offsets_seeded_with_the_right_mean_gap() -> None:
+    offs = arrival_offsets(2001, rate=10.0, seed=1)
+    assert len(offs) == 2001 and offs[0] == 0 and all(np.diff(offs) >= 0)
+    gaps = np.diff(offs)
+    assert gaps.mean() == pytest.approx(0.1, rel=0.08)
+    assert gaps.std() == pytest.approx(0.1, rel=0.12)  # exponential: std == mean
+    assert offs == arrival_offsets(2001, 10.0, 1) and offs != arrival_offsets(2001, 10.0, 2)
+    assert arrival_offsets(5, math.inf, 0) == [0.0] * 5
+    with pytest.raises(ValueError):
+        arrival_offsets(3, 0.0, 0)
+
+
+class FakeBackend:
+    """Sleeps a little per request and checks the concurrency cap on every entry."""
+
+    name = "fake"
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap, self.in_flight, self.peak, self.sent = cap, 0, 0, []
+
+    async def send(self, i: int) -> RequestRecord:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        assert self.cap is None or self.in_flight <= self.cap
+        self.sent.append(time.perf_counter())
+        await asyncio.sleep(0.02)
+        self.in_flight -= 1
+        return RequestRecord(i, 1, success=True)
+
+
+def test_dispatch_concurrency_cap_and_burst() -> None:
+    capped = FakeBackend(cap=3)
+    results, peak = asyncio.run(dispatch(list(range(12)), capped.send, [0.0] * 12, 3))
+    assert [r.index for r in results] == list(range(12))
+    assert peak == capped.peak == 3
+    burst = FakeBackend(cap=None)
+    _, peak = asyncio.run(dispatch(list(range(12)), burst.send, [0.0] * 12))
+    assert peak == 12  # all at once
+    assert max(burst.sent) - min(burst.sent) < 0.05  # one after another would take 0.22 s
+
+
+def test_dispatch_follows_poisson_offsets() -> None:
+    fake = FakeBackend(cap=None)
+    offs = arrival_offsets(10, rate=40.0, seed=0)
+
+    async def go() -> float:
+        t0 = time.perf_counter()
+        await dispatch(list(range(10)), fake.send, offs)
+        return t0
+
+    t0 = asyncio.run(go())
+    late = [s - t0 - o for s, o in zip(fake.sent, offs, strict=True)]
+    assert all(-0.001 <= x < 0.1 for x in late), late
+
+
+class KindBackend:
+    """Answers long prompts with a 10x later first token than chats."""
+
+    name = "kinds"
+
+    async def send(self, req: ds.BenchRequest) -> RequestRecord:
+        r = RequestRecord(req.index, req.output_len, success=True, output_tokens=req.output_len,
+                          prompt_tokens=req.prompt_len or 20)
+        r.sent_at = time.perf_counter()
+        first = 0.05 if req.kind == "long" else 0.005
+        for i in range(req.output_len):
+            r.add_chunk(first + 0.001 * i, 1)
+        return r
+
+
+def test_run_once_splits_a_mixed_run_by_kind() -> None:
+    reqs = ds.mixed_dataset(10, parse_lengths("4"), 0, long_fraction=0.3, long_input_len=50,
+                            long_output_len=2, vocab_size=5000)
+    run = asyncio.run(run_once(KindBackend(), reqs, request_rate=math.inf, max_concurrency=None,
+                               seed=0, slo=parse_slo("ttft=20ms"), progress=False))
+    by = run["summary"]["by_kind"]
+    assert (by["chat"]["completed"], by["long"]["completed"]) == (7, 3)
+    assert by["long"]["ttft_ms"]["median"] == pytest.approx(50)
+    assert by["chat"]["ttft_ms"]["median"] == pytest.approx(5)
+    assert (by["chat"]["num_good"], by["long"]["num_good"]) == (7, 0)
+    assert [r["kind"] for r in run["records"]] == [q.kind for q in reqs]
+    assert run["summary"]["total_input_tokens"] == 7 * 20 + 3 * 50
+
+
+# ----- SSE and the OpenAI backend ----------------------------------------------------------
+
+
+def test_sse_parser_any_split() -> None:
+    stream = (b": ping\r\n\r\ndata: {\"a\": \"\xc3\xa9\"}\r\n\r\nevent: x\ndata: line1\ndata: line2\n\n"
+              b"data:[DONE]\r\r\n")
+    want = ['{"a": "\u00e9"}', "line1\nline2", "[DONE]"]
+    whole = SSEParser().feed(stream)
+    assert whole == want
+    for step in (1, 2, 3, 7):
+        p, got = SSEParser(), []
+        for i in range(0, len(stream), step):
+            got += p.feed(stream[i : i + step])
+        assert got == want, step
+
+
+class FakeOpenAI:
+    """An asyncio HTTP/1.1 server on 127.0.0.1 that streams chunked SSE like vLLM."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.paths: list[str] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line = (await reader.readline()).decode()
+        method, path, _ = line.split(" ", 2)
+        headers = {}
+        while (h := (await reader.readline()).decode().strip()):
+            k, _, v = h.partition(":")
+            headers[k.lower()] = v.strip()
+        body = await reader.readexactly(int(headers.get("content-length", 0)))
+        self.paths.append(f"{method} {path}")
+        if path == "/v1/models":
+            payload = json.dumps({"data": [{"id": "fake-model"}]}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        elif json.loads(body).get("max_tokens") == 999:
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\noops")
+        else:
+            req = json.loads(body)
+            self.bodies.append(req)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            chat = path.endswith("/chat/completions")
+
+            def choice(text: str, finish: str | None = None) -> dict[str, Any]:
+                c: dict[str, Any] = {"index": 0, "finish_reason": finish}
+                if chat:
+                    c["delta"] = {"content": text}
+                else:
+                    c["text"] = text
+                return c
+
+            events = [{"choices": [choice("")]}]  # the role chunk: no token, no TTFT
+            events += [{"choices": [choice(w)]} for w in ("Hel", "lo", " there")]
+            events += [{"choices": [choice("", "length")]},
+                       {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}]
+            for ev in events:
+                await asyncio.sleep(0.02)
+                data = f"data: {json.dumps(ev)}\n\n".encode()
+                # Split one event across two HTTP chunks, as proxies do.
+                for part in (data[:5], data[5:]):
+                    writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await writer.drain()
+            writer.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+
+def test_openai_backend_streams_sse_chat_and_completions() -> None:
+    fake = FakeOpenAI()
+
+    async def go() -> tuple[dict[str, Any], list[RequestRecord]]:
+        server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        be = OpenAIBackend(f"http://127.0.0.1:{port}/v1", ignore_eos=True, temperature=0.0)
+        try:
+            info = await asyncio.wait_for(be.describe(), 10)
+            recs = [
+                await asyncio.wait_for(be.send(r), 10) for r in (
+                    ds.BenchRequest(0, 3, "chat", messages=[{"role": "user", "content": "hi"}]),
+                    ds.BenchRequest(1, 3, "random", token_ids=[5, 6, 7]),
+                    ds.BenchRequest(2, 999, "random", token_ids=[5]),
+                )
+            ]
+        finally:
+            server.close()
+            await server.wait_closed()
+        return info, recs
+
+    info, (chat, comp, bad) = asyncio.run(go())
+    assert info["model"] == "fake-model"
+    assert fake.paths == ["GET /v1/models", "POST /v1/chat/completions", "POST /v1/completions",
+                          "POST /v1/completions"]
+    sent = fake.bodies[0]
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["ignore_eos"] is True and sent["max_tokens"] == 3 and sent["model"] == "fake-model"
+    assert fake.bodies[1]["prompt"] == [5, 6, 7]
+    for r in (chat, comp):
+        assert r.success, r.error
+        assert (r.prompt_tokens, r.output_tokens, r.finish_reason) == (7, 3, "length")
+        assert len(r.chunk_times) == 3  # the empty role chunk carries no token
+        assert r.ttft is not None and r.ttft >= 0.035  # the role chunk came at 20 ms
+        assert all(g >= 0.015 for g in r.itl)
+    assert not bad.success and bad.error.startswith("HTTP 500")
+
+
+# ----- end to end against a real Worker ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    w = Worker("--max-num-seqs", "8")
+    try:
+        yield w.wait_ready()
+    finally:
+        w.close()
+
+
+def test_sweep_against_a_real_worker(worker: Worker, tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    argv = ["run", "--target", worker.address, "--dataset", "random", "--input-len", "uniform:8:24",
+            "--output-len", "uniform:3:6", "--num-requests", "6", "--ignore-eos", "--warmup", "1",
+            "--request-rate", "20,inf", "--slo", "ttft=60s,tpot=10s", "--output-json", str(out),
+            "--no-progress", "--seed", "3"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert {"name", "config", "server", "dataset", "runs", "environment", "knee", "plot"} <= set(
+        result)
+    env = result["environment"]
+    for key in ("date", "machine", "cpu", "torch", "git_commit", "command"):
+        assert env[key], key
+    assert result["server"]["model"] and result["server"]["vocab_size"] > 1000
+    assert [r["request_rate"] for r in result["runs"]] == [20.0, "inf"]
+    want = [r.output_len for r in ds.random_dataset(
+        6, parse_lengths("uniform:8:24"), parse_lengths("uniform:3:6"),
+        result["server"]["vocab_size"], 3)]
+    for run in result["runs"]:
+        s = run["summary"]
+        assert (s["completed"], s["failed"], s["num_good"]) == (6, 0, 6)
+        assert [r["output_tokens"] for r in run["records"]] == want  # ignore_eos: exactly asked
+        assert [r["expected_output_tokens"] for r in run["records"]] == want
+        assert all(8 <= r["prompt_tokens"] <= 24 for r in run["records"])
+        assert s["total_output_tokens"] == sum(want)
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(s[key]) == {"mean", "median", "p90", "p99"}
+            assert 0 < s[key]["median"] <= s[key]["p99"]
+        assert s["output_throughput"] > 0 and s["max_in_flight"] >= 1
+        for r in run["records"]:
+            assert r["ttft_ms"] <= r["e2el_ms"] and len(r["itl_ms"]) == len(r["chunk_tokens"]) - 1
+            assert sum(r["chunk_tokens"]) == r["output_tokens"]
+    assert result["runs"][1]["summary"]["max_in_flight"] == 6  # burst: all at once
+    assert result["knee"]["request_rate"] in (20.0, "inf")
+    png = Path(result["plot"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[0] > 100
+
+    md = tmp_path / "table.md"
+    assert main(["report", str(out), "--output", str(md)]) == 0
+    text = md.read_text()
+    assert env["git_commit"][:12] in text and env["command"] in text
+    tput = result["runs"][0]["summary"]["output_throughput"]
+    assert f"{tput:,.1f}" in text and "Knee" in text
+
+
+def test_chat_run_with_fixed_concurrency(worker: Worker, tmp_path: Path) -> None:
+    out = tmp_path / "chat.json"
+    argv = ["--target", worker.address, "--num-requests", "4", "--output-len", "longtail:5",
+            "--ignore-eos", "--max-concurrency", "2", "--warmup", "0", "--no-progress",
+            "--output-json", str(out)]
+    assert main(argv) == 0  # "run" is implied
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["summary"]["completed"] == 4 and run["summary"]["max_in_flight"] == 2
+    assert all(r["output_tokens"] == r["expected_output_tokens"] <= 5 for r in run["records"])
+    assert all(r["prompt_tokens"] > 10 for r in run["records"])  # the chat template's tokens
+
+
+class FakeHF:
+    """transformers' generate, shape for shape: appends 100, 101, ... to every row."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []  # (rows, width, new tokens)
+
+    def generate(self, ids, attention_mask, max_new_tokens: int, **kw: Any):
+        import torch
+
+        assert kw["eos_token_id"] == [] and kw["do_sample"] is False  # ignore EOS, greedy
+        assert attention_mask[:, -1].all()  # left padding: every prompt ends at the right
+        self.calls.append((ids.shape[0], ids.shape[1], max_new_tokens))
+        new = torch.arange(100, 100 + max_new_tokens).expand(ids.shape[0], -1)
+        return torch.cat([ids, new], dim=1)
+
+
+def test_peer_runs_static_batches_and_reports_the_ratio(monkeypatch) -> None:
+    from clients.bench import peer_transformers
+    from clients.bench.peer import run_peer
+
+    fake = FakeHF()
+    monkeypatch.setattr(peer_transformers, "load_hf_model", lambda: fake)
+    reqs = ds.random_dataset(5, parse_lengths("uniform:3:9"), parse_lengths("uniform:2:7"),
+                             5000, seed=1)
+    lens = [r.output_len for r in reqs]
+    p = run_peer("transformers", reqs, batch_size=2, threads=1, tokenizer_path=None,
+                 ours_output_throughput=100.0)
+    # A warm-up batch, then [0, 1], [2, 3], [4]: each runs to its longest member.
+    assert fake.calls[1:] == [
+        (len(b), max(len(r.token_ids or []) for r in b), max(r.output_len for r in b))
+        for b in (reqs[0:2], reqs[2:4], reqs[4:5])
+    ]
+    assert p["requests"] == 5 and p["output_tokens"] == sum(lens)  # only its own length counts
+    assert p["steps"] == sum(max(lens[i : i + 2]) for i in (0, 2, 4))
+    assert p["ratio"] == pytest.approx(100.0 / p["output_throughput"])
+
+
+def test_unreachable_server_fails_cleanly(tmp_path: Path, capsys) -> None:
+    argv = ["--target", "127.0.0.1:1", "--timeout", "2", "--num-requests", "1", "--no-progress",
+            "--output-json", str(tmp_path / "x.json")]
+    assert main(argv) == 1
+    assert "error:" in capsys.readouterr().err

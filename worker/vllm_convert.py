@@ -1,0 +1,139 @@
+"""vLLM engine protocol messages <-> ours: which fields we take, which we refuse, and the
+response messages. The checks with limits are the shared door's (`worker.service`); what
+is here is only what this wire format adds (its proto3 defaults, its unsupported fields).
+See `worker.vllm_service` for the table of fields and status codes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from scheduler.request import MAX_LOGPROBS
+from worker.model_runner import SampleResult
+from worker.outputs import RequestOutput
+from worker.service import InvalidArgument
+
+_SEED_MASK = 0xFFFF_FFFF  # the proto's int32 seed, read as the uint32 of its bits
+
+# Request fields with no meaning here (one text model, one device, no KV transfer): sent
+# set, they are refused, never ignored.
+_UNSUPPORTED_REQUEST_FIELDS = (
+    ("kv_transfer_params", "KV transfer (prefill/decode disaggregation)"),
+    ("kv_transfer_params_json", "KV transfer (prefill/decode disaggregation)"),
+    ("mm_inputs", "multimodal inputs (this is a text model)"),
+    ("media_refs", "multimodal inputs (this is a text model)"),
+)
+
+
+def unsupported(msg: vpb.GenerateRequest) -> None:
+    """Refuse every field we cannot honour; raises InvalidArgument naming it."""
+    for name, what in _UNSUPPORTED_REQUEST_FIELDS:
+        if msg.HasField(name):
+            raise InvalidArgument(f"{name} is not supported: {what}")
+    if msg.extra_mm_inputs:
+        raise InvalidArgument("extra_mm_inputs is not supported: multimodal inputs (this is a "
+                              "text model)")
+    if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
+        raise InvalidArgument(f"data_parallel_rank {msg.data_parallel_rank} does not exist: "
+                              "this worker is one rank (0)")
+    p = msg.sampling_params
+    if p.n > 1:
+        raise InvalidArgument(f"sampling_params.n = {p.n} is not supported: one sequence per "
+                              "request (send n requests)")
+    if (kind := p.WhichOneof("constraint")) is not None:
+        raise InvalidArgument(f"sampling_params.{kind} is not supported: no structured-output "
+                              "constraints")
+    if p.HasField("prompt_logprobs"):
+        raise InvalidArgument("sampling_params.prompt_logprobs is not supported")
+    if p.logit_bias:
+        raise InvalidArgument("sampling_params.logit_bias is not supported")
+    if p.min_tokens:
+        raise InvalidArgument(f"sampling_params.min_tokens = {p.min_tokens} is not supported "
+                              "(only 0)")
+    if p.HasField("logprobs") and not 0 <= p.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"sampling_params.logprobs must be in [0, {MAX_LOGPROBS}], got "
+                              f"{p.logprobs} (-1, all of them, is not supported)")
+
+
+def truncate(ids: list[int], p: vpb.SamplingParams, max_prompt: int) -> list[int]:
+    """`truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the most allowed)."""
+    if not p.HasField("truncate_prompt_tokens"):
+        return ids
+    k = p.truncate_prompt_tokens
+    if k == -1:
+        k = max_prompt
+    elif k < 1:
+        raise InvalidArgument(f"sampling_params.truncate_prompt_tokens must be >= 1 or -1, "
+                              f"got {k}")
+    return ids[-k:]
+
+
+def sampling_fields(p: vpb.SamplingParams) -> dict[str, Any]:
+    """Our `SamplingParams` fields (bar max_tokens) from the proto's; proto3 zeros that
+    mean "unset" become our defaults, the way vLLM's own servicer reads them."""
+    return dict(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.top_p != 0.0 else 1.0,
+        top_k=p.top_k,  # 0 = off, as ours
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty != 0.0 else 1.0,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        seed=p.seed & _SEED_MASK if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )
+
+
+def max_tokens(p: vpb.SamplingParams) -> int:
+    """0 (unset) = the server's default; an explicit 0 is refused."""
+    if p.HasField("max_tokens") and p.max_tokens == 0:
+        raise InvalidArgument("sampling_params.max_tokens must be >= 1 (or unset for the "
+                              "default)")
+    return p.max_tokens
+
+
+def output_logprobs(results: list[SampleResult] | None) -> vpb.OutputLogProbs | None:
+    if not results:
+        return None
+    out = vpb.OutputLogProbs()
+    for r in results:
+        out.token_ids.append(r.token_id)
+        out.token_logprobs.append(r.logprob if r.logprob is not None else 0.0)
+        top = r.top_logprobs or ()
+        out.top_logprobs.append(vpb.TopLogProbs(token_ids=[t for t, _ in top],
+                                                values=[lp for _, lp in top]))
+    return out
+
+
+def chunk_response(out: RequestOutput, completion_tokens: int,
+                   logprobs: bool) -> vpb.GenerateResponse:
+    return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
+        token_ids=out.new_token_ids,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=out.cached_tokens,
+        output_logprobs=output_logprobs(out.logprobs) if logprobs else None,
+    ))
+
+
+def complete_response(out: RequestOutput, output_ids: list[int],
+                      logprobs: list[SampleResult] | None) -> vpb.GenerateResponse:
+    complete = vpb.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=out.finish_reason or "error",
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_tokens=out.cached_tokens,
+        output_logprobs=output_logprobs(logprobs),
+    )
+    if isinstance(out.stop_reason, int):
+        complete.matched_token_id = out.stop_reason
+    elif isinstance(out.stop_reason, str):
+        complete.matched_stop_str = out.stop_reason
+    return vpb.GenerateResponse(complete=complete)

@@ -1,0 +1,397 @@
+"""`vllm.grpc.engine.VllmEngine` (the protocol SMG speaks to its workers) over the one engine.
+
+A second thin adapter beside `worker.service.WorkerServicer`, on the same server and port
+(--vllm-protocol). It shares that servicer's state (attached bridge, draining flag, start
+time) and its door: the same checks and limits (`check_door`, `build_request`), the same
+admission (`serving`, `open_stream`) and the same output stream (`follow`: deadline,
+--max-generation-time-s, abort on cancel, traces). Stubs come from `smg-grpc-proto`.
+
+Generate
+--------
+Input: ``tokenized.input_ids`` as given (``original_text`` is not read), or ``text``,
+tokenized by us (BOS only if the model's tokenizer adds one to plain text).
+``stream`` true: a chunk per engine step that produced tokens (``token_ids`` new ones;
+``prompt_tokens``, ``cached_tokens`` and the running ``completion_tokens`` so far), then
+``complete``. ``stream`` false: only ``complete``. ``complete.output_ids`` always holds
+every output token (so in streaming it repeats what the chunks sent); ``finish_reason``
+stop | length | abort; ``matched_token_id`` (EOS or a stop token id) or
+``matched_stop_str``; the usage counts. Logprobs, when asked for, ride on each chunk
+(its tokens) and, without streaming, on ``complete`` (all tokens).
+
+Sampling fields, read as vLLM's own servicer reads the proto3 zeros: temperature unset
+= 1.0; top_p 0 = 1.0; top_k 0 = off; repetition_penalty 0 = 1.0; min_p, presence and
+frequency penalties as given; max_tokens unset = --default-max-tokens clipped to what fits
+(an explicit 0 is refused); stop, stop_token_ids, ignore_eos, skip_special_tokens as
+given; seed: the int32's bits read as a uint32 (so -1 and 4294967295 are one seed);
+logprobs 0..20; truncate_prompt_tokens k keeps the prompt's last k tokens (-1: as many as
+allowed). Accepted with no effect, since we return token ids and no text:
+``include_stop_str_in_output`` (the ids always include the tokens that completed a stop
+string; the stop string is matched in our detokenized text) and
+``spaces_between_special_tokens``; ``grammar_from_first_token`` (no constraint can be
+set); ``n`` 0 or 1; ``data_parallel_rank`` 0.
+
+Refused with INVALID_ARGUMENT naming the field: n > 1, any structured-output constraint
+(json_schema, regex, grammar, structural_tag, json_object, choice), prompt_logprobs,
+logit_bias, min_tokens > 0 (our sampler cannot mask EOS until a minimum), logprobs -1 or
+> 20, mm_inputs, extra_mm_inputs, media_refs, kv_transfer_params(_json), a
+data_parallel_rank other than 0; and every bad value our own service refuses, with the
+same limits and messages.
+
+==========================  =========================================================
+INVALID_ARGUMENT            a bad or unsupported field (above); bytes that do not parse
+RESOURCE_EXHAUSTED          the waiting queue is full (``retry-after-ms`` trailing
+                            metadata); a KV-event subscriber that fell behind
+ALREADY_EXISTS              a request_id still in flight
+UNAVAILABLE                 loading, draining, the engine not running, or the worker
+                            shutting down under a request
+DEADLINE_EXCEEDED           the client's deadline passed (the request is aborted)
+CANCELLED                   the client cancelled: the request is aborted, blocks freed
+INTERNAL                    the engine failed the request (after any chunks sent)
+FAILED_PRECONDITION         GetTokenizer for a model without a tokenizer (dummy weights)
+UNIMPLEMENTED               Embed, StartProfile, StopProfile; SubscribeKvEvents when
+                            --kv-events is off or prefix caching is off (no events)
+==========================  =========================================================
+
+Other RPCs
+----------
+HealthCheck: healthy exactly when the worker is SERVING (engine attached and running, not
+draining); never an error status, so that SMG's backend detection always gets an answer.
+GetModelInfo / GetServerInfo: real figures (``model_path`` is the GGUF file or folder we
+loaded; SMG tries it as a tokenizer source before it calls GetTokenizer). GetLoads: one
+rank, from the same `worker.load` snapshot as our GetLoad. FlushCache: our prefix-cache
+reset, refused (success false, a message) while requests hold blocks; ``timeout_s`` > 0
+retries until then. GetTokenizer: `worker.tokenizer_bundle`'s zip in 64 KiB chunks, the
+SHA-256 (hex) on the last one. Abort: aborts those in flight (blocks freed next step).
+
+SubscribeKvEvents: `worker.kv_events` (block hashes mapped to int64, bounds, resume).
+Every event batch carries the load record; while no batch flows, a ``load_only`` record
+(numbered as the last batch sent, or 0 before the first when the subscriber asked for
+``load_records_before_first_batch``) goes out when the figures change (checked every
+0.25 s) and at least every second. Sequence numbers run on across subscriptions (one
+counter per worker). A draining worker (or a dead engine) ends the stream with
+UNAVAILABLE, so that the router stops routing here at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import importlib.metadata
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from scheduler.request import Request
+from worker import telemetry, tokenizer_bundle, vllm_convert
+from worker.bridge import EngineBridge
+from worker.engine import Engine
+from worker.kv_events import KvEventHub, Overflowed
+from worker.load import snapshot
+from worker.service import WorkerServicer, build_request, check_door, encode_text
+from worker.weights import default_model_path
+
+SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+TOKENIZER_CHUNK = 64 << 10
+_LOAD_CHECK_S = 0.25  # how often a quiet KV-event stream looks for a changed load
+_HEARTBEAT_S = 1.0  # the longest a KV-event stream stays silent
+_MAX_FLUSH_WAIT_S = 600.0
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("llm-worker")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """Shares `front`'s state; `attach` (after `front.attach`) starts the KV-event hub."""
+
+    def __init__(self, front: WorkerServicer) -> None:
+        self.front = front
+        self.config = front.config
+        self.hub: KvEventHub | None = None
+        self.last_receive = 0.0  # wall time of the last Generate
+        self.version = _version()
+        self._tokenizer_zip: tuple[bytes, str] | None = None
+        self._tokenizer_lock = asyncio.Lock()
+
+    def attach(self, bridge: EngineBridge) -> None:
+        cfg = self.config
+        if cfg.server.kv_events and cfg.cache.enable_prefix_caching:
+            engine = bridge.engine
+            self.hub = KvEventHub(asyncio.get_running_loop(), engine.kv.block_size,
+                                  lambda: snapshot(bridge), cfg.scheduler.max_num_seqs)
+            engine.kv.pool.listener = self.hub  # from now on the engine thread reports
+
+    # ----- Generate -----
+
+    async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
+        method = f"/{SERVICE_NAME}/Generate"
+        with telemetry.rpc_span(method, context.invocation_metadata(), context=context):
+            async for response in self._generate(request, context):
+                yield response
+
+    async def _generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
+        front = self.front
+        bridge = await front.serving(context)
+        self.last_receive = time.time()
+        try:
+            req = await self._to_request(request, bridge)
+        except ValueError as e:  # ours, the door's, SamplingParams', make_request's
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = await front.open_stream(context, bridge, req)
+        rid = req.request_id
+        want_logprobs = req.sampling_params.logprobs is not None
+        output_ids: list[int] = []
+        logprobs: list = []
+        prompt = request.text if request.HasField("text") else None
+        async with contextlib.aclosing(front.follow(context, bridge, req, stream, prompt)) as outs:
+            async for out in outs:
+                output_ids += out.new_token_ids
+                if want_logprobs and not request.stream:
+                    logprobs += out.logprobs or ()
+                if request.stream and out.new_token_ids:
+                    yield vllm_convert.chunk_response(out, len(output_ids), want_logprobs)
+                if out.finished:
+                    if out.finish_reason == "error":
+                        await front.fail(context, bridge, rid, out)
+                    yield vllm_convert.complete_response(out, output_ids, logprobs or None)
+
+    async def _to_request(self, msg: vpb.GenerateRequest, bridge: EngineBridge) -> Request:
+        """Validate and translate; raises ValueError naming the field and the limit."""
+        sc, engine = self.front.sc, bridge.engine
+        p = msg.sampling_params
+        check_door(sc, msg.request_id, list(p.stop), "sampling_params.stop")
+        vllm_convert.unsupported(msg)
+        kind = msg.WhichOneof("input")
+        if kind is None:
+            raise vllm_convert.InvalidArgument("input is missing: set tokenized or text")
+        if kind == "tokenized":
+            ids = list(msg.tokenized.input_ids)
+            if not ids:
+                raise vllm_convert.InvalidArgument("tokenized.input_ids is empty")
+        else:
+            if not msg.text:
+                raise vllm_convert.InvalidArgument("text is empty")
+            if engine.tokenizer is None:
+                raise vllm_convert.InvalidArgument(
+                    f"text input needs a tokenizer; model {engine.loaded.name} has none "
+                    "(send tokenized.input_ids)")
+            ids = await encode_text(engine.tokenizer, msg.text, add_special_tokens=True)
+        ids = vllm_convert.truncate(ids, p, sc.max_prompt_tokens or engine.max_model_len)
+        return build_request(sc, engine, ids, request_id=msg.request_id,
+                             max_tokens=vllm_convert.max_tokens(p),
+                             **vllm_convert.sampling_fields(p))
+
+    # ----- management -----
+
+    async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext):
+        bridge = await self.front._engine(context)
+        for rid in request.request_ids:
+            bridge.abort(rid)
+        return vpb.AbortResponse()
+
+    async def HealthCheck(self, request: vpb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext):
+        bridge = self.front.bridge
+        if bridge is None:
+            return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
+        if bridge.dead or bridge.closed:
+            return vpb.HealthCheckResponse(healthy=False, message="the engine is not running")
+        if self.front.draining:
+            return vpb.HealthCheckResponse(healthy=False, message="the worker is draining")
+        return vpb.HealthCheckResponse(healthy=True, message="serving")
+
+    def _model_path(self) -> str:
+        spec = self.config.model.model
+        if spec == "default":
+            return str(default_model_path())
+        return spec if spec.startswith("dummy:") else str(Path(spec).expanduser().resolve())
+
+    async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext):
+        engine = (await self.front._engine(context)).engine
+        loaded, tok = engine.loaded, engine.tokenizer
+        source = loaded.source
+        return vpb.GetModelInfoResponse(
+            model_path=self._model_path(),
+            is_generation=True,
+            max_context_length=engine.max_model_len,
+            vocab_size=loaded.config.vocab_size,
+            supports_vision=False,
+            served_model_name=loaded.name,
+            tokenizer_path=self._model_path() if source == "safetensors" else "",
+            model_type="llama",
+            architectures=[loaded.config.architecture],
+            eos_token_ids=list(loaded.eos_token_ids),
+            pad_token_id=(tok.pad_token_id or 0) if tok else 0,
+            bos_token_id=(tok.bos_token_id or 0) if tok else 0,
+            max_req_input_len=self.front.sc.max_prompt_tokens or engine.max_model_len,
+            default_sampling_params_json="",
+        )
+
+    async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext):
+        bridge = self.front.bridge
+        cfg = self.config
+        loaded = bridge.engine.loaded if bridge else None
+        return vpb.GetServerInfoResponse(
+            active_requests=bridge.num_in_flight if bridge else 0,
+            is_paused=self.front.draining,
+            last_receive_timestamp=self.last_receive,
+            uptime_seconds=time.monotonic() - self.front.started_at,
+            server_type="vllm-grpc",
+            data_parallel_size=1,
+            kv_cache_dtype="auto",  # the KV cache holds the model's dtype
+            block_size=cfg.cache.block_size,
+            model_dtype=str(loaded.dtype) if loaded else "",
+            max_num_seqs=cfg.scheduler.max_num_seqs,
+        )
+
+    async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext):
+        load = snapshot(await self.front._engine(context))
+        loads = []
+        if not request.HasField("dp_rank") or request.dp_rank == 0:
+            loads.append(vpb.SchedulerLoad(
+                dp_rank=0,
+                num_running_reqs=load.num_running,
+                num_waiting_reqs=load.num_waiting,
+                num_total_reqs=load.num_running + load.num_waiting + load.num_swapped,
+                num_used_tokens=load.num_used_tokens,
+                max_total_num_tokens=load.num_total_tokens,
+                token_usage=load.kv_cache_usage,
+                gen_throughput=load.tokens_per_second,
+                cache_hit_rate=load.prefix_cache_hit_rate,
+                max_running_requests=self.config.scheduler.max_num_seqs,
+            ))
+        return vpb.GetLoadsResponse(
+            timestamp=datetime.datetime.now(datetime.UTC).isoformat(),
+            version=self.version, dp_rank_count=1, loads=loads)
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext):
+        bridge = await self.front._engine(context)
+        wait = request.timeout_s
+        if not 0 <= wait <= _MAX_FLUSH_WAIT_S:  # NaN fails too
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"timeout_s must be in [0, {_MAX_FLUSH_WAIT_S:g}], got {wait}")
+        loop = asyncio.get_running_loop()
+        until = loop.time() + wait
+        while True:
+            result = await asyncio.wrap_future(bridge.engine.reset_prefix_cache(False))
+            if result:
+                return common_pb2.FlushCacheResponse(
+                    success=True,
+                    message=f"prefix cache flushed: {result.num_blocks_dropped} blocks dropped")
+            if loop.time() >= until:
+                return common_pb2.FlushCacheResponse(
+                    success=False,
+                    message=f"requests in flight hold KV blocks ({bridge.num_in_flight} "
+                            f"requests); retry when idle or with timeout_s > 0"
+                            + (f" (waited {wait:g} s)" if wait else ""))
+            await asyncio.sleep(min(0.05, max(0.0, until - loop.time())))
+
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator:
+        engine = (await self.front._engine(context)).engine
+        if engine.tokenizer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"model {engine.loaded.name} has no tokenizer (dummy weights)")
+        async with self._tokenizer_lock:  # built once, off the loop
+            if self._tokenizer_zip is None:
+                self._tokenizer_zip = await asyncio.to_thread(self._build_tokenizer_zip, engine)
+        data, sha = self._tokenizer_zip
+        for start in range(0, len(data), TOKENIZER_CHUNK):
+            end = start + TOKENIZER_CHUNK
+            yield common_pb2.GetTokenizerChunk(data=data[start:end],
+                                               sha256=sha if end >= len(data) else "")
+
+    def _build_tokenizer_zip(self, engine: Engine) -> tuple[bytes, str]:
+        if engine.loaded.source == "safetensors":
+            files = tokenizer_bundle.folder_files(Path(self._model_path()))
+        else:
+            files = tokenizer_bundle.gguf_files(engine.tokenizer, engine.max_model_len)
+        return tokenizer_bundle.build_zip(files)
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator:
+        bridge = await self.front.serving(context)  # UNAVAILABLE while loading or draining
+        hub = self.hub
+        if hub is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "KV cache events are off on this worker (--kv-events false or prefix caching "
+                "off); poll GetLoads for its load")
+        await context.send_initial_metadata(())  # the subscriber's call resolves at once
+        sub = hub.subscribe(request.start_sequence_number)
+        sent_seq = 0  # the last batch sequence sent on this stream
+        first = True
+        last_figures: tuple | None = None
+        loop = asyncio.get_running_loop()
+        last_sent = loop.time()
+        try:
+            while True:
+                if self.front.draining or bridge.dead or bridge.closed:
+                    # Ends the stream, so that the router stops sending here at once (and the
+                    # server's shutdown does not wait on an endless stream).
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "the worker is draining or its engine stopped")
+                try:
+                    batch = await sub.next(_LOAD_CHECK_S)
+                except Overflowed as e:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                now = loop.time()
+                if batch is not None:
+                    if first:  # a stream's first record carries the extras
+                        batch = _with_extras(batch, hub)
+                    sent_seq, first, last_sent = batch.sequence_number, False, now
+                    last_figures = _figures(batch.load)
+                    yield batch
+                    continue
+                if sent_seq == 0 and not request.load_records_before_first_batch:
+                    continue  # an old subscriber takes its first record with a batch
+                record = hub.load_record(load_only=True, extras=True)
+                figures = _figures(record)
+                if figures != last_figures or now - last_sent >= _HEARTBEAT_S:
+                    last_figures, last_sent, first = figures, now, False
+                    yield common_pb2.KvEventBatch(sequence_number=sent_seq,
+                                                  timestamp=time.time(), dp_rank=0, load=record)
+        finally:
+            hub.unsubscribe(sub)
+
+    # ----- not offered -----
+
+    async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "Embed is not supported: this worker serves a generative model")
+
+    async def StartProfile(self, request: common_pb2.StartProfileRequest,
+                           context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "profiling is not supported by this worker (use its traces)")
+
+    async def StopProfile(self, request: common_pb2.StopProfileRequest,
+                          context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "profiling is not supported by this worker (use its traces)")
+
+
+def _figures(rec: common_pb2.EngineLoad) -> tuple:
+    """What a subscriber routes on; a change sends a load-only record."""
+    return (rec.running_requests, rec.waiting_requests, round(rec.token_usage, 4))
+
+
+def _with_extras(batch: common_pb2.KvEventBatch, hub: KvEventHub) -> common_pb2.KvEventBatch:
+    mine = common_pb2.KvEventBatch()
+    mine.CopyFrom(batch)  # the batch is shared with other subscribers
+    extras = hub.load_record(load_only=False, extras=True)
+    for name in ("cache_hit_rate", "num_used_tokens", "max_total_num_tokens"):
+        setattr(mine.load, name, getattr(extras, name))
+    return mine
+
