@@ -99,9 +99,33 @@ def _summary(result: dict) -> dict:
     return runs[0]["summary"]
 
 
+def report(summary: dict) -> str:
+    """The summary as a markdown table (for BENCHMARKS.md; the runs themselves render with
+    `llm-worker-bench report`)."""
+    env = summary["environment"]
+    rows = [
+        ("output tok/s, SMG + 1 replica", f"{summary['smg1_output_tok_s']:.1f}"),
+        ("output tok/s, SMG + 2 replicas", f"{summary['smg2_output_tok_s']:.1f}"),
+        ("scale-out ratio (2 / 1)", f"{summary['scale_out_ratio']:.2f}x"),
+        ("TTFT p50 / p99 ms, direct gRPC", "{median:.1f} / {p99:.1f}".format(
+            **summary["ttft_ms_direct"])),
+        ("TTFT p50 / p99 ms, through SMG", "{median:.1f} / {p99:.1f}".format(
+            **summary["ttft_ms_smg"])),
+        ("gateway TTFT cost, p50 ms", f"{summary['gateway_ttft_overhead_ms_median']:+.1f}"),
+    ]
+    head = (f"{env.get('date', '')}; {env.get('cpu', '')} x{summary['cpus']}; torch "
+            f"{env.get('torch', '')}; commit `{env.get('git_commit', '')[:12]}`"
+            f"{' (uncommitted changes)' if env.get('git_dirty') else ''}\n\n"
+            f"```bash\n{summary['command']}\n```\n\n")
+    return head + "| figure | value |\n|---|---|\n" + "\n".join(
+        f"| {k} | {v} |" for k, v in rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--report", type=Path, metavar="SUMMARY_JSON",
+                    help="print a summary written by an earlier run as markdown, and exit")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-results/gateway"))
     ap.add_argument("--num-requests", type=int, default=64, help="throughput runs")
     ap.add_argument("--output-len", default="longtail:128", help="throughput runs")
@@ -109,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-flag", action="append", default=[],
                     help="extra flag for every worker (repeatable)")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(json.loads(args.report.read_text())))
+        return 0
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     chat = ["--dataset", "chat", "--seed", "0"]

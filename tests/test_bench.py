@@ -479,3 +479,19 @@ def test_unreachable_server_fails_cleanly(tmp_path: Path, capsys) -> None:
             "--output-json", str(tmp_path / "x.json")]
     assert main(argv) == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_report_compare_gives_ratios_per_rate(tmp_path) -> None:
+    from clients.bench.report import render_comparison
+
+    def result(name: str, tput: float, itl: float) -> dict:
+        dist = {"mean": itl, "median": itl, "p90": itl, "p99": itl}
+        return {"name": name, "runs": [{"request_rate": 0.5, "summary": {
+            "output_throughput": tput, "itl_ms": dist, "tpot_ms": dist, "ttft_ms": dist}}]}
+
+    base, new = tmp_path / "b.json", tmp_path / "n.json"
+    base.write_text(json.dumps(result("off", 20.0, 900.0)))
+    new.write_text(json.dumps(result("on", 18.0, 300.0)))
+    text = render_comparison(base, new)
+    assert "**on** against **off**" in text
+    assert "20.0 → 18.0 (0.90x)" in text and "900.0 → 300.0 (3.00x)" in text

@@ -130,6 +130,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="render result files as markdown tables")
     rep.add_argument("results", nargs="+", type=Path, help="result JSON files")
     rep.add_argument("--output", type=Path, default=None, help="write here instead of stdout")
+    rep.add_argument("--compare", action="store_true",
+                     help="two files, BASE NEW: their runs side by side, with ratios")
     return p
 
 

@@ -32,7 +32,7 @@ from clients.bench.environment import environment
 from clients.bench.knee import find_knee
 from clients.bench.lengths import LengthDist
 from clients.bench.record import Backend
-from clients.bench.report import render_files
+from clients.bench.report import render_comparison, render_files
 from clients.bench.runner import run_once, warm_up
 from clients.client import default_target
 
@@ -186,7 +186,13 @@ def run_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, __doc__ or "")
     if args.command == "report":
-        text = render_files(args.results)
+        if args.compare:
+            if len(args.results) != 2:
+                print("report --compare takes two files: BASE NEW", file=sys.stderr)
+                return 2
+            text = render_comparison(*args.results)
+        else:
+            text = render_files(args.results)
         if args.output:
             args.output.write_text(text)
         else:

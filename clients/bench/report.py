@@ -106,3 +106,27 @@ def render_files(paths: list[Path]) -> str:
         result = json.loads(p.read_text())
         parts.append(render(result, result.get("name") or p.stem))
     return "\n".join(parts)
+
+
+def render_comparison(base_path: Path, new_path: Path) -> str:
+    """Run by run (same rates, in order), `new` against `base`: output throughput and the
+    p99 latencies, with base/new ratios for latencies (higher = new is better) and new/base
+    for throughput."""
+    base, new = (json.loads(p.read_text()) for p in (base_path, new_path))
+    bname, nname = (r.get("name") or p.stem for r, p in ((base, base_path), (new, new_path)))
+    lines = [f"**{nname}** against **{bname}**:", "",
+             "| rate (req/s) | out tok/s base → new (new/base) | ITL p99 ms (base/new) "
+             "| TPOT p99 ms (base/new) | TTFT p99 ms (base/new) |", "|---|---|---|---|---|"]
+    for b, n in zip(base["runs"], new["runs"], strict=True):
+        assert b["request_rate"] == n["request_rate"], "compare runs made at the same rates"
+        bs, ns = b["summary"], n["summary"]
+
+        def lat(key: str, bs: dict = bs, ns: dict = ns) -> str:
+            x, y = bs[key]["p99"], ns[key]["p99"]
+            return f"{_f(x)} → {_f(y)} ({x / y:.2f}x)" if x and y else "–"
+
+        out = f"{_f(bs['output_throughput'])} → {_f(ns['output_throughput'])} " \
+              f"({ns['output_throughput'] / bs['output_throughput']:.2f}x)"
+        lines.append(f"| {_f(b['request_rate'])} | {out} | {lat('itl_ms')} | {lat('tpot_ms')} "
+                     f"| {lat('ttft_ms')} |")
+    return "\n".join(lines) + "\n"
