@@ -355,3 +355,20 @@ def test_every_vllm_rpc_needs_a_token(tokens: Worker, rpc: str) -> None:
         assert with_gen == PERMISSION_DENIED
         assert _vllm_code(tokens, rpc, _bearer(ADMIN_TOKEN)) not in (UNAUTHENTICATED,
                                                                       PERMISSION_DENIED)
+
+
+def test_with_only_the_generate_token_admin_methods_need_it() -> None:
+    """An operator who sets only --auth-token must not leave Drain, Abort or reflection open."""
+    from worker.auth import TokenInterceptor
+
+    only_gen = TokenInterceptor(auth_token=GEN_TOKEN)
+    for method in ("/llmworker.v1.WorkerService/Drain", "/llmworker.v1.WorkerService/Abort",
+                   "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                   "/vllm.grpc.engine.VllmEngine/FlushCache"):
+        assert only_gen.check(method, None)[0] == UNAUTHENTICATED
+        assert only_gen.check(method, "wrong")[0] == UNAUTHENTICATED
+        assert only_gen.check(method, GEN_TOKEN) is None
+    assert only_gen.check("/grpc.health.v1.Health/Check", None) is None
+    only_admin = TokenInterceptor(admin_token=ADMIN_TOKEN)  # Generate open, admin closed
+    assert only_admin.check("/llmworker.v1.WorkerService/Generate", None) is None
+    assert only_admin.check("/llmworker.v1.WorkerService/Drain", None)[0] == UNAUTHENTICATED

@@ -17,7 +17,9 @@ every other method (admin RPCs, the vLLM protocol's    --admin-token
 FlushCache, Embed and profiling, reflection, unknown)
 =====================================================  ===================================
 
-An empty token flag turns its check off. No token, or one that matches nothing, is
+An empty token flag turns its check off, with one exception: with only --auth-token set,
+the admin methods need that token too (an operator who sets one token never leaves Drain or
+Abort open to strangers). No token, or one that matches nothing, is
 ``UNAUTHENTICATED``; the Generate token presented to an admin method is
 ``PERMISSION_DENIED`` (known caller, not allowed). Tokens are compared with
 `hmac.compare_digest`, and both are always compared, so timing says nothing about them.
@@ -116,10 +118,13 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if level == GENERATE:
             if not self.auth_token or is_admin or is_user:
                 return None
-        elif not self.admin_token or is_admin:
+        elif self.admin_token:
+            if is_admin:
+                return None
+            if is_user:
+                return grpc.StatusCode.PERMISSION_DENIED, "this method needs the admin token"
+        elif is_user:  # no admin token: the Generate token guards the admin methods too
             return None
-        elif is_user:
-            return grpc.StatusCode.PERMISSION_DENIED, "this method needs the admin token"
         if token is None:
             return (grpc.StatusCode.UNAUTHENTICATED,
                     "missing 'authorization: Bearer <token>' metadata")
