@@ -107,15 +107,17 @@ def test_gauges_move_under_load_and_return_to_zero(metrics_worker: tuple[Worker,
         t.start()
     seen: dict[str, float] = {}
     end = time.monotonic() + 60
-    while not (seen.get("running", 0) >= 2 and seen.get("kv", 0) > 0):
+    # Running and KV usage move at admission; generated tokens once a prefill is done (on a
+    # slow machine that can be several scrapes later), all while the streams still run.
+    while not (seen.get("running", 0) >= 2 and seen.get("kv", 0) > 0 and seen.get("gen", 0) > 0):
         assert time.monotonic() < end, f"gauges never moved: {seen}"
         m = Scrape(port)
         seen["running"] = max(seen.get("running", 0), m["vllm:num_requests_running"])
         seen["kv"] = max(seen.get("kv", 0), m["vllm:kv_cache_usage_perc"])
+        seen["gen"] = m["vllm:generation_tokens_total"]  # counted while streaming
         assert 0 <= m["vllm:kv_cache_usage_perc"] <= 1
         assert m["vllm:kv_cache_usage_perc"] == m["vllm:gpu_cache_usage_perc"]
         time.sleep(0.05)
-    assert Scrape(port)["vllm:generation_tokens_total"] > 0  # counted while streaming
     w.stub.Abort(pb.AbortRequest(request_ids=[f"long-{i}" for i in range(4)]), timeout=5)
     for t in readers:
         t.join(30)
