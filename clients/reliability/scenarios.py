@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import random
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -60,6 +61,31 @@ async def _end_state(rec: Record, channel: grpc.aio.Channel, stub: Stub) -> None
     rec.figures["load_after"] = load
     rec.check("every block back, nothing running, waiting or swapped", is_idle(load), load)
     rec.check("health SERVING afterwards", await _serving(channel))
+
+
+async def _capacity(stub: Stub, plans: list[Plan], concurrency: int) -> float:
+    """Completed requests/s running `plans` with `concurrency` streams always busy."""
+    t = time.monotonic()
+    await run_all(stub, plans, concurrency)
+    return len(plans) / (time.monotonic() - t)
+
+
+async def _poisson_until(stub: Stub, start: float, duration_s: float, rate: float,
+                         r: random.Random, make_plan: Callable[[int], Plan], wait_s: float,
+                         tick: Callable[[float], None] | None = None) -> list[Outcome]:
+    """From `start` (a `time.monotonic()`, also the zero of each outcome's `sent_at`), send
+    `make_plan(i)` at Poisson times (`rate`/s, gaps drawn from `r` after each plan) for
+    `duration_s`, then wait up to `wait_s` for every stream; `tick(now)` runs before each
+    send."""
+    tasks: list[asyncio.Task[Outcome]] = []
+    i = 0
+    while (now := time.monotonic()) - start < duration_s:
+        if tick is not None:
+            tick(now)
+        tasks.append(asyncio.create_task(run_plan(stub, make_plan(i), start)))
+        i += 1
+        await asyncio.sleep(r.expovariate(rate))
+    return list(await asyncio.wait_for(asyncio.gather(*tasks), wait_s))
 
 
 # ----- storm -------------------------------------------------------------------------------
@@ -136,23 +162,18 @@ async def overload(factor: float = 4.0, duration_s: float = 60.0, max_tokens: in
         # Capacity: completed requests/s with every seat busy, the same request mix.
         calib = [Plan(f"c{i}", r.choice(PROMPTS), max_tokens=r.randint(16, max_tokens))
                  for i in range(2 * max_num_seqs)]
-        t = time.monotonic()
-        await run_all(stub, calib, max_num_seqs)
-        capacity = len(calib) / (time.monotonic() - t)
+        capacity = await _capacity(stub, calib, max_num_seqs)
         rate = factor * capacity
         rec.figures.update(capacity_rps=round(capacity, 3), arrival_rps=round(rate, 3))
-        start = time.monotonic()
-        tasks: list[asyncio.Task[Outcome]] = []
-        i = 0
-        while time.monotonic() - start < duration_s:
+
+        def plan(i: int) -> Plan:
             p = Plan(f"o{i}", r.choice(PROMPTS), max_tokens=r.randint(16, max_tokens),
                      priority=r.choice(PRIORITIES))
             if r.random() < cancel_fraction:
                 p.cancel_after_s = r.uniform(0.0, 5.0)
-            tasks.append(asyncio.create_task(run_plan(stub, p, start)))
-            i += 1
-            await asyncio.sleep(r.expovariate(rate))
-        outs = list(await asyncio.wait_for(asyncio.gather(*tasks), 600))
+            return p
+
+        outs = await _poisson_until(stub, time.monotonic(), duration_s, rate, r, plan, 600)
         st = _statuses(outs)
         completed = st.get("OK", 0)
         refused = st.get("RESOURCE_EXHAUSTED", 0)
@@ -369,26 +390,25 @@ async def soak(duration_s: float = 600.0, window_s: float = 60.0, load: float = 
     async def body(w: WorkerProcess, channel: grpc.aio.Channel, stub: Stub) -> None:
         calib = [Plan(f"c{i}", r.choice(PROMPTS), max_tokens=r.randint(8, max_tokens))
                  for i in range(32)]
-        t = time.monotonic()
-        await run_all(stub, calib, 32)
-        rate = load * len(calib) / (time.monotonic() - t)
+        rate = load * await _capacity(stub, calib, 32)
         rec.figures["arrival_rps"] = round(rate, 3)
         start = time.monotonic()
-        tasks: list[asyncio.Task[Outcome]] = []
         windows: list[dict[str, float]] = []
         next_window = start + window_s
-        i = 0
-        while (now := time.monotonic()) - start < duration_s:
+
+        def sample(now: float) -> None:  # the worker's resources at each window's end
+            nonlocal next_window
             if now >= next_window:
                 windows.append({"t_s": round(now - start), **w.resources()})
                 next_window += window_s
+
+        def plan(i: int) -> Plan:
             p = Plan(f"k{i}", r.choice(PROMPTS), max_tokens=r.randint(8, max_tokens))
             if r.random() < cancel_fraction:
                 p.cancel_after_s = r.uniform(0.0, 3.0)
-            tasks.append(asyncio.create_task(run_plan(stub, p, start)))
-            i += 1
-            await asyncio.sleep(r.expovariate(rate))
-        outs = list(await asyncio.wait_for(asyncio.gather(*tasks), 300))
+            return p
+
+        outs = await _poisson_until(stub, start, duration_s, rate, r, plan, 300, sample)
         windows.append({"t_s": round(time.monotonic() - start), **w.resources()})
         for k, win in enumerate(windows):  # p99 TTFT of the requests sent in each window
             lo, hi = k * window_s, (k + 1) * window_s

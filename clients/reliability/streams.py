@@ -17,6 +17,8 @@ import grpc
 from llmworker.v1 import worker_pb2 as pb
 from llmworker.v1 import worker_pb2_grpc
 
+from clients.bench.arrival import dispatch
+
 CANCELLED_BY_CLIENT = "CANCELLED_BY_CLIENT"
 
 # Short prompts of different lengths; requests draw from them so batches mix.
@@ -120,14 +122,10 @@ async def run_plan(stub: worker_pb2_grpc.WorkerServiceStub, plan: Plan,
 
 async def run_all(stub: worker_pb2_grpc.WorkerServiceStub, plans: Sequence[Plan],
                   concurrency: int, t0: float | None = None) -> list[Outcome]:
-    """Every plan, at most `concurrency` streams open at once, results in plan order."""
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(p: Plan) -> Outcome:
-        async with sem:
-            return await run_plan(stub, p, t0)
-
-    return list(await asyncio.gather(*(one(p) for p in plans)))
+    """Every plan at once, at most `concurrency` streams open, results in plan order."""
+    outs, _ = await dispatch(plans, lambda p: run_plan(stub, p, t0), [0.0] * len(plans),
+                             concurrency)
+    return outs
 
 
 async def wait_idle(stub: worker_pb2_grpc.WorkerServiceStub, timeout: float = 60.0
