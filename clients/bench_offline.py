@@ -17,6 +17,11 @@ finishing alongside their longest member, which is what continuous batching save
     python -m clients.bench_offline                         # 64 requests, B = 8, all three
     python -m clients.bench_offline --num-requests 8 --systems continuous,static
     python -m clients.bench_offline --output-json bench.json
+    python -m clients.bench_offline --repeat 3 --peer-batch-size 64   # rounds; transformers at B=64
+
+This machine's speed drifts by tens of percent over minutes, so `--repeat R` runs the
+systems in rounds (each round runs every system once, in turn) and reports for each
+system its median round (the lower middle one when R is even), and every round's wall time.
 
 "Occupancy" is output tokens / model steps: how many requests produce a useful token
 in an average forward pass (at most B). A transformers batch takes max(L) steps.
@@ -100,6 +105,8 @@ class Result:
     wall_s: float
     steps: int  # model forward passes
     tokens: list[list[int]] = field(repr=False)
+    batch_size: int = 0
+    rounds_wall_s: list[float] = field(default_factory=list)
 
     @property
     def tok_per_s(self) -> float:
@@ -145,7 +152,7 @@ def run_engine(
         assert c.finish_reason == "length", (c.request_id, c.finish_reason)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, f"{policy}: blocks still held"
     tokens = [c.token_ids for c in done]
-    return Result(policy, len(done), sum(map(len, tokens)), wall, steps, tokens)
+    return Result(policy, len(done), sum(map(len, tokens)), wall, steps, tokens, batch_size)
 
 
 def run_transformers(hf_model, wl: Workload, batch_size: int, pad_id: int) -> Result:
@@ -160,7 +167,7 @@ def run_transformers(hf_model, wl: Workload, batch_size: int, pad_id: int) -> Re
         tokens += [row[:n] for row, n in zip(rows, lens, strict=True)]  # only its own length counts
         steps += max(lens)
     wall = time.perf_counter() - t0
-    return Result("transformers", len(tokens), sum(map(len, tokens)), wall, steps, tokens)
+    return Result("transformers", len(tokens), sum(map(len, tokens)), wall, steps, tokens, batch_size)
 
 
 # ----------------------------------------------------------------------------- report
@@ -182,13 +189,14 @@ def machine_info() -> dict[str, Any]:
 
 
 def _table(results: list[Result]) -> str:
-    head = f"{'system':<14}{'requests':>9}{'out tokens':>12}{'wall s':>10}{'out tok/s':>11}"
-    head += f"{'steps':>8}{'occupancy':>11}"
+    head = f"{'system':<14}{'B':>4}{'requests':>9}{'out tokens':>12}{'wall s':>10}{'out tok/s':>11}"
+    head += f"{'steps':>8}{'occupancy':>11}  rounds (wall s)"
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.system:<14}{r.requests:>9}{r.output_tokens:>12}{r.wall_s:>10.2f}"
-            f"{r.tok_per_s:>11.1f}{r.steps:>8}{r.occupancy:>11.2f}"
+            f"{r.system:<14}{r.batch_size:>4}{r.requests:>9}{r.output_tokens:>12}{r.wall_s:>10.2f}"
+            f"{r.tok_per_s:>11.1f}{r.steps:>8}{r.occupancy:>11.2f}  "
+            + ", ".join(f"{w:.1f}" for w in r.rounds_wall_s)
         )
     return "\n".join(lines)
 
@@ -200,6 +208,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64, help="N (default 64)")
     p.add_argument("--batch-size", type=int, default=8,
                    help="B: max_num_seqs of the engine, batch size of transformers (default 8)")
+    p.add_argument("--peer-batch-size", type=int, default=0,
+                   help="batch size of transformers' static batches (default: --batch-size)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every system; each reports its median round (default 1)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="engine token budget of one step (default 512)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
@@ -216,10 +228,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [s for s in args.systems if s not in SYSTEMS]
     if bad or not args.systems:
         p.error(f"--systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
-    positive = ("num_requests", "batch_size", "max_num_batched_tokens", "max_output_len", "threads")
+    positive = ("num_requests", "batch_size", "max_num_batched_tokens", "max_output_len", "threads",
+                "repeat")
     for name in positive:
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+                p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.peer_batch_size < 0:
+        p.error("--peer-batch-size must be >= 1 (or 0: the same as --batch-size)")
+    args.peer_batch_size = args.peer_batch_size or args.batch_size
     return args
 
 
@@ -238,25 +254,33 @@ def main(
         f"{loaded.name}: {s['num_requests']} requests, prompts {s['prompt_tokens']} tokens "
         f"(median {s['prompt_len']['median']:g}), outputs {s['output_tokens']} tokens "
         f"(median {s['output_len']['median']:g}, max {s['output_len']['max']}, "
-        f"{s['output_len']['num_over_200']} over 200); B={args.batch_size}, "
+        f"{s['output_len']['num_over_200']} over 200); B={args.batch_size} "
+        f"(transformers {args.peer_batch_size}), {args.repeat} round(s), "
         f"budget {args.max_num_batched_tokens}, {torch.get_num_threads()} threads",
         flush=True,
     )
 
+    runs: dict[str, list[Result]] = {system: [] for system in args.systems}
+    for rnd in range(args.repeat):
+        for system in args.systems:
+            gc.collect()
+            if system == "transformers":
+                if hf_model is None:
+                    hf_model = load_hf_model()
+                assert loaded.tokenizer is not None
+                pad = loaded.tokenizer.pad_token_id
+                pad = pad if pad is not None else loaded.eos_token_ids[0]
+                r = run_transformers(hf_model, wl, args.peer_batch_size, pad)
+            else:
+                r = run_engine(loaded, wl, system, args.batch_size, args.max_num_batched_tokens)
+            runs[system].append(r)
+            print(f"  round {rnd + 1}, {system}: {r.tok_per_s:.1f} output tok/s ({r.wall_s:.2f} s)",
+                  flush=True)
     results: dict[str, Result] = {}
-    for system in args.systems:
-        gc.collect()
-        if system == "transformers":
-            if hf_model is None:
-                hf_model = load_hf_model()
-            assert loaded.tokenizer is not None
-            pad = loaded.tokenizer.pad_token_id
-            pad = pad if pad is not None else loaded.eos_token_ids[0]
-            r = run_transformers(hf_model, wl, args.batch_size, pad)
-        else:
-            r = run_engine(loaded, wl, system, args.batch_size, args.max_num_batched_tokens)
-        results[system] = r
-        print(f"  {system}: {r.tok_per_s:.1f} output tok/s ({r.wall_s:.2f} s)", flush=True)
+    for system, rs in runs.items():
+        results[system] = sorted(rs, key=lambda r: r.wall_s)[(len(rs) - 1) // 2]  # median round
+        results[system].rounds_wall_s = [r.wall_s for r in rs]
+        assert all(r.tokens == rs[0].tokens for r in rs), f"{system}: rounds disagree on tokens"
 
     print()
     print(_table(list(results.values())))

@@ -46,14 +46,23 @@ def rope_cos_sin_cache(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
+def _cos_sin_rows(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ([cos | cos], [-sin | sin]) as [T, 1, head_dim], for `_rotate`."""
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions).to(dtype)
+    cos, sin = cs[:, :half], cs[:, half:]
+    return torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half: [x1 cos - x2 sin | x2 cos + x1 sin], computed as x * [cos | cos] +
+    [x2 | x1] * [-sin | sin] (the same bits: negation is exact), in four ops instead of ten."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+
+
 def apply_rotary_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; rotate each token by its position."""
-    half = x.shape[-1] // 2
-    cs = cos_sin[positions]
-    cos = cs[:, None, :half].to(x.dtype)
-    sin = cs[:, None, half:].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return _rotate(x, *_cos_sin_rows(cos_sin, positions, x.dtype))
 
 
 def rotary_kv_write_ref(
@@ -72,8 +81,9 @@ def rotary_kv_write_ref(
     slot_mapping: [T] int64, slot = block * block_size + offset; a slot < 0 is
     skipped (padding in a captured graph batch).
     """
-    q = apply_rotary_ref(q, positions, cos_sin)
-    k = apply_rotary_ref(k, positions, cos_sin)
+    # q and k rotate together: one set of ops over Hq + Hkv heads.
+    qk = _rotate(torch.cat([q, k], 1), *_cos_sin_rows(cos_sin, positions, q.dtype))
+    q, k = qk.split([q.shape[1], k.shape[1]], 1)
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     return q, k
 
@@ -85,8 +95,8 @@ def write_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

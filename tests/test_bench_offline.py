@@ -27,8 +27,8 @@ def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
     threads = torch.get_num_threads()
     try:
         report = bench_offline.main(
-            ["--num-requests", "4", "--batch-size", "2", "--max-output-len", "6",
-             "--threads", "1", "--output-json", str(out)],
+            ["--num-requests", "4", "--batch-size", "2", "--peer-batch-size", "4",
+             "--max-output-len", "6", "--threads", "1", "--repeat", "2", "--output-json", str(out)],
             loaded=default_model, hf_model=hf_model,
         )
     finally:
@@ -39,10 +39,13 @@ def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
     assert set(results) == {"continuous", "static", "transformers"}
     work = report["workload"]
     assert work["num_requests"] == 4 and max(work["output_lens"]) <= 6
-    for r in results.values():
+    for name, r in results.items():
         assert r["requests"] == 4 and r["output_tokens"] == work["output_tokens"]
         assert r["output_tok_per_s"] > 0 and r["wall_s"] > 0
-        assert 0 < r["mean_batch_occupancy"] <= 2
+        # two rounds each; the reported one is the median (the faster of two)
+        assert len(r["rounds_wall_s"]) == 2 and r["wall_s"] == min(r["rounds_wall_s"])
+        assert r["batch_size"] == (4 if name == "transformers" else 2)
+        assert 0 < r["mean_batch_occupancy"] <= r["batch_size"]
 
     tps = {k: r["output_tok_per_s"] for k, r in results.items()}
     assert report["ratios"] == {

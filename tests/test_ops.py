@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ops.attention import paged_attention_ref
+from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.rotary import apply_rotary_ref, rope_cos_sin_cache, rotary_kv_write_ref
 
 
@@ -70,3 +71,55 @@ def test_rotary_kv_write_rotates_and_scatters_by_slot() -> None:
     written = {s for s in slots.tolist() if s >= 0}
     untouched = [s for s in range(flat_k.shape[0]) if s not in written]
     assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
+
+
+def test_paged_attention_plan_is_rebuilt_when_the_step_changes() -> None:
+    """Layers of one step share a plan (grouping, masks); a new step with the same shapes
+    but other lengths, offsets or blocks must not reuse it, even through the same tensors."""
+    g = torch.Generator().manual_seed(3)
+    bs, hq, hkv, d = 16, 6, 2, 32
+    k_cache, v_cache = torch.randn(2, 32, bs, hkv, d, generator=g)
+    tables = torch.tensor([[3, 7, 1], [5, 0, 9]], dtype=torch.int32)
+    q = torch.randn(2, hq, d, generator=g)
+    for seq_lens, qsl in (([40, 17], [0, 1, 2]), ([41, 17], [0, 1, 2]), ([40, 18], [0, 1, 2])):
+        sl, starts = torch.tensor(seq_lens), torch.tensor(qsl)
+        got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, max(seq_lens), d**-0.5)
+        want = _naive_attention(q, k_cache, v_cache, tables, sl, starts, d**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    tables[1, 0] = 11  # the same tensor object, written in place: a different step
+    sl, starts = torch.tensor([40, 18]), torch.tensor([0, 1, 2])
+    got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, 40, d**-0.5)
+    torch.testing.assert_close(got, _naive_attention(q, k_cache, v_cache, tables, sl, starts, d**-0.5),
+                               rtol=1e-4, atol=1e-5)
+
+
+needs_onednn = pytest.mark.skipif(
+    not can_pack(torch.device("cpu"), torch.float32),
+    reason="torch built without oneDNN",
+)
+
+
+@needs_onednn
+def test_packed_linear_matches_f_linear_and_ignores_the_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(300, 96, generator=g), torch.randn(300, generator=g)
+    x = torch.randn(70, 96, generator=g)
+    lin = PackedLinear(w, b)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    # A row's bits do not depend on how many rows share the call (MKL's sgemm gives no such
+    # promise): what makes greedy tokens the same alone and in a batch.
+    full = lin(x)
+    for rows in (1, 2, 5, 17, 64):
+        assert torch.equal(lin(x[:rows]), full[:rows]), rows
+
+
+@needs_onednn
+def test_pack_linears_replaces_every_linear_once() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(16, 4, bias=False)))
+    x = torch.randn(3, 8)
+    want = model(x)
+    assert pack_linears(model) == 2
+    assert pack_linears(model) == 0  # a model shared by two runners is packed once
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)

@@ -34,6 +34,10 @@ class ModelConfig:
                        "on the CPU (auto), or one forced everywhere", ("auto", "torch", "triton"))
     cuda_graphs: bool = opt(True, "replay decode steps from CUDA graphs captured at start-up "
                             "(CUDA with Triton kernels only); --no-cuda-graphs runs them eagerly")
+    cpu_packed_linear: bool = opt(True, "on the CPU in float32, run linear layers through oneDNN "
+                                  "with weights packed once at start-up (faster for decode batches, "
+                                  "and a row's result does not depend on its batch); "
+                                  "--no-cpu-packed-linear uses torch's F.linear")
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ class Engine:
             # The torch references sync with the host inside; only the kernels can be captured.
             cuda_graphs=config.model.cuda_graphs and ops.uses_triton(loaded.device),
             num_cpu_blocks=num_cpu_blocks,
+            cpu_packed_linear=config.model.cpu_packed_linear,
         )
         torch.manual_seed(config.model.seed)
         self._states: dict[str, OutputState] = {}

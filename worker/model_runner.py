@@ -19,6 +19,7 @@ import torch
 
 import ops
 from ops.block_copy import copy_blocks, swap_blocks
+from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.sampling import SamplingTensors
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
@@ -45,11 +46,19 @@ class ModelRunner:
         max_model_len: int = 0,
         cuda_graphs: bool = False,
         num_cpu_blocks: int = 0,
+        cpu_packed_linear: bool = False,
     ) -> None:
         """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
         replay graphs captured here, over contexts up to `max_model_len`. `num_cpu_blocks`
-        sizes the swap space in host memory (pinned on CUDA, so swaps are DMA copies)."""
+        sizes the swap space in host memory (pinned on CUDA, so swaps are DMA copies).
+        `cpu_packed_linear` (CPU, float32) packs the model's linear weights for oneDNN
+        (ops/linear.py), in place: a model shared by several runners is packed once."""
         cfg = model.config
+        if cpu_packed_linear and can_pack(device, dtype):
+            pack_linears(model)
+            if model.lm_head is None and model.tied_head is None:
+                # The tied head gets a packed copy; the embedding lookup keeps the table.
+                model.tied_head = PackedLinear(model.embed_tokens.weight)
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -144,7 +153,7 @@ class ModelRunner:
         hidden = self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
+        logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
         return self._sample(sampling, logits)
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor) -> dict[str, SampleResult]:

@@ -199,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # A runner may give a tied model a head of its own (a packed copy of the table).
+        self.tied_head: nn.Module | None = None
         self.register_buffer(
             "cos_sin",
             ops.rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
@@ -222,8 +224,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that sample (the runner selects them first)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        if head is not None:
+            return head(hidden).float()
+        return (hidden @ self.embed_tokens.weight.t()).float()
 
     # ----- weights -----
 
