@@ -201,6 +201,36 @@ def _table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def render_markdown(reports: list[dict[str, Any]]) -> str:
+    """BENCHMARKS.md tables from `--output-json` files: one row per system, a ratio row."""
+    out = []
+    for rep in reports:
+        m, c, w = rep["machine"], rep["config"], rep["workload"]
+        commit = (m.get("git_commit") or "?")[:10] + (" (uncommitted changes)" if m.get("git_dirty") else "")
+        out += [
+            f"- date {m['date']}; CPU {m['cpu']} x{m['cpu_count']}, torch {m['torch']}, "
+            f"{m['torch_threads']} threads; commit `{commit}`",
+            f"- command: `{m['command']}`",
+            f"- workload: {w['num_requests']} requests, prompts {w['prompt_tokens']} tokens, outputs "
+            f"{w['output_tokens']} tokens (median {w['output_len']['median']:g}, max "
+            f"{w['output_len']['max']}, {w['output_len']['num_over_200']} over 200); seed {c['seed']}, "
+            f"token budget {c['max_num_batched_tokens']}, {c.get('repeat', 1)} round(s), median round shown",
+            "",
+            "| system | B | output tokens | wall s | steps | tokens/step | output tok/s | every round's wall s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in rep["results"].items():
+            rounds = ", ".join(f"{x:.1f}" for x in r.get("rounds_wall_s") or [r["wall_s"]])
+            out.append(f"| {name} | {r.get('batch_size', c['batch_size'])} | {r['output_tokens']} | "
+                       f"{r['wall_s']:.1f} | {r['steps']} | {r['mean_batch_occupancy']:.2f} | "
+                       f"**{r['output_tok_per_s']:.1f}** | {rounds} |")
+        ratios = "; ".join(f"{k}: **{v:.2f}x**" for k, v in rep["ratios"].items())
+        agree = "; ".join(f"{k}: {a['matching']}/{a['total']} identical"
+                          for k, a in rep["agreement"].items())
+        out += ["", f"Ratios: {ratios}. Greedy tokens: {agree}.", ""]
+    return "\n".join(out)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m clients.bench_offline", description=__doc__.split("\n")[0]
@@ -223,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.set_num_threads (default: the cpu count)")
     p.add_argument("--output-json", type=Path,
                    help="write every figure, the config and machine info here")
+    p.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+                   help="print BENCHMARKS.md tables from earlier --output-json files and exit")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in args.systems if s not in SYSTEMS]
@@ -245,6 +277,9 @@ def main(
     """Run the benchmark; returns what --output-json writes. Pass `loaded` (our
     `load_model("default")`) and `hf_model` (`load_hf_model()`) to reuse loaded models."""
     args = parse_args(argv)
+    if args.report:
+        print(render_markdown([json.loads(f.read_text()) for f in args.report]))
+        return {}
     torch.set_num_threads(args.threads)
     if loaded is None:
         loaded = load_model("default")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from clients import bench_offline
+from ops.linear import can_pack
 
 
 def test_output_lengths_are_long_tailed_and_seeded() -> None:
@@ -55,3 +56,19 @@ def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
     assert report["agreement"]["continuous vs static"]["matching"] == 4  # a design contract
     assert report["machine"]["torch"] == torch.__version__
     assert "continuous / engine static" in capsys.readouterr().out
+    rendered = bench_offline.render_markdown([report])
+    for name, r in results.items():
+        assert f"| {name} | {r['batch_size']} | {r['output_tokens']} |" in rendered
+    assert "continuous / engine static: **" in rendered
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch built without oneDNN")
+def test_bench_cpu_ops_smoke(tmp_path) -> None:
+    from clients import bench_cpu_ops
+
+    out = tmp_path / "ops.json"
+    report = bench_cpu_ops.main(["--rows", "1,3", "--repeat", "1", "--output-json", str(out)])
+    assert json.loads(out.read_text())["linear"] == report["linear"]
+    assert [r["rows"] for r in report["linear"]] == [1, 3]
+    assert all(r["f_linear_ms"] > 0 and r["onednn_packed_ms"] > 0 for r in report["linear"])
+    assert report["rows_differing_from_alone"]["onednn_packed"] == 0  # what ops/linear.py promises
