@@ -61,6 +61,7 @@ class _Plan:
     def matches(self, lens: list[int], starts: list[int], block_tables: torch.Tensor) -> bool:
         return (lens == self.seq_lens and starts == self.starts
                 and block_tables.shape == self.block_tables.shape
+                and block_tables.dtype == self.block_tables.dtype
                 and block_tables.device == self.block_tables.device
                 and torch.equal(block_tables, self.block_tables))
 
