@@ -19,7 +19,7 @@ finishing alongside their longest member, which is what continuous batching save
     python -m clients.bench_offline --output-json bench.json
     python -m clients.bench_offline --repeat 3 --peer-batch-size 64   # rounds; transformers at B=64
 
-This machine's speed drifts by tens of percent over minutes, so `--repeat R` runs the
+This machine's speed drifts over minutes, so `--repeat R` runs the
 systems in rounds (each round runs every system once, in turn) and reports for each
 system its median round (the lower middle one when R is even), and every round's wall time.
 
@@ -264,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "repeat")
     for name in positive:
         if getattr(args, name) < 1:
-                p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.peer_batch_size < 0:
         p.error("--peer-batch-size must be >= 1 (or 0: the same as --batch-size)")
     args.peer_batch_size = args.peer_batch_size or args.batch_size
