@@ -5,6 +5,12 @@
 On a GPU decode is weight-read bound and a step costs about the same at batch 1
 and 64, which is where continuous batching wins most; this shows how far a
 given machine is from that.
+
+    python -m clients.bench_step --variants quantized,float32 --rounds 3
+
+times the CPU's linear-layer paths against each other in one run, alternating: `quantized`
+(the default: GGUF blocks, ops/quantized_linear.py) and `float32` (dequantized at load,
+oneDNN-packed); each variant has its own copy of the model. A row reports the median round.
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ import time
 import torch
 
 from scheduler.request import SamplingParams
-from worker.config import CacheConfig, SchedulerConfig, WorkerConfig
+from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.weights import LoadedModel, load_model
 
+VARIANTS = {"quantized": ModelConfig(), "float32": ModelConfig(cpu_quantized_linear=False)}
 
-def step_ms(loaded: LoadedModel, batch: int, context: int, steps: int) -> float:
-    conf = WorkerConfig(cache=CacheConfig(kv_cache_memory=0.5),
+
+def step_ms(loaded: LoadedModel, batch: int, context: int, steps: int,
+            model: ModelConfig | None = None) -> float:
+    conf = WorkerConfig(model=model or ModelConfig(), cache=CacheConfig(kv_cache_memory=0.5),
                         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192))
     engine = Engine(conf, loaded=loaded)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
@@ -44,14 +53,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", default="1,8,16,32,64")
     ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--variants", default="quantized",
+                    help=f"comma list of {', '.join(VARIANTS)}, timed alternately (default quantized)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds per batch size; the median is kept")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
-    loaded = load_model(args.model)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or any(v not in VARIANTS for v in variants):
+        ap.error(f"--variants: choose from {', '.join(VARIANTS)}")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    loaded = {v: load_model(args.model) for v in variants}  # in-place layer swaps: one copy each
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        ms = step_ms(loaded, b, args.context, args.steps)
-        rows.append({"batch": b, "step_ms": round(ms, 1), "tokens_per_s": round(b / ms * 1000, 1)})
-        print(f"batch {b:3d}: {ms:7.1f} ms/step  {b / ms * 1000:7.1f} tok/s", flush=True)
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for v in variants:
+                times[v].append(step_ms(loaded[v], b, args.context, args.steps, VARIANTS[v]))
+        for v in variants:
+            ms = sorted(times[v])[(args.rounds - 1) // 2]
+            rows.append({"variant": v, "batch": b, "step_ms": round(ms, 1),
+                         "tokens_per_s": round(b / ms * 1000, 1), "rounds_ms": [round(t, 1) for t in times[v]]})
+            print(f"{v:>10} batch {b:3d}: {ms:7.1f} ms/step  {b / ms * 1000:7.1f} tok/s", flush=True)
     if args.output_json:
         info = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "args": vars(args)}

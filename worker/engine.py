@@ -113,6 +113,7 @@ class Engine:
             cuda_graphs=config.model.cuda_graphs and ops.uses_triton(loaded.device),
             num_cpu_blocks=num_cpu_blocks,
             cpu_packed_linear=config.model.cpu_packed_linear,
+            quantized=loaded.quantized if config.model.cpu_quantized_linear else None,
         )
         torch.manual_seed(config.model.seed)
         self._states: dict[str, OutputState] = {}

@@ -13,13 +13,16 @@ the end of its prompt samples nothing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 import ops
+from ops import quantized_linear
 from ops.block_copy import copy_blocks, swap_blocks
 from ops.linear import PackedLinear, can_pack, pack_linears
+from ops.quantized_linear import QuantizedWeight
 from ops.sampling import SamplingTensors
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
@@ -47,13 +50,21 @@ class ModelRunner:
         cuda_graphs: bool = False,
         num_cpu_blocks: int = 0,
         cpu_packed_linear: bool = False,
+        quantized: Mapping[str, QuantizedWeight] | None = None,
     ) -> None:
         """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
         replay graphs captured here, over contexts up to `max_model_len`. `num_cpu_blocks`
         sizes the swap space in host memory (pinned on CUDA, so swaps are DMA copies).
         `cpu_packed_linear` (CPU, float32) packs the model's linear weights for oneDNN
-        (ops/linear.py), in place: a model shared by several runners is packed once."""
+        (ops/linear.py), in place: a model shared by several runners is packed once.
+        `quantized` (CPU, float32, where the kernel compiles) runs the linears it names on
+        their GGUF blocks instead (ops/quantized_linear.py), also in place; it goes first."""
         cfg = model.config
+        if quantized and device.type == "cpu" and dtype == torch.float32 and quantized_linear.available():
+            quantized_linear.quantize_linears(model, quantized)
+            if model.lm_head is None and model.tied_head is None and "embed_tokens" in quantized:
+                # The embedding lookup keeps the float32 table.
+                model.tied_head = quantized_linear.QuantLinear(quantized["embed_tokens"])
         if cpu_packed_linear and can_pack(device, dtype):
             pack_linears(model)
             if model.lm_head is None and model.tied_head is None:

@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # A runner may give a tied model a head of its own (a packed copy of the table).
+        # A runner may give a tied model a head of its own (a packed or quantized copy).
         self.tied_head: nn.Module | None = None
         self.register_buffer(
             "cos_sin",
@@ -237,20 +237,17 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         parts: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
-        fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                 "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
-        order = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
         for hf_name, tensor in weights:
-            name = _our_name(hf_name)
+            name = our_name(hf_name)
             if name is None:
                 continue
-            for old, (new, shard) in fused.items():
+            for old, (new, shard) in FUSED.items():
                 if f".{old}." in name:
                     target = name.replace(f".{old}.", f".{new}.")
                     parts.setdefault(target, {})[shard] = tensor
-                    if len(parts[target]) == len(order[new]):
+                    if len(parts[target]) == len(FUSED_ORDER[new]):
                         shards = parts.pop(target)
-                        self._assign(params, target, torch.cat([shards[s] for s in order[new]]))
+                        self._assign(params, target, torch.cat([shards[s] for s in FUSED_ORDER[new]]))
                         loaded.add(target)
                     break
             else:
@@ -273,7 +270,14 @@ class LlamaForCausalLM(nn.Module):
             p.copy_(tensor)
 
 
-def _our_name(hf_name: str) -> str | None:
+# Checkpoint projections that this model runs as one matmul: name -> (fused name, shard),
+# and each fused weight's shards in the order their rows are concatenated.
+FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+FUSED_ORDER = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+
+def our_name(hf_name: str) -> str | None:
     """Map a Hugging Face tensor name to this module's; None for tensors we derive ourselves."""
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ops.quantized_linear import QuantizedWeight
 from worker.models.llama import LlamaConfig, LlamaForCausalLM
 from worker.tokenizer import Tokenizer
 from worker.weights import dummy, gguf_file, hf_folder
@@ -38,6 +39,9 @@ class LoadedModel:
     source: str  # "gguf" | "safetensors" | "dummy"
     device: torch.device
     dtype: torch.dtype
+    # A GGUF file's block-quantized linear weights by module name, as the file stores them,
+    # for the CPU kernel that computes on them; empty for other sources.
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -108,9 +112,11 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
         tokenizer = Tokenizer.from_gguf(path, reader)
         model = _build(cfg, device, dtype)
         arch = gguf_file.field(reader, "general.architecture")
-        model.load_weights(gguf_file.iter_gguf_weights(reader, cfg, arch))
+        raw: dict[str, QuantizedWeight] = {}
+        model.load_weights(gguf_file.iter_gguf_weights(reader, cfg, arch, raw))
         name = DEFAULT_MODEL_NAME if spec == "default" else path.stem
-        return LoadedModel(model, cfg, tokenizer, name, "gguf", device, dtype)
+        return LoadedModel(model, cfg, tokenizer, name, "gguf", device, dtype,
+                           gguf_file.quantized_linears(raw))
 
     cfg = hf_folder.read_config(path)
     files = hf_folder.safetensors_files(path)

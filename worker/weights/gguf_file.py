@@ -1,5 +1,6 @@
 """GGUF weights (the embedded default model): dequantized with the `gguf` package
-and renamed to Hugging Face names."""
+and renamed to Hugging Face names; the quantized blocks of the linear layers are also kept
+(`quantized_linears`) for the CPU kernel that computes on them (ops/quantized_linear.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.models.llama import LlamaConfig
+from ops.quantized_linear import QuantizedWeight, supports
+from worker.models.llama import FUSED, FUSED_ORDER, LlamaConfig, our_name
 
 # GGUF architecture -> (HF architecture, are q/k stored permuted for interleaved rotary?)
 _ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
@@ -89,7 +91,11 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_rows // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(reader: Any, cfg: LlamaConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    reader: Any, cfg: LlamaConfig, arch: str, quantized: dict[str, QuantizedWeight] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor; with `quantized`, also put there
+    the file's blocks of every 2-D weight the CPU kernel can run (rows unpermuted alike)."""
     from gguf.quants import dequantize
 
     permuted = _ARCHS[arch][1]
@@ -103,10 +109,44 @@ def iter_gguf_weights(reader: Any, cfg: LlamaConfig, arch: str) -> Iterator[tupl
             hf = _GLOBAL_NAMES[t.name]
         else:
             raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims fastest-first
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims fastest-first
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        blocks = np.asarray(t.data)  # [rows, bytes per row] for a block-quantized matrix
+        heads = None
         if permuted and m and m.group(2) in ("attn_q.weight", "attn_q.bias"):
-            w = _unpermute(w, cfg.num_heads)
+            heads = cfg.num_heads
         elif permuted and m and m.group(2) in ("attn_k.weight", "attn_k.bias"):
-            w = _unpermute(w, cfg.num_kv_heads)
+            heads = cfg.num_kv_heads
+        if heads:
+            w = _unpermute(w, heads)
+        qtype = t.tensor_type.name
+        if quantized is not None and supports(qtype, tuple(shape)) and blocks.shape[0] == shape[0]:
+            # A permutation of rows: each row's blocks move whole.
+            quantized[hf] = QuantizedWeight(qtype, _unpermute(blocks, heads) if heads else blocks,
+                                            (shape[0], shape[1]))
         yield hf, torch.from_numpy(np.require(w, requirements=["C", "W"]))
+
+
+def quantized_linears(by_hf_name: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """Quantized weights keyed by the model's module names ("layers.0.self_attn.qkv_proj",
+    "embed_tokens"), fused as the model fuses them; a fusion of mixed types is left out."""
+    out: dict[str, QuantizedWeight] = {}
+    parts: dict[str, dict[str, QuantizedWeight]] = {}
+    for hf_name, qw in by_hf_name.items():
+        name = our_name(hf_name)
+        if name is None or not name.endswith(".weight"):
+            continue
+        module = name.removesuffix(".weight")
+        for old, (new, shard) in FUSED.items():
+            if module.endswith(f".{old}"):
+                parts.setdefault(module.removesuffix(old) + new, {})[shard] = qw
+                break
+        else:
+            out[module] = qw
+    for module, shards in parts.items():
+        new = module.rsplit(".", 1)[-1]
+        ws = [shards.get(s) for s in FUSED_ORDER[new]]
+        if all(ws) and len({w.qtype for w in ws}) == 1:
+            blocks = np.concatenate([w.blocks for w in ws])
+            out[module] = QuantizedWeight(ws[0].qtype, blocks, (blocks.shape[0], ws[0].shape[1]))
+    return out

@@ -1,0 +1,181 @@
+"""Linear layers on the CPU over GGUF-quantized weights (Q4_1, Q8_0), computed in float32.
+
+A decode step reads every weight once, so on the CPU its floor is the weights' bytes over
+memory bandwidth: 540 MB in float32 for the default model, 84 MB as the GGUF stores it.
+`QuantLinear` keeps the file's blocks (repacked into tiles, `cpu_kernels/quant_matmul.c`)
+and dequantizes them on the fly exactly as gguf-py does (the same float32 weights the
+model would otherwise hold), then multiplies in float32 with one accumulator per output
+taken over K in order: a row's result does not depend on its batch.
+
+The kernel is C (AVX2, FMA, F16C), compiled with the system's gcc on first use into
+a cache folder (`LLMWORKER_KERNEL_CACHE`, default ~/.cache/llm-worker) and called through
+ctypes; `available()` is False where there is no compiler or no AVX2, and the runner then
+falls back to float32 weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+TILE = 32  # output rows per tile
+QBLOCK = 32  # weights per quantization block (both types)
+# Bytes of one GGUF block, and of one repacked (tile, block) record.
+_GGUF_BLOCK = {"Q4_1": 20, "Q8_0": 34}
+_RECORD = {"Q4_1": 640, "Q8_0": 1088}
+
+_SOURCE = Path(__file__).parent / "cpu_kernels" / "quant_matmul.c"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A GGUF weight as the file stores it: `blocks` is [out_features, bytes per row]."""
+
+    qtype: str  # "Q4_1" | "Q8_0"
+    blocks: np.ndarray  # uint8
+    shape: tuple[int, int]  # (out_features, in_features)
+
+
+def supports(qtype: str, shape: tuple[int, ...]) -> bool:
+    return qtype in _RECORD and len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % QBLOCK == 0
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Compile (once per source version) and load the kernel; None where it cannot run."""
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        return None
+    src = _SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("LLMWORKER_KERNEL_CACHE", Path.home() / ".cache" / "llm-worker"))
+    so = cache / f"quant_matmul-{tag}.so"
+    if not so.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            # Build beside the target and rename: concurrent workers never load half a file.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            subprocess.run([os.environ.get("CC", "gcc"), *_FLAGS, str(_SOURCE), "-o", tmp],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(tmp, so)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    # torch has loaded its libgomp already: the kernel shares torch's OpenMP thread pool.
+    lib = ctypes.CDLL(str(so))
+    f32, u8, i32 = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int
+    for name in ("q4_1_matmul", "q8_0_matmul"):
+        fn = getattr(lib, name)
+        fn.argtypes = [f32, i32, i32, u8, i32, f32, i32]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def repack(w: QuantizedWeight) -> torch.Tensor:
+    """GGUF blocks [N, K/32 blocks] -> tile records (layout in quant_matmul.c), as uint8."""
+    n, k = w.shape
+    if not supports(w.qtype, w.shape):
+        raise ValueError(f"cannot repack a {w.qtype} weight of shape {w.shape}")
+    nb, size = k // QBLOCK, _GGUF_BLOCK[w.qtype]
+    blocks = np.ascontiguousarray(w.blocks).reshape(n // TILE, TILE, nb, size)
+    def halves(lo: int) -> np.ndarray:  # the fp16 scale at bytes lo:lo+2 -> [T, nb, 32 n] bytes
+        h = blocks[..., lo : lo + 2].copy().view(np.uint16)[..., 0].transpose(0, 2, 1)
+        return np.ascontiguousarray(h).view(np.uint8)
+
+    d = halves(0)
+    if w.qtype == "Q4_1":
+        m = halves(2)
+        qs = blocks[..., 4:20]  # [T, n, nb, 16]: byte j holds k = j (low) and k = j + 16 (high)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [T, n, nb, 32 k]
+        q = q.transpose(0, 2, 3, 1)  # [T, nb, k, n]
+        packed = q[..., :16] | (q[..., 16:] << 4)  # [T, nb, k, 16]
+        parts = [d, m, packed.reshape(*packed.shape[:2], -1)]
+    else:
+        q = blocks[..., 2:34].transpose(0, 2, 3, 1)  # [T, nb, k, n] int8 as uint8
+        parts = [d, np.ascontiguousarray(q).reshape(*q.shape[:2], -1)]
+    parts = [np.ascontiguousarray(p).reshape(n // TILE, nb, -1) for p in parts]
+    out = np.concatenate(parts, axis=-1)
+    assert out.shape[-1] == _RECORD[w.qtype], out.shape
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
+
+
+def _f32(t: torch.Tensor) -> ctypes._Pointer:
+    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ W.T + bias` for x: [rows, in_features] float32, W kept quantized."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        lib = _library()
+        assert lib is not None, "QuantLinear needs the compiled kernel (see available())"
+        self.out_features, self.in_features = weight.shape
+        self.qtype = weight.qtype
+        self.packed = repack(weight)
+        self.bias = None if bias is None else bias.detach().to(torch.float32).clone()
+        self._fn = lib.q4_1_matmul if weight.qtype == "Q4_1" else lib.q8_0_matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
+        shape = x.shape
+        x = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if x.shape[0]:
+            rc = self._fn(_f32(x), x.shape[0], self.in_features, self.packed.data_ptr(),
+                          self.out_features, _f32(y), torch.get_num_threads())
+            if rc:
+                raise RuntimeError(f"quantized matmul failed ({rc})")
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
+
+
+def quantize_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight]) -> int:
+    """Replace every `nn.Linear` of `model` whose name has a weight in `quantized` by a
+    `QuantLinear` of it; returns how many were replaced (0 when already done)."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and name in quantized:
+            qw = quantized[name]
+            assert qw.shape == tuple(module.weight.shape), (name, qw.shape, module.weight.shape)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, QuantLinear(qw, module.bias))
+            count += 1
+    return count
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight, as gguf-py computes it (the reference for tests)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    w = gguf_dequantize(weight.blocks, GGMLQuantizationType[weight.qtype])
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(weight.shape))

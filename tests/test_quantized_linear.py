@@ -1,0 +1,115 @@
+"""The CPU kernel over GGUF blocks (ops/quantized_linear.py): the same product as the
+dequantized weights, a row's bits independent of its batch, every linear of the default
+model covered, and the fall-back when the kernel cannot be built."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ops import quantized_linear as ql
+from ops.linear import PackedLinear
+from worker.config import ModelConfig, WorkerConfig
+from worker.engine import Engine
+from worker.weights import load_model
+
+needs_kernel = pytest.mark.skipif(not ql.available(), reason="no gcc or no AVX2/FMA/F16C here")
+
+
+def _random_blocks(qtype: str, n: int, k: int, seed: int) -> ql.QuantizedWeight:
+    """GGUF blocks with random quants and realistic fp16 scales (d > 0, m < 0 for Q4_1)."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    if qtype == "Q4_1":
+        m = (-rng.uniform(0.0, 0.4, (n, nb, 1))).astype(np.float16).view(np.uint8)
+        qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+        blocks = np.concatenate([d, m, qs], axis=-1)
+    else:
+        qs = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
+        blocks = np.concatenate([d, qs], axis=-1)
+    return ql.QuantizedWeight(qtype, blocks.reshape(n, -1), (n, k))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (96, 576)])
+def test_quant_linear_matches_the_dequantized_weight(qtype, n, k) -> None:
+    qw = _random_blocks(qtype, n, k, seed=n + k)
+    w = ql.dequantize(qw)
+    bias = torch.randn(n)
+    layer = ql.QuantLinear(qw, bias)
+    x = torch.randn(7, k)
+    ref = F.linear(x.double(), w.double(), bias.double()).float()
+    got = layer(x)
+    assert got.shape == (7, n)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # Leading dimensions are kept, and no rows gives no rows.
+    assert layer(x.reshape(7, 1, k)).shape == (7, 1, n)
+    assert layer(torch.empty(0, k)).shape == (0, n)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_a_rows_bits_do_not_depend_on_its_batch(qtype) -> None:
+    """Rows alone (the fused one-row path) and in batches of 2 to 13 (the register-blocked
+    paths over 3, 2 and 1 rows) give identical bits."""
+    qw = _random_blocks(qtype, 64, 192, seed=1)
+    layer = ql.QuantLinear(qw)
+    x = torch.randn(13, 192)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(13)])
+    for m in range(2, 14):
+        assert torch.equal(layer(x[:m]), alone[:m]), f"{m} rows differ from the rows alone"
+
+
+def test_shapes_the_kernel_cannot_take_are_refused() -> None:
+    assert ql.supports("Q4_1", (576, 1536)) and ql.supports("Q8_0", (49152, 576))
+    assert not ql.supports("Q4_1", (100, 576))  # rows not a multiple of the 32-row tile
+    assert not ql.supports("Q6_K", (576, 576))
+    with pytest.raises(ValueError, match="cannot repack a Q4_1 weight of shape"):
+        ql.repack(ql.QuantizedWeight("Q4_1", np.zeros((100, 20), np.uint8), (100, 32)))
+
+
+def test_no_compiler_means_no_kernel(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("LLMWORKER_KERNEL_CACHE", str(tmp_path / "cache"))
+    ql._library.cache_clear()
+    try:
+        assert ql._library() is None and not ql.available()
+    finally:
+        ql._library.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def fresh_default():
+    """A load of its own: the engine swaps layers in place, and the session's model is shared."""
+    return load_model("default")
+
+
+@needs_kernel
+def test_every_linear_of_the_default_model_runs_quantized(fresh_default) -> None:
+    quantized = fresh_default.quantized
+    cfg = fresh_default.config
+    assert set(quantized) == {"embed_tokens"} | {
+        f"layers.{i}.{m}" for i in range(cfg.num_layers)
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    }
+    # q/k rows were unpermuted in the blocks as in the float32 weights: same products.
+    for name in ("layers.0.self_attn.qkv_proj", "layers.29.mlp.down_proj", "embed_tokens"):
+        dense = fresh_default.model.get_submodule(name).weight
+        x = torch.randn(3, dense.shape[1])
+        ref = x @ dense.T
+        torch.testing.assert_close(ql.QuantLinear(quantized[name])(x), ref, rtol=1e-4,
+                                   atol=1e-5 * float(ref.abs().max()))
+    Engine(WorkerConfig(), loaded=fresh_default)
+    assert isinstance(fresh_default.model.layers[3].mlp.down_proj, ql.QuantLinear)
+    assert isinstance(fresh_default.model.tied_head, ql.QuantLinear)
+
+
+def test_the_flag_turns_the_kernel_off() -> None:
+    loaded = load_model("default")
+    Engine(WorkerConfig(model=ModelConfig(cpu_quantized_linear=False)), loaded=loaded)
+    assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, PackedLinear)
+    assert isinstance(loaded.model.tied_head, PackedLinear)
