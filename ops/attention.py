@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ops import cpu_attention
+
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[n, max_blocks] tables -> [n, Hkv, num_blocks * block_size, D]."""
@@ -57,6 +59,10 @@ class _Plan:
     block_tables: torch.Tensor  # a copy
     prefills: list[_Prefill]
     decodes: list[_DecodeGroup]
+    # Every decode at once, for the CPU kernel: query rows, block tables, lengths (int64).
+    decode_rows: torch.Tensor
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
 
     def matches(self, lens: list[int], starts: list[int], block_tables: torch.Tensor) -> bool:
         return (lens == self.seq_lens and starts == self.starts
@@ -86,13 +92,19 @@ def _make_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_l
         mask = torch.arange(nblk * block_size, device=device)[None, :] <= q_pos[:, None]
         prefills.append(_Prefill(starts[r], starts[r + 1], block_tables[r : r + 1], nblk, mask))
     decodes = []
+    all_decodes = sorted(r for reqs in buckets.values() for r in reqs)
+    idx = torch.tensor(all_decodes, dtype=torch.long, device=device)
+    decode_rows = query_start_loc.index_select(0, idx).long().contiguous()
+    decode_tables = block_tables.index_select(0, idx).long().contiguous()
+    decode_lens = seq_lens.index_select(0, idx).long().contiguous()
     for reqs in buckets.values():
         idx = torch.tensor(reqs, device=device)
         nblk = -(-max(lens[r] for r in reqs) // block_size)
         mask = torch.arange(nblk * block_size, device=device)[None, :] < seq_lens[idx].long()[:, None]
         decodes.append(_DecodeGroup(query_start_loc[idx].long(), block_tables.index_select(0, idx),
                                     nblk, mask[:, None, None, :]))
-    return _Plan(lens, starts, block_tables.clone(), prefills, decodes)
+    return _Plan(lens, starts, block_tables.clone(), prefills, decodes,
+                 decode_rows, decode_tables, decode_lens)
 
 
 def paged_attention_ref(
@@ -110,7 +122,8 @@ def paged_attention_ref(
     int32/64; seq_lens: [B]; query_start_loc: [B + 1]. Returns [T, Hq, D].
 
     The torch reference. Decodes (one query each) run as batched SDPA calls over
-    their keys gathered by block table, grouped by context length; each prefill chunk
+    their keys gathered by block table, grouped by context length (on the CPU in float32,
+    one call of the C kernel instead, reading the cache in place); each prefill chunk
     runs alone with its causal mask offset by the context before it. Every layer of a
     step passes the same metadata tensors, so the grouping and masks are built by the
     first call and reused by the rest.
@@ -129,6 +142,10 @@ def paged_attention_ref(
         chunk = q[p.start : p.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         o = F.scaled_dot_product_attention(chunk, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
         out[p.start : p.end] = o[0].transpose(0, 1)
+    if plan.decodes and cpu_attention.usable(q, k_cache):
+        cpu_attention.decode(q, k_cache, v_cache, plan.decode_rows, plan.decode_tables,
+                             plan.decode_lens, scale, out)
+        return out
     for g in plan.decodes:
         k = _gather(k_cache, g.tables, g.num_blocks).to(q.dtype)
         v = _gather(v_cache, g.tables, g.num_blocks).to(q.dtype)

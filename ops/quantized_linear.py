@@ -7,27 +7,23 @@ and dequantizes them on the fly exactly as gguf-py does (the same float32 weight
 model would otherwise hold), then multiplies in float32 with one accumulator per output
 taken over K in order: a row's result does not depend on its batch.
 
-The kernel is C (AVX2, FMA, F16C), compiled with the system's gcc on first use into
-a cache folder (`LLMWORKER_KERNEL_CACHE`, default ~/.cache/llm-worker) and called through
-ctypes; `available()` is False where there is no compiler or no AVX2, and the runner then
-falls back to float32 weights.
+The kernel is C (AVX2, FMA, F16C; built on first use, `ops/cpu_kernels`); `available()`
+is False where there is no compiler or no AVX2, and the runner then falls back to float32
+weights.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+
+from ops import cpu_kernels
 
 TILE = 32  # output rows per tile
 QBLOCK = 32  # weights per quantization block (both types)
@@ -35,8 +31,6 @@ QBLOCK = 32  # weights per quantization block (both types)
 _GGUF_BLOCK = {"Q4_1": 20, "Q8_0": 34}
 _RECORD = {"Q4_1": 640, "Q8_0": 1088}
 
-_SOURCE = Path(__file__).parent / "cpu_kernels" / "quant_matmul.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 @dataclass(frozen=True)
@@ -52,42 +46,15 @@ def supports(qtype: str, shape: tuple[int, ...]) -> bool:
     return qtype in _RECORD and len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % QBLOCK == 0
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """Compile (once per source version) and load the kernel; None where it cannot run."""
-    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        return None
-    src = _SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("LLMWORKER_KERNEL_CACHE", Path.home() / ".cache" / "llm-worker"))
-    so = cache / f"quant_matmul-{tag}.so"
-    if not so.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            # Build beside the target and rename: concurrent workers never load half a file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            subprocess.run([os.environ.get("CC", "gcc"), *_FLAGS, str(_SOURCE), "-o", tmp],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(tmp, so)
-        except (OSError, subprocess.SubprocessError):
-            return None
-    # torch has loaded its libgomp already: the kernel shares torch's OpenMP thread pool.
-    lib = ctypes.CDLL(str(so))
-    f32, u8, i32 = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int
-    for name in ("q4_1_matmul", "q8_0_matmul"):
-        fn = getattr(lib, name)
-        fn.argtypes = [f32, i32, i32, u8, i32, f32, i32]
-        fn.restype = ctypes.c_int
+    lib = cpu_kernels.load("quant_matmul")
+    if lib is not None:
+        f32, u8, i32 = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int
+        for name in ("q4_1_matmul", "q8_0_matmul"):
+            fn = getattr(lib, name)
+            fn.argtypes = [f32, i32, i32, u8, i32, f32, i32]
+            fn.restype = ctypes.c_int
     return lib
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ops import cpu_kernels
 from ops import quantized_linear as ql
 from ops.linear import PackedLinear
 from worker.config import ModelConfig, WorkerConfig
@@ -75,10 +76,12 @@ def test_shapes_the_kernel_cannot_take_are_refused() -> None:
 def test_no_compiler_means_no_kernel(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LLMWORKER_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_kernels.load.cache_clear()
     ql._library.cache_clear()
     try:
-        assert ql._library() is None and not ql.available()
+        assert cpu_kernels.load("quant_matmul") is None and not ql.available()
     finally:
+        cpu_kernels.load.cache_clear()
         ql._library.cache_clear()
 
 

@@ -1,0 +1,56 @@
+"""Decode attention on the CPU straight from the paged cache (`cpu_kernels/paged_attention.c`).
+
+The torch reference gathers every decode's keys and values into a padded batch, then runs
+SDPA: at batch 64 and ~100 tokens of context the gather and SDPA took about a quarter of a
+CPU step (profile in BENCHMARKS.md). The kernel reads each cached key and value once,
+where it lies, for all the query heads that share it. float32 only; `available()` is
+False where the kernel cannot be built, and attention keeps the reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from ops import cpu_kernels
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_kernels.load("paged_attention")
+    if lib is not None:
+        p, i32 = ctypes.c_void_p, ctypes.c_int
+        lib.paged_decode_attention.argtypes = [p, p, p, i32, i32, i32, i32, p, p, i32, p, i32,
+                                               ctypes.c_float, p, i32]
+        lib.paged_decode_attention.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and available())
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+           tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """out[rows[i]] = attention of q[rows[i]] over request i's first lens[i] cached tokens.
+    q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; rows, lens: [n] int64;
+    tables: [n, max_blocks] int64. All contiguous but q (a view of the fused qkv output)."""
+    lib = _library()
+    q = q.contiguous()
+    assert lib is not None and usable(q, k_cache) and v_cache.is_contiguous() and out.is_contiguous()
+    assert rows.dtype == tables.dtype == lens.dtype == torch.int64
+    assert tables.is_contiguous() and rows.is_contiguous() and lens.is_contiguous()
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    rc = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_kv_heads, q.shape[1],
+        head_dim, rows.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.shape[0],
+        scale, out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"paged decode attention failed ({rc}): bad shapes or lengths")
