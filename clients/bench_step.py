@@ -9,26 +9,32 @@ given machine is from that.
     python -m clients.bench_step --variants quantized,float32 --rounds 3
 
 times the CPU's linear-layer paths against each other in one run, alternating: `quantized`
-(the default: GGUF blocks, ops/quantized_linear.py) and `float32` (dequantized at load,
-oneDNN-packed); each variant has its own copy of the model. A row reports the median round.
+(the default: GGUF blocks, ops/quantized_linear.py), `float32` (dequantized at load,
+oneDNN-packed) and `float32-sdpa` (also the torch gather + SDPA for decode attention instead of
+ops/cpu_attention.py); each variant has its own copy of the model. A row reports the median round.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import time
+from collections.abc import Iterator
 
 import torch
 
+from clients.bench.environment import environment
+from ops import cpu_attention
 from scheduler.request import SamplingParams
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.weights import LoadedModel, load_model
 
-VARIANTS = {"quantized": ModelConfig(), "float32": ModelConfig(cpu_quantized_linear=False)}
+VARIANTS = {"quantized": ModelConfig(), "float32": ModelConfig(cpu_quantized_linear=False),
+            "float32-sdpa": ModelConfig(cpu_quantized_linear=False)}  # + the torch decode attention
 
 
 def step_ms(loaded: LoadedModel, batch: int, context: int, steps: int,
@@ -45,6 +51,17 @@ def step_ms(loaded: LoadedModel, batch: int, context: int, steps: int,
     for _ in range(steps):
         engine.step()
     return (time.perf_counter() - t0) / steps * 1000
+
+
+@contextlib.contextmanager
+def _torch_attention(on: bool) -> Iterator[None]:
+    saved = cpu_attention.usable
+    if on:
+        cpu_attention.usable = lambda *a: False
+    try:
+        yield
+    finally:
+        cpu_attention.usable = saved
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,14 +86,16 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for v in variants:
-                times[v].append(step_ms(loaded[v], b, args.context, args.steps, VARIANTS[v]))
+                # float32-sdpa: the torch reference's gather + SDPA instead of the C decode kernel
+                with _torch_attention(v == "float32-sdpa"):
+                    times[v].append(step_ms(loaded[v], b, args.context, args.steps, VARIANTS[v]))
         for v in variants:
             ms = sorted(times[v])[(args.rounds - 1) // 2]
             rows.append({"variant": v, "batch": b, "step_ms": round(ms, 1),
                          "tokens_per_s": round(b / ms * 1000, 1), "rounds_ms": [round(t, 1) for t in times[v]]})
             print(f"{v:>10} batch {b:3d}: {ms:7.1f} ms/step  {b / ms * 1000:7.1f} tok/s", flush=True)
     if args.output_json:
-        info = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        info = {**environment(), "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "args": vars(args)}
         with open(args.output_json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=2)
