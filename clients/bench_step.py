@@ -64,6 +64,27 @@ def _torch_attention(on: bool) -> Iterator[None]:
         cpu_attention.usable = saved
 
 
+def render_markdown(report: dict) -> str:
+    """A BENCHMARKS.md table from `--output-json`: ms/step per variant and each variant's
+    step time over the first variant's (the speed-up of the first)."""
+    rows = report["rows"]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    batches = list(dict.fromkeys(r["batch"] for r in rows))
+    ms = {(r["variant"], r["batch"]): r for r in rows}
+    base = variants[0]
+    head = ["decode batch"] + [f"{v} ms/step (rounds)" for v in variants]
+    head += [f"{base} faster than {v}" for v in variants[1:]] + [f"{base} output tok/s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in batches:
+        cells = [str(b)]
+        cells += [f"{ms[v, b]['step_ms']} ({', '.join(map(str, ms[v, b].get('rounds_ms', [])))})"
+                  for v in variants]
+        cells += [f"**{ms[v, b]['step_ms'] / ms[base, b]['step_ms']:.2f}x**" for v in variants[1:]]
+        cells.append(str(ms[base, b]["tokens_per_s"]))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -74,7 +95,12 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"comma list of {', '.join(VARIANTS)}, timed alternately (default quantized)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds per batch size; the median is kept")
     ap.add_argument("--output-json")
+    ap.add_argument("--report", metavar="JSON", help="print the markdown table of an --output-json file and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            print(render_markdown(json.load(f)))
+        return
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or any(v not in VARIANTS for v in variants):
         ap.error(f"--variants: choose from {', '.join(VARIANTS)}")

@@ -72,3 +72,21 @@ def test_bench_cpu_ops_smoke(tmp_path) -> None:
     assert [r["rows"] for r in report["linear"]] == [1, 3]
     assert all(r["f_linear_ms"] > 0 and r["onednn_packed_ms"] > 0 for r in report["linear"])
     assert report["rows_differing_from_alone"]["onednn_packed"] == 0  # what ops/linear.py promises
+
+
+def test_bench_step_variants_and_report(tmp_path, capsys) -> None:
+    from clients import bench_step
+
+    out = tmp_path / "step.json"
+    bench_step.main(["--variants", "quantized,float32", "--batch-sizes", "1,2", "--steps", "1",
+                     "--rounds", "1", "--output-json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["batch"]) for r in rows] == [
+        ("quantized", 1), ("float32", 1), ("quantized", 2), ("float32", 2)]
+    assert all(r["step_ms"] > 0 and len(r["rounds_ms"]) == 1 for r in rows)
+    capsys.readouterr()
+    bench_step.main(["--report", str(out)])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| decode batch | quantized ms/step") and len(table) == 4
+    ratio = rows[1]["step_ms"] / rows[0]["step_ms"]
+    assert f"**{ratio:.2f}x**" in table[2]

@@ -106,13 +106,16 @@ def test_every_linear_of_the_default_model_runs_quantized(fresh_default) -> None
         ref = x @ dense.T
         torch.testing.assert_close(ql.QuantLinear(quantized[name])(x), ref, rtol=1e-4,
                                    atol=1e-5 * float(ref.abs().max()))
-    Engine(WorkerConfig(), loaded=fresh_default)
+    engine = Engine(WorkerConfig(), loaded=fresh_default)
+    # 4 per layer and the tied head; the start-up log line says so.
+    assert "linear layers: 121 QuantLinear;" in engine.runner.describe_kernels()
     assert isinstance(fresh_default.model.layers[3].mlp.down_proj, ql.QuantLinear)
     assert isinstance(fresh_default.model.tied_head, ql.QuantLinear)
 
 
 def test_the_flag_turns_the_kernel_off() -> None:
     loaded = load_model("default")
-    Engine(WorkerConfig(model=ModelConfig(cpu_quantized_linear=False)), loaded=loaded)
+    engine = Engine(WorkerConfig(model=ModelConfig(cpu_quantized_linear=False)), loaded=loaded)
+    assert "linear layers: 121 PackedLinear;" in engine.runner.describe_kernels()
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(loaded.model.tied_head, PackedLinear)

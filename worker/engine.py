@@ -115,6 +115,7 @@ class Engine:
             cpu_packed_linear=config.model.cpu_packed_linear,
             quantized=loaded.quantized if config.model.cpu_quantized_linear else None,
         )
+        log.info(self.runner.describe_kernels())
         torch.manual_seed(config.model.seed)
         self._states: dict[str, OutputState] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()

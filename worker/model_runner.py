@@ -13,13 +13,15 @@ the end of its prompt samples nothing.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 import ops
-from ops import quantized_linear
+from ops import cpu_attention, quantized_linear
 from ops.block_copy import copy_blocks, swap_blocks
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
@@ -72,6 +74,7 @@ class ModelRunner:
                 model.tied_head = PackedLinear(model.embed_tokens.weight)
         self.model = model
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -93,6 +96,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, max_model_len,
                                        block_size, device)
 
+
+    def describe_kernels(self) -> str:
+        """Which implementation runs the linears and decode attention (for the start-up log)."""
+        kinds = Counter(type(m).__name__ for m in self.model.modules()
+                        if isinstance(m, (nn.Linear, PackedLinear, quantized_linear.QuantLinear)))
+        linears = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        attention = ("C kernel" if self.device.type == "cpu" and self.dtype == torch.float32
+                     and cpu_attention.available() else "ops backend")
+        return f"linear layers: {linears}; decode attention: {attention}"
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
