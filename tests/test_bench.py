@@ -441,7 +441,10 @@ class FakeHF:
     """transformers' generate, shape for shape: appends 100, 101, ... to every row."""
 
     def __init__(self) -> None:
+        import torch
+
         self.calls: list[tuple[int, int, int]] = []  # (rows, width, new tokens)
+        self.device, self.dtype = torch.device("cpu"), torch.float32
 
     def generate(self, ids, attention_mask, max_new_tokens: int, **kw: Any):
         import torch
@@ -458,12 +461,15 @@ def test_peer_runs_static_batches_and_reports_the_ratio(monkeypatch) -> None:
     from clients.bench.peer import run_peer
 
     fake = FakeHF()
-    monkeypatch.setattr(peer_transformers, "load_hf_model", lambda: fake)
+    asked = []
+    monkeypatch.setattr(peer_transformers, "load_hf_model", lambda model: asked.append(model) or fake)
     reqs = ds.random_dataset(5, parse_lengths("uniform:3:9"), parse_lengths("uniform:2:7"),
                              5000, seed=1)
     lens = [r.output_len for r in reqs]
     p = run_peer("transformers", reqs, batch_size=2, threads=1, tokenizer_path=None,
-                 ours_output_throughput=100.0)
+                 ours_output_throughput=100.0, model="dummy:smollm2-135m")
+    assert asked == ["dummy:smollm2-135m"] and p["model"] == "dummy:smollm2-135m"
+    assert p["device"] == "cpu" and "float32" in p["system"]
     # A warm-up batch, then [0, 1], [2, 3], [4]: each runs to its longest member.
     assert fake.calls[1:] == [
         (len(b), max(len(r.token_ids or []) for r in b), max(r.output_len for r in b))
@@ -472,6 +478,25 @@ def test_peer_runs_static_batches_and_reports_the_ratio(monkeypatch) -> None:
     assert p["requests"] == 5 and p["output_tokens"] == sum(lens)  # only its own length counts
     assert p["steps"] == sum(max(lens[i : i + 2]) for i in (0, 2, 4))
     assert p["ratio"] == pytest.approx(100.0 / p["output_throughput"])
+
+
+def test_peer_builds_a_dummy_model_of_the_workers_shape() -> None:
+    """`--peer-model dummy:SHAPE`: transformers' own Llama of the worker's dummy shape (on the
+    CPU here in float32; bfloat16 on CUDA), generating exactly the asked-for tokens."""
+    import torch
+
+    from clients.bench.peer_transformers import hf_generate_batch, load_hf_model
+    from worker.weights.dummy import dummy_config
+
+    hf = load_hf_model("dummy:smollm2-135m")
+    c, hc = dummy_config("smollm2-135m"), hf.config
+    assert (hc.num_hidden_layers, hc.hidden_size, hc.num_key_value_heads, hc.vocab_size) == (
+        c.num_layers, c.hidden_size, c.num_kv_heads, c.vocab_size)
+    assert hf.dtype == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    rows = hf_generate_batch(hf, [[5, 6, 7], [9]], 3, pad_id=0)
+    assert [len(r) for r in rows] == [3, 3]
+    with pytest.raises(ValueError, match="--peer-model"):
+        load_hf_model("llama")
 
 
 def test_unreachable_server_fails_cleanly(tmp_path: Path, capsys) -> None:

@@ -118,6 +118,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--peer-batch-size", type=int, default=8, help="peer static batch size (default 8)")
     g.add_argument("--peer-threads", type=int, default=None,
                    help="torch threads for the peer (default: the CPU count)")
+    g.add_argument("--peer-model", default="default",
+                   help="the peer's model: 'default' (the embedded GGUF, float32, CPU) or dummy:SHAPE "
+                        "(random weights of a worker dummy shape; bfloat16 on CUDA when present), "
+                        "matching the worker's --model (default: default)")
 
     g = r.add_argument_group("output")
     g.add_argument("--name", default=None, help="title of this result in reports (default: backend and dataset)")

@@ -175,6 +175,7 @@ def run_command(args: argparse.Namespace) -> int:
             args.peer, reqs, batch_size=args.peer_batch_size, threads=args.peer_threads,
             tokenizer_path=args.tokenizer,
             ours_output_throughput=result["runs"][0]["summary"]["output_throughput"],
+            model=args.peer_model,
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -21,9 +21,10 @@ def run_peer(
     requests: list[BenchRequest],
     *,
     batch_size: int,
-    threads: int | None,
+    threads: int | None,  # CPU threads (the peer's torch.set_num_threads)
     tokenizer_path: str | None,
     ours_output_throughput: float,
+    model: str = "default",
 ) -> dict[str, Any]:
     assert name == "transformers", name
     import torch
@@ -35,12 +36,15 @@ def run_peer(
     tok = load_tokenizer(tokenizer_path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0]
     prompts = [prompt_ids(r, tok) for r in requests]
+    hf = load_hf_model(model)
     r = run_static_batches(
-        load_hf_model(), prompts, [q.output_len for q in requests], batch_size, pad
+        hf, prompts, [q.output_len for q in requests], batch_size, pad
     )
     del r["tokens"]
     return {
-        "system": "transformers static batching (generate, greedy, float32)",
+        "system": f"transformers static batching (generate, greedy, {str(hf.dtype).removeprefix('torch.')})",
+        "model": model,
+        "device": str(hf.device),
         "batch_size": batch_size,
         "threads": torch.get_num_threads(),
         **r,
