@@ -69,6 +69,7 @@ def repack(w: QuantizedWeight) -> torch.Tensor:
         raise ValueError(f"cannot repack a {w.qtype} weight of shape {w.shape}")
     nb, size = k // QBLOCK, _GGUF_BLOCK[w.qtype]
     blocks = np.ascontiguousarray(w.blocks).reshape(n // TILE, TILE, nb, size)
+
     def halves(lo: int) -> np.ndarray:  # the fp16 scale at bytes lo:lo+2 -> [T, nb, 32 n] bytes
         h = blocks[..., lo : lo + 2].copy().view(np.uint16)[..., 0].transpose(0, 2, 1)
         return np.ascontiguousarray(h).view(np.uint8)
