@@ -4,6 +4,8 @@ model covered, and the fall-back when the kernel cannot be built."""
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -73,16 +75,33 @@ def test_shapes_the_kernel_cannot_take_are_refused() -> None:
         ql.repack(ql.QuantizedWeight("Q4_1", np.zeros((100, 20), np.uint8), (100, 32)))
 
 
-def test_no_compiler_means_no_kernel(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+@pytest.fixture
+def fresh_kernel_cache(tmp_path, monkeypatch):
+    """Kernel builds into tmp_path only, and no library loaded before."""
     monkeypatch.setenv("LLMWORKER_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     cpu_kernels.load.cache_clear()
     ql._library.cache_clear()
-    try:
-        assert cpu_kernels.load("quant_matmul") is None and not ql.available()
-    finally:
-        cpu_kernels.load.cache_clear()
-        ql._library.cache_clear()
+    yield tmp_path
+    cpu_kernels.load.cache_clear()
+    ql._library.cache_clear()
+
+
+def test_no_compiler_means_no_kernel(fresh_kernel_cache, monkeypatch) -> None:
+    monkeypatch.setenv("CC", str(fresh_kernel_cache / "no-such-compiler"))
+    assert cpu_kernels.load("quant_matmul") is None and not ql.available()
+    # A failed build leaves nothing behind.
+    assert not list(fresh_kernel_cache.rglob("*.so"))
+
+
+@needs_kernel
+def test_an_unwritable_cache_falls_back_to_the_temp_dir(fresh_kernel_cache, monkeypatch) -> None:
+    blocker = fresh_kernel_cache / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("LLMWORKER_KERNEL_CACHE", str(blocker / "cache"))
+    assert cpu_kernels.load("quant_matmul") is not None
+    assert [p.parent.parent.name for p in fresh_kernel_cache.rglob("quant_matmul-*.so")] == ["tmp"]
 
 
 @pytest.fixture(scope="module")

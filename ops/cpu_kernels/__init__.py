@@ -1,7 +1,8 @@
 """C kernels for the CPU, compiled with the system's gcc on first use and called through ctypes.
 
 Each `NAME.c` here builds into `NAME-<hash of source and flags>.so` in a cache folder
-(`LLMWORKER_KERNEL_CACHE`, default ~/.cache/llm-worker), once per source version; a build
+(`LLMWORKER_KERNEL_CACHE`, default ~/.cache/llm-worker; a folder under the temp dir where
+that cannot be written), once per source version; a build
 goes to a temporary name and is renamed into place, so concurrent workers never load half a
 file. `load()` returns None where a kernel cannot run here (no AVX2/FMA/F16C, no compiler):
 callers then take their torch path. The kernels use OpenMP; torch has loaded its libgomp
@@ -40,16 +41,30 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
     source = Path(__file__).with_name(f"{name}.c")
     tag = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("LLMWORKER_KERNEL_CACHE", Path.home() / ".cache" / "llm-worker"))
-    so = cache / f"{name}-{tag}.so"
-    if not so.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            subprocess.run([os.environ.get("CC", "gcc"), *_FLAGS, str(source), "-o", tmp],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(tmp, so)
-        except (OSError, subprocess.SubprocessError):
-            return None
-    return ctypes.CDLL(str(so))
+    for cache in _cache_dirs():
+        so = cache / f"{name}-{tag}.so"
+        if so.exists() or _build(source, so):
+            return ctypes.CDLL(str(so))
+    return None
+
+
+def _cache_dirs() -> list[Path]:
+    """The configured folder, then one under the temp dir (for a read-only home)."""
+    first = Path(os.environ.get("LLMWORKER_KERNEL_CACHE", Path.home() / ".cache" / "llm-worker"))
+    return [first, Path(tempfile.gettempdir()) / f"llm-worker-kernels-{os.getuid()}"]
+
+
+def _build(source: Path, so: Path) -> bool:
+    tmp = None
+    try:
+        so.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+        os.close(fd)
+        subprocess.run([os.environ.get("CC", "gcc"), *_FLAGS, str(source), "-o", tmp],
+                       check=True, capture_output=True, timeout=120)
+        os.replace(tmp, so)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        return False
