@@ -96,15 +96,16 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, max_model_len,
                                        block_size, device)
 
-
     def describe_kernels(self) -> str:
         """Which implementation runs the linears and decode attention (for the start-up log)."""
         kinds = Counter(type(m).__name__ for m in self.model.modules()
                         if isinstance(m, (nn.Linear, PackedLinear, quantized_linear.QuantLinear)))
         linears = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-        attention = ("C kernel" if self.device.type == "cpu" and self.dtype == torch.float32
-                     and cpu_attention.available() else "ops backend")
+        c_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
+                    and not ops.uses_triton(self.device) and cpu_attention.available())
+        attention = "C kernel" if c_kernel else ("Triton" if ops.uses_triton(self.device) else "torch")
         return f"linear layers: {linears}; decode attention: {attention}"
+
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
