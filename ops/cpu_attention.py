@@ -1,9 +1,8 @@
 """Decode attention on the CPU straight from the paged cache (`cpu_kernels/paged_attention.c`).
 
-The torch reference gathers every decode's keys and values into a padded batch, then runs
-SDPA: at batch 64 and ~100 tokens of context the gather and SDPA took about a quarter of a
-CPU step (profile in BENCHMARKS.md). The kernel reads each cached key and value once,
-where it lies, for all the query heads that share it. float32 only; `available()` is
+The torch reference copies every decode's keys and values into a padded batch, then runs
+SDPA; the kernel reads each cached key and value once, where it lies, for all the query
+heads that share it (step times with and without it: `clients.bench_step`, BENCHMARKS.md). float32 only; `available()` is
 False where the kernel cannot be built, and attention keeps the reference path.
 """
 

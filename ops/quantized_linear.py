@@ -1,7 +1,7 @@
 """Linear layers on the CPU over GGUF-quantized weights (Q4_1, Q8_0), computed in float32.
 
 A decode step reads every weight once, so on the CPU its floor is the weights' bytes over
-memory bandwidth: 540 MB in float32 for the default model, 84 MB as the GGUF stores it.
+memory bandwidth: 538 MB in float32 for the default model, 96 MB as the GGUF stores it.
 `QuantLinear` keeps the file's blocks (repacked into tiles, `cpu_kernels/quant_matmul.c`)
 and dequantizes them on the fly exactly as gguf-py does (the same float32 weights the
 model would otherwise hold), then multiplies in float32 with one accumulator per output
