@@ -50,10 +50,10 @@ def supports(qtype: str, shape: tuple[int, ...]) -> bool:
 def _library() -> ctypes.CDLL | None:
     lib = cpu_kernels.load("quant_matmul")
     if lib is not None:
-        f32, u8, i32 = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int
+        p, i32 = ctypes.c_void_p, ctypes.c_int  # pointers as the tensors' data_ptr()
         for name in ("q4_1_matmul", "q8_0_matmul"):
             fn = getattr(lib, name)
-            fn.argtypes = [f32, i32, i32, u8, i32, f32, i32]
+            fn.argtypes = [p, i32, i32, p, i32, p, i32]
             fn.restype = ctypes.c_int
     return lib
 
@@ -91,10 +91,6 @@ def repack(w: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
 
 
-def _f32(t: torch.Tensor) -> ctypes._Pointer:
-    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
-
-
 class QuantLinear(nn.Module):
     """`y = x @ W.T + bias` for x: [rows, in_features] float32, W kept quantized."""
 
@@ -114,8 +110,8 @@ class QuantLinear(nn.Module):
         x = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         if x.shape[0]:
-            rc = self._fn(_f32(x), x.shape[0], self.in_features, self.packed.data_ptr(),
-                          self.out_features, _f32(y), torch.get_num_threads())
+            rc = self._fn(x.data_ptr(), x.shape[0], self.in_features, self.packed.data_ptr(),
+                          self.out_features, y.data_ptr(), torch.get_num_threads())
             if rc:
                 raise RuntimeError(f"quantized matmul failed ({rc})")
         if self.bias is not None:
