@@ -10,15 +10,17 @@ touching this file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 import ops
 from ops.rotary import RopeScaling
+
+T = TypeVar("T")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -235,29 +237,17 @@ class LlamaForCausalLM(nn.Module):
         """Take tensors named as in a Hugging Face checkpoint, fuse q/k/v and
         gate/up, and check that every parameter was given exactly once."""
         params = dict(self.named_parameters())
-        parts: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name = our_name(hf_name)
-            if name is None:
-                continue
-            for old, (new, shard) in FUSED.items():
-                if f".{old}." in name:
-                    target = name.replace(f".{old}.", f".{new}.")
-                    parts.setdefault(target, {})[shard] = tensor
-                    if len(parts[target]) == len(FUSED_ORDER[new]):
-                        shards = parts.pop(target)
-                        self._assign(params, target, torch.cat([shards[s] for s in FUSED_ORDER[new]]))
-                        loaded.add(target)
-                    break
-            else:
-                if name == "lm_head.weight" and self.lm_head is None:
-                    continue  # tied checkpoints sometimes still ship it
-                self._assign(params, name, tensor)
-                loaded.add(name)
+        unfinished: set[str] = set()
+        named = ((n, t) for n, t in ((our_name(h), t) for h, t in weights) if n is not None)
+        for name, tensor in fuse_shards(named, torch.cat, unfinished):
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes still ship it
+            self._assign(params, name, tensor)
+            loaded.add(name)
         missing = sorted(set(params) - loaded)
-        if parts or missing:
-            raise ValueError(f"weights missing from the checkpoint: {', '.join(missing + sorted(parts))[:500]}")
+        if unfinished or missing:
+            raise ValueError(f"weights missing from the checkpoint: {', '.join(missing + sorted(unfinished))[:500]}")
 
     @staticmethod
     def _assign(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
@@ -275,6 +265,28 @@ class LlamaForCausalLM(nn.Module):
 FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 FUSED_ORDER = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+
+def fuse_shards(named: Iterable[tuple[str, T]], cat: Callable[[list[T]], T | None],
+                unfinished: set[str]) -> Iterator[tuple[str, T]]:
+    """Pass (name, weight) pairs through, joining each q/k/v and gate/up set into its fused
+    name once all its shards have come, by `cat` over them in FUSED_ORDER (a None from `cat`
+    drops the set). Names of sets still incomplete at the end go into `unfinished`."""
+    parts: dict[str, dict[str, T]] = {}
+    for name, weight in named:
+        for old, (new, shard) in FUSED.items():
+            if f".{old}." in name:
+                target = name.replace(f".{old}.", f".{new}.")
+                parts.setdefault(target, {})[shard] = weight
+                if len(parts[target]) == len(FUSED_ORDER[new]):
+                    shards = parts.pop(target)
+                    joined = cat([shards[s] for s in FUSED_ORDER[new]])
+                    if joined is not None:
+                        yield target, joined
+                break
+        else:
+            yield name, weight
+    unfinished.update(parts)
 
 
 def our_name(hf_name: str) -> str | None:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ops.quantized_linear import QuantizedWeight, supports
-from worker.models.llama import FUSED, FUSED_ORDER, LlamaConfig, our_name
+from worker.models.llama import LlamaConfig, fuse_shards, our_name
 
 # GGUF architecture -> (HF architecture, are q/k stored permuted for interleaved rotary?)
 _ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
@@ -130,23 +130,14 @@ def iter_gguf_weights(
 def quantized_linears(by_hf_name: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
     """Quantized weights keyed by the model's module names ("layers.0.self_attn.qkv_proj",
     "embed_tokens"), fused as the model fuses them; a fusion of mixed types is left out."""
-    out: dict[str, QuantizedWeight] = {}
-    parts: dict[str, dict[str, QuantizedWeight]] = {}
-    for hf_name, qw in by_hf_name.items():
-        name = our_name(hf_name)
-        if name is None or not name.endswith(".weight"):
-            continue
-        module = name.removesuffix(".weight")
-        for old, (new, shard) in FUSED.items():
-            if module.endswith(f".{old}"):
-                parts.setdefault(module.removesuffix(old) + new, {})[shard] = qw
-                break
-        else:
-            out[module] = qw
-    for module, shards in parts.items():
-        new = module.rsplit(".", 1)[-1]
-        ws = [shards.get(s) for s in FUSED_ORDER[new]]
-        if all(ws) and len({w.qtype for w in ws}) == 1:
-            blocks = np.concatenate([w.blocks for w in ws])
-            out[module] = QuantizedWeight(ws[0].qtype, blocks, (blocks.shape[0], ws[0].shape[1]))
-    return out
+    named = ((our_name(h), qw) for h, qw in by_hf_name.items())
+    weights = ((n, qw) for n, qw in named if n is not None and n.endswith(".weight"))
+    return {name.removesuffix(".weight"): qw for name, qw in fuse_shards(weights, _cat_rows, set())}
+
+
+def _cat_rows(ws: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Shards stacked by rows, as torch.cat stacks the float32 ones; None for mixed types."""
+    if len({w.qtype for w in ws}) != 1:
+        return None
+    blocks = np.concatenate([w.blocks for w in ws])
+    return QuantizedWeight(ws[0].qtype, blocks, (blocks.shape[0], ws[0].shape[1]))
