@@ -1,10 +1,15 @@
 """Offline throughput: our engine (continuous and static batching) against transformers.
 
-Runs three systems in one process on the same requests, in the same order, and prints
+Runs four systems in one process on the same requests, in the same order, and prints
 output tokens per second for each and the ratios:
 
 - ``continuous``: `Engine.generate` with continuous batching (``max_num_seqs`` = B);
 - ``static``: the same engine with ``policy="static"`` (admit B, run them all to the end);
+  a member that ends leaves the batch's steps, so the batch shrinks as it runs;
+- ``static-padded``: the same engine run as transformers' static batches run: each batch
+  of B on its own, every member generating until the batch's longest ends (its extra
+  tokens are thrown away). Against ``transformers`` it isolates the kernels (same batches,
+  same rows, same steps); against ``continuous`` it isolates the policy;
 - ``transformers``: `generate` on transformers' own load of the same GGUF, float32,
   in static batches of B, left-padded, greedy.
 
@@ -14,7 +19,7 @@ Every system generates exactly the requested number of tokens per request (EOS i
 ignored), so each does the same useful work; static batches also do the wasted work of
 finishing alongside their longest member, which is what continuous batching saves.
 
-    python -m clients.bench_offline                         # 64 requests, B = 8, all three
+    python -m clients.bench_offline                         # 64 requests, B = 8, all four
     python -m clients.bench_offline --num-requests 8 --systems continuous,static
     python -m clients.bench_offline --output-json bench.json
     python -m clients.bench_offline --repeat 3 --peer-batch-size 64   # rounds; transformers at B=64
@@ -52,7 +57,7 @@ from worker.config import SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.weights import LoadedModel, load_model
 
-SYSTEMS = ("continuous", "static", "transformers")
+SYSTEMS = ("continuous", "static", "static-padded", "transformers")
 
 
 
@@ -127,16 +132,22 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def run_engine(
+def _warm_engine(
     loaded: LoadedModel, wl: Workload, policy: str, batch_size: int, max_num_batched_tokens: int
-) -> Result:
+) -> Engine:
     conf = WorkerConfig(scheduler=SchedulerConfig(
         policy=policy, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens
     ))
     engine = Engine(conf, loaded=loaded)
     warm = [engine.make_request(p, _greedy(4), f"warmup-{i}") for i, p in enumerate(wl.prompts[:2])]
     engine.generate(warm)
+    return engine
 
+
+def run_engine(
+    loaded: LoadedModel, wl: Workload, policy: str, batch_size: int, max_num_batched_tokens: int
+) -> Result:
+    engine = _warm_engine(loaded, wl, policy, batch_size, max_num_batched_tokens)
     reqs = [
         engine.make_request(p, _greedy(n), f"req-{i}")
         for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True))
@@ -153,6 +164,28 @@ def run_engine(
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, f"{policy}: blocks still held"
     tokens = [c.token_ids for c in done]
     return Result(policy, len(done), sum(map(len, tokens)), wall, steps, tokens, batch_size)
+
+
+def run_static_padded(
+    loaded: LoadedModel, wl: Workload, batch_size: int, max_num_batched_tokens: int
+) -> Result:
+    """Batches of B in order, as `run_transformers` makes them; each runs alone with every
+    member's max_tokens the batch's longest, so every row is computed until the batch ends."""
+    engine = _warm_engine(loaded, wl, "static", batch_size, max_num_batched_tokens)
+    tokens: list[list[int]] = []
+    steps0 = engine.num_steps
+    t0 = time.perf_counter()
+    for b in range(0, wl.num_requests, batch_size):
+        prompts, lens = wl.prompts[b : b + batch_size], wl.output_lens[b : b + batch_size]
+        longest = max(lens)
+        reqs = [engine.make_request(p, _greedy(longest), f"req-{b + i}") for i, p in enumerate(prompts)]
+        done = engine.generate(reqs)
+        assert all(len(c.token_ids) == longest for c in done), "static-padded: a row ended early"
+        tokens += [c.token_ids[:n] for c, n in zip(done, lens, strict=True)]  # its own length counts
+    wall = time.perf_counter() - t0
+    steps = engine.num_steps - steps0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "static-padded: blocks still held"
+    return Result("static-padded", len(tokens), sum(map(len, tokens)), wall, steps, tokens, batch_size)
 
 
 def run_transformers(hf_model, wl: Workload, batch_size: int, pad_id: int) -> Result:
@@ -306,6 +339,8 @@ def main(
                 pad = loaded.tokenizer.pad_token_id
                 pad = pad if pad is not None else loaded.eos_token_ids[0]
                 r = run_transformers(hf_model, wl, args.peer_batch_size, pad)
+            elif system == "static-padded":
+                r = run_static_padded(loaded, wl, args.batch_size, args.max_num_batched_tokens)
             else:
                 r = run_engine(loaded, wl, system, args.batch_size, args.max_num_batched_tokens)
             runs[system].append(r)
@@ -323,6 +358,8 @@ def main(
     for num, den, label in (
         ("continuous", "transformers", "continuous / transformers static"),
         ("continuous", "static", "continuous / engine static"),
+        ("continuous", "static-padded", "continuous / engine static, padded"),
+        ("static-padded", "transformers", "engine static, padded / transformers static"),
     ):
         if num in results and den in results:
             ratios[label] = results[num].tok_per_s / results[den].tok_per_s
@@ -334,10 +371,11 @@ def main(
         agree[f"{ours} vs transformers"] = agreement(
             results[ours].tokens, results["transformers"].tokens
         )
-    if "continuous" in results and "static" in results:
-        agree["continuous vs static"] = agreement(
-            results["continuous"].tokens, results["static"].tokens
-        )
+    for other in ("static", "static-padded"):
+        if "continuous" in results and other in results:
+            agree[f"continuous vs {other}"] = agreement(
+                results["continuous"].tokens, results[other].tokens
+            )
     for label, a in agree.items():
         diff = a["first_difference_at"]
         extra = f" (request: first differing token {diff})" if diff else ""

@@ -37,7 +37,7 @@ def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
 
     results = report["results"]
-    assert set(results) == {"continuous", "static", "transformers"}
+    assert set(results) == {"continuous", "static", "static-padded", "transformers"}
     work = report["workload"]
     assert work["num_requests"] == 4 and max(work["output_lens"]) <= 6
     for name, r in results.items():
@@ -52,8 +52,17 @@ def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
     assert report["ratios"] == {
         "continuous / transformers static": pytest.approx(tps["continuous"] / tps["transformers"]),
         "continuous / engine static": pytest.approx(tps["continuous"] / tps["static"]),
+        "continuous / engine static, padded": pytest.approx(tps["continuous"] / tps["static-padded"]),
+        "engine static, padded / transformers static":
+            pytest.approx(tps["static-padded"] / tps["transformers"]),
     }
-    assert report["agreement"]["continuous vs static"]["matching"] == 4  # a design contract
+    # Both static modes take a step per token of each batch's longest member (the first
+    # comes from the prefill); the padded one computes every row of those steps.
+    lens = work["output_lens"]
+    batches = sum(max(lens[b : b + 2]) for b in range(0, 4, 2))
+    assert results["static"]["steps"] == results["static-padded"]["steps"] == batches
+    for other in ("static", "static-padded"):  # a design contract: batch invariance
+        assert report["agreement"][f"continuous vs {other}"]["matching"] == 4
     assert report["machine"]["torch"] == torch.__version__
     assert "continuous / engine static" in capsys.readouterr().out
     rendered = bench_offline.render_markdown([report])
