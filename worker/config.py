@@ -73,7 +73,8 @@ class SchedulerConfig:
     max_num_seqs: int = opt(64, "most requests in one step")
     max_num_batched_tokens: int = opt(512, "token budget of one step (prefill chunks + decodes)")
     policy: str = opt("continuous", "continuous batching, or static (admit a batch, run it to its "
-                      "end; for benchmarks only)", ("continuous", "static"))
+                      "end, a member leaving the batch's steps when it ends; for benchmarks only)",
+                      ("continuous", "static"))
     preemption_mode: str = opt("auto", "how a preempted request gives up its KV blocks: swap them "
                                "to CPU memory when they fit there, else recompute (auto); swap "
                                "(needs --swap-space; recomputes only when it is full); or always "
