@@ -14,8 +14,8 @@ from worker.models.llama import AttentionMetadata, LlamaForCausalLM
 def last_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -> torch.Tensor:
     """One whole-prompt forward pass through a private paged cache; logits of the last position."""
     cfg = model.config
-    dev = model.embed_tokens.weight.device
-    dtype = model.embed_tokens.weight.dtype
+    dev = model.norm.device  # not the embedding's: a runner may have swapped it for Q8_0 blocks
+    dtype = model.norm.dtype
     n = len(ids)
     nblk = (n + block_size - 1) // block_size
     kv = [

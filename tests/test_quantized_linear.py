@@ -125,16 +125,25 @@ def test_every_linear_of_the_default_model_runs_quantized(fresh_default) -> None
         ref = x @ dense.T
         torch.testing.assert_close(ql.QuantLinear(quantized[name])(x), ref, rtol=1e-4,
                                    atol=1e-5 * float(ref.abs().max()))
+    # The lookup on the Q8_0 blocks gives the float32 table's rows bit for bit.
+    table = fresh_default.model.embed_tokens.weight
+    lookup = ql.QuantEmbedding(quantized["embed_tokens"])
+    assert torch.equal(lookup(torch.arange(cfg.vocab_size)), table)
+    ids = torch.tensor([[5, 49151], [0, 5]])
+    assert torch.equal(lookup(ids), table[ids])
     engine = Engine(WorkerConfig(), loaded=fresh_default)
     # 4 per layer and the tied head; the start-up log line says so.
-    assert "linear layers: 121 QuantLinear;" in engine.runner.describe_kernels()
+    kernels = engine.runner.describe_kernels()
+    assert "linear layers: 121 QuantLinear; embedding: Q8_0 blocks;" in kernels
     assert isinstance(fresh_default.model.layers[3].mlp.down_proj, ql.QuantLinear)
     assert isinstance(fresh_default.model.tied_head, ql.QuantLinear)
+    assert isinstance(fresh_default.model.embed_tokens, ql.QuantEmbedding)
+    assert "embed_tokens.weight" not in dict(fresh_default.model.named_parameters())  # table gone
 
 
 def test_the_flag_turns_the_kernel_off() -> None:
     loaded = load_model("default")
     engine = Engine(WorkerConfig(model=ModelConfig(cpu_quantized_linear=False)), loaded=loaded)
-    assert "linear layers: 121 PackedLinear;" in engine.runner.describe_kernels()
+    assert "linear layers: 121 PackedLinear; embedding: table;" in engine.runner.describe_kernels()
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(loaded.model.tied_head, PackedLinear)

@@ -64,9 +64,12 @@ class ModelRunner:
         cfg = model.config
         if quantized and device.type == "cpu" and dtype == torch.float32 and quantized_linear.available():
             quantized_linear.quantize_linears(model, quantized)
-            if model.lm_head is None and model.tied_head is None and "embed_tokens" in quantized:
-                # The embedding lookup keeps the float32 table.
-                model.tied_head = quantized_linear.QuantLinear(quantized["embed_tokens"])
+            embed = quantized.get("embed_tokens")
+            if model.lm_head is None and model.tied_head is None and embed is not None:
+                model.tied_head = quantized_linear.QuantLinear(embed)
+            if embed is not None and embed.qtype == "Q8_0" and isinstance(model.embed_tokens, nn.Embedding):
+                # The lookup reads the same blocks; the float32 table goes.
+                model.embed_tokens = quantized_linear.QuantEmbedding(embed)
         if cpu_packed_linear and can_pack(device, dtype):
             pack_linears(model)
             if model.lm_head is None and model.tied_head is None:
@@ -97,14 +100,17 @@ class ModelRunner:
                                        block_size, device)
 
     def describe_kernels(self) -> str:
-        """Which implementation runs the linears and decode attention (for the start-up log)."""
+        """Which implementation runs the linears, the embedding lookup and decode attention
+        (for the start-up log)."""
         kinds = Counter(type(m).__name__ for m in self.model.modules()
                         if isinstance(m, (nn.Linear, PackedLinear, quantized_linear.QuantLinear)))
         linears = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         c_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
                     and not ops.uses_triton(self.device) and cpu_attention.available())
         attention = "C kernel" if c_kernel else ("Triton" if ops.uses_triton(self.device) else "torch")
-        return f"linear layers: {linears}; decode attention: {attention}"
+        quant_embed = isinstance(self.model.embed_tokens, quantized_linear.QuantEmbedding)
+        embedding = "Q8_0 blocks" if quant_embed else "table"
+        return f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}"
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
