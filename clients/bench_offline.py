@@ -9,7 +9,7 @@ output tokens per second for each and the ratios:
 - ``static-padded``: the same engine run as transformers' static batches run: each batch
   of B on its own, every member generating until the batch's longest ends (its extra
   tokens are thrown away). Against ``transformers`` it isolates the kernels (same batches,
-  same rows, same steps); against ``continuous`` it isolates the policy;
+  decode rows and steps); against ``continuous`` it isolates the policy;
 - ``transformers``: `generate` on transformers' own load of the same GGUF, float32,
   in static batches of B, left-padded, greedy.
 
