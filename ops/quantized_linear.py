@@ -123,23 +123,34 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """`nn.Embedding` over Q8_0 rows: a looked-up row is dequantized as gguf-py does (`d*q`,
-    exact in float32), so it equals the float32 table's row bit for bit at a quarter of
-    the bytes. The default model's table is 113 MB in float32; its tied head already runs on
-    these blocks (`QuantLinear`), so the float32 copy would serve only the lookup."""
+    """`nn.Embedding` over a Q8_0 weight's tile records (`repack`), the same records a tied
+    head's `QuantLinear` multiplies with, so a tied model holds its table once. A looked-up
+    row is dequantized as gguf-py does (`d*q`, exact in float32): the float32 table's row bit
+    for bit. Row r lives in tile r // 32, lane r % 32 of every block's record::
 
-    def __init__(self, weight: QuantizedWeight) -> None:
+        record (tile t, block b): d[32 lanes] fp16 | q[32 k][32 lanes] int8
+        row r, block b:           d[t, b, r % 32] * q[t, b, :, r % 32]
+    """
+
+    def __init__(self, weight: QuantizedWeight, packed: torch.Tensor | None = None) -> None:
         super().__init__()
-        assert weight.qtype == "Q8_0" and weight.shape[1] % QBLOCK == 0, (weight.qtype, weight.shape)
+        assert weight.qtype == "Q8_0", weight.qtype
         self.num_embeddings, self.embedding_dim = weight.shape
-        nb = self.embedding_dim // QBLOCK
-        blocks = np.asarray(weight.blocks).reshape(-1, nb, 34)  # may be the file's read-only map
-        # Each slice is copied into an array of its own (writable, as torch wants it).
-        self.scales = torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16))  # [V, nb, 1]
-        self.qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8))  # [V, nb, 32]
+        self.packed = repack(weight) if packed is None else packed
+        records = self.packed.view(self.num_embeddings // TILE, self.embedding_dim // QBLOCK, -1)
+        self._d = records[:, :, : 2 * TILE].view(torch.float16)  # [T, nb, 32 lanes]
+        self._q = records[:, :, 2 * TILE :].view(torch.int8).unflatten(-1, (QBLOCK, TILE))
+
+    @classmethod
+    def of_head(cls, head: QuantLinear, weight: QuantizedWeight) -> QuantEmbedding:
+        """The lookup sharing a tied head's records."""
+        assert head.qtype == weight.qtype and (head.out_features, head.in_features) == weight.shape
+        return cls(weight, head.packed)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.scales[ids].float() * self.qs[ids].float()
+        flat = ids.reshape(-1)
+        tile, lane = flat // TILE, flat % TILE
+        rows = self._d[tile, :, lane].float().unsqueeze(-1) * self._q[tile, :, :, lane].float()
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -138,6 +138,9 @@ def test_every_linear_of_the_default_model_runs_quantized(fresh_default) -> None
     assert isinstance(fresh_default.model.layers[3].mlp.down_proj, ql.QuantLinear)
     assert isinstance(fresh_default.model.tied_head, ql.QuantLinear)
     assert isinstance(fresh_default.model.embed_tokens, ql.QuantEmbedding)
+    # The lookup reads the tied head's records: the table is held once.
+    assert fresh_default.model.embed_tokens.packed is fresh_default.model.tied_head.packed
+    assert torch.equal(fresh_default.model.embed_tokens(ids), table[ids])
     assert "embed_tokens.weight" not in dict(fresh_default.model.named_parameters())  # table gone
 
 

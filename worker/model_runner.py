@@ -68,8 +68,13 @@ class ModelRunner:
             if model.lm_head is None and model.tied_head is None and embed is not None:
                 model.tied_head = quantized_linear.QuantLinear(embed)
             if embed is not None and embed.qtype == "Q8_0" and isinstance(model.embed_tokens, nn.Embedding):
-                # The lookup reads the same blocks; the float32 table goes.
-                model.embed_tokens = quantized_linear.QuantEmbedding(embed)
+                # The lookup reads the head's records (or its own); the float32 table goes.
+                head = model.tied_head
+                model.embed_tokens = (
+                    quantized_linear.QuantEmbedding.of_head(head, embed)
+                    if isinstance(head, quantized_linear.QuantLinear)
+                    else quantized_linear.QuantEmbedding(embed)
+                )
         if cpu_packed_linear and can_pack(device, dtype):
             pack_linears(model)
             if model.lm_head is None and model.tied_head is None:
