@@ -132,60 +132,42 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _warm_engine(
-    loaded: LoadedModel, wl: Workload, policy: str, batch_size: int, max_num_batched_tokens: int
-) -> Engine:
+def run_engine(
+    loaded: LoadedModel, wl: Workload, system: str, batch_size: int, max_num_batched_tokens: int
+) -> Result:
+    """`continuous` and `static` submit every request at once and the engine's policy picks
+    each step's rows. `static-padded` submits batches of B in order, as `run_transformers`
+    makes them, one at a time, every member's max_tokens its batch's longest: every row is
+    computed until its batch ends, and only a request's own first tokens count."""
+    padded = system == "static-padded"
     conf = WorkerConfig(scheduler=SchedulerConfig(
-        policy=policy, max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens
+        policy="static" if padded else system, max_num_seqs=batch_size,
+        max_num_batched_tokens=max_num_batched_tokens,
     ))
     engine = Engine(conf, loaded=loaded)
     warm = [engine.make_request(p, _greedy(4), f"warmup-{i}") for i, p in enumerate(wl.prompts[:2])]
     engine.generate(warm)
-    return engine
 
-
-def run_engine(
-    loaded: LoadedModel, wl: Workload, policy: str, batch_size: int, max_num_batched_tokens: int
-) -> Result:
-    engine = _warm_engine(loaded, wl, policy, batch_size, max_num_batched_tokens)
-    reqs = [
-        engine.make_request(p, _greedy(n), f"req-{i}")
-        for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True))
+    n_req, lens = wl.num_requests, wl.output_lens
+    group = batch_size if padded else n_req
+    spans = [range(b, min(b + group, n_req)) for b in range(0, n_req, group)]
+    max_tokens = [max(lens[j] for j in s) if padded else lens[i] for s in spans for i in s]
+    batches = [
+        [engine.make_request(wl.prompts[i], _greedy(max_tokens[i]), f"req-{i}") for i in s]
+        for s in spans
     ]
     steps0 = engine.num_steps
     t0 = time.perf_counter()
-    done = engine.generate(reqs)
+    done = [c for reqs in batches for c in engine.generate(reqs)]
     wall = time.perf_counter() - t0
     steps = engine.num_steps - steps0
 
-    for c, n in zip(done, wl.output_lens, strict=True):
-        assert len(c.token_ids) == n, f"{policy}: {c.request_id} made {len(c.token_ids)} of {n}"
+    for c, m in zip(done, max_tokens, strict=True):
+        assert len(c.token_ids) == m, f"{system}: {c.request_id} made {len(c.token_ids)} of {m}"
         assert c.finish_reason == "length", (c.request_id, c.finish_reason)
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, f"{policy}: blocks still held"
-    tokens = [c.token_ids for c in done]
-    return Result(policy, len(done), sum(map(len, tokens)), wall, steps, tokens, batch_size)
-
-
-def run_static_padded(
-    loaded: LoadedModel, wl: Workload, batch_size: int, max_num_batched_tokens: int
-) -> Result:
-    """Batches of B in order, as `run_transformers` makes them; each runs alone with every
-    member's max_tokens the batch's longest, so every row is computed until the batch ends."""
-    engine = _warm_engine(loaded, wl, "static", batch_size, max_num_batched_tokens)
-    tokens: list[list[int]] = []
-    steps0 = engine.num_steps
-    t0 = time.perf_counter()
-    for b in range(0, wl.num_requests, batch_size):
-        prompts, lens = wl.prompts[b : b + batch_size], wl.output_lens[b : b + batch_size]
-        longest = max(lens)
-        reqs = [engine.make_request(p, _greedy(longest), f"req-{b + i}") for i, p in enumerate(prompts)]
-        done = engine.generate(reqs)
-        assert all(len(c.token_ids) == longest for c in done), "static-padded: a row ended early"
-        tokens += [c.token_ids[:n] for c, n in zip(done, lens, strict=True)]  # its own length counts
-    wall = time.perf_counter() - t0
-    steps = engine.num_steps - steps0
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "static-padded: blocks still held"
-    return Result("static-padded", len(tokens), sum(map(len, tokens)), wall, steps, tokens, batch_size)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, f"{system}: blocks still held"
+    tokens = [c.token_ids[:n] for c, n in zip(done, lens, strict=True)]  # its own length counts
+    return Result(system, len(done), sum(map(len, tokens)), wall, steps, tokens, batch_size)
 
 
 def run_transformers(hf_model, wl: Workload, batch_size: int, pad_id: int) -> Result:
@@ -339,8 +321,6 @@ def main(
                 pad = loaded.tokenizer.pad_token_id
                 pad = pad if pad is not None else loaded.eos_token_ids[0]
                 r = run_transformers(hf_model, wl, args.peer_batch_size, pad)
-            elif system == "static-padded":
-                r = run_static_padded(loaded, wl, args.batch_size, args.max_num_batched_tokens)
             else:
                 r = run_engine(loaded, wl, system, args.batch_size, args.max_num_batched_tokens)
             runs[system].append(r)
