@@ -15,33 +15,17 @@ A request frees its block table tail first, so within a request the tail is the 
 entry and is evicted before the head: a chain is cut from its end, and its surviving head
 still hits.
 
-An optional `KVEventListener` hears of the registry's changes (for a router's prefix
-index): the pool reports evictions and a full clear, the manager (which knows the tokens)
-reports newly registered blocks.
+With `record_events()`, the registry's changes are also recorded as `kvcache.events`
+(for a router's prefix index), in order, until `take_events()` takes them: the pool
+records evictions and a full clear, the manager (which knows the tokens) newly registered
+blocks.
 """
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable
 
 from kvcache.block_hash import BlockHash
-
-
-class KVEventListener(Protocol):
-    """Called on the thread that changes the cache (the engine thread), in order: it must
-    only record the event and return at once (no blocking, no waiting on another thread)."""
-
-    def blocks_stored(self, hashes: Sequence[BlockHash], parent: BlockHash | None,
-                      token_ids: Sequence[int] | None, cache_salt: str | None) -> None:
-        """Consecutive full blocks of one chain were registered; `parent` is the hash of
-        the block before the first (None at the start of a sequence); `token_ids` are
-        theirs, block after block (None where the caller does not know them: a swap-in)."""
-
-    def blocks_removed(self, hashes: Sequence[BlockHash]) -> None:
-        """Blocks were evicted: their hashes are no longer findable."""
-
-    def all_cleared(self) -> None:
-        """Every hash was forgotten (a prefix-cache reset)."""
+from kvcache.events import AllCleared, BlocksRemoved, KVEvent
 
 
 class BlockPool:
@@ -53,7 +37,21 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}  # hash -> the one block registered under it
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # front = evicted first
-        self.listener: KVEventListener | None = None
+        self.events: list[KVEvent] | None = None  # None: not recorded (nobody takes them)
+
+    def record_events(self) -> None:
+        """Record registry changes from now on; someone must `take_events()` regularly."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        events, self.events = self.events, ([] if self.events is not None else None)
+        return events or []
+
+    def add_event(self, event: KVEvent) -> None:
+        if self.events is not None:
+            self.events.append(event)
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,8 +143,7 @@ class BlockPool:
             self.free_uncached.append(b)
         self.free_cached.clear()
         self.cached.clear()
-        if self.listener is not None:
-            self.listener.all_cleared()
+        self.add_event(AllCleared())
         return dropped
 
     def _evict(self, block: int) -> None:
@@ -154,8 +151,7 @@ class BlockPool:
         assert block_hash is not None and self.cached[block_hash] == block
         del self.cached[block_hash]
         self.block_hashes[block] = None
-        if self.listener is not None:
-            self.listener.blocks_removed((block_hash,))
+        self.add_event(BlocksRemoved((block_hash,)))
 
     def check_integrity(self) -> None:
         """Free queues, ref counts and the registry agree. Raises AssertionError."""

@@ -17,7 +17,8 @@ writes position `pos` into.
 A request's blocks go through these states (the scheduler drives them):
 
     find_cached_prefix + allocate_slots   table = shared cached blocks + fresh ones
-    cache_full_blocks (after each step)   blocks that just filled get their hash
+    cache_full_blocks (after each step)   blocks that just filled are registered under
+                                          their hash (the request's own, computed once)
     free                                  refs dropped tail first; cached ones stay
                                           reusable until an allocation evicts them
     swap_out / swap_in                    computed blocks to CPU blocks and back into
@@ -36,8 +37,9 @@ prefixes but keeps ref counts simple: a CPU block has exactly one owner.
 from collections import Counter
 from collections.abc import Sequence
 
-from kvcache.block_hash import ROOT, BlockHash, iter_block_hashes
+from kvcache.block_hash import BlockHash
 from kvcache.block_pool import BlockPool
+from kvcache.events import BlocksStored, KVEvent
 from kvcache.moves import KVMoves
 from kvcache.prefix_cache import PrefixCacheStats, PrefixHit, find_cached_prefix
 from kvcache.swap_space import SwapSpace
@@ -62,8 +64,6 @@ class KVCacheManager:
         self.swap_space = SwapSpace(num_cpu_blocks)
         self.block_tables: dict[str, list[int]] = {}  # running requests (GPU blocks)
         self.cpu_tables: dict[str, list[int]] = {}  # swapped-out requests (CPU blocks)
-        # Hashes of each request's leading full, computed blocks (the chain so far).
-        self._hashes: dict[str, list[BlockHash]] = {}
         self.stats = PrefixCacheStats()
         self._moves = KVMoves()
         self._written: set[int] = set()  # GPU blocks this step's moves write
@@ -112,12 +112,13 @@ class KVCacheManager:
 
     # -- allocation ------------------------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None) -> PrefixHit:
-        """What a request with no blocks could reuse (`kvcache.prefix_cache`). Changes
-        nothing; pass the result to `allocate_slots`. Always empty when caching is off."""
+    def find_cached_prefix(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> PrefixHit:
+        """What a request with no blocks could reuse (`kvcache.prefix_cache`), from the
+        request's hashes of its full blocks. Changes nothing; pass the result to
+        `allocate_slots`. Always empty when caching is off."""
         if not self.enable_prefix_caching:
-            return PrefixHit(num_queried_tokens=len(token_ids))
-        return find_cached_prefix(self.pool, token_ids, self.block_size, cache_salt)
+            return PrefixHit(num_queried_tokens=num_tokens)
+        return find_cached_prefix(self.pool, block_hashes, num_tokens, self.block_size)
 
     def num_blocks_needed(
         self, request_id: str, num_total_tokens: int, hit: PrefixHit | None = None
@@ -172,26 +173,28 @@ class KVCacheManager:
     def cache_full_blocks(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        num_computed_before: int,
         num_computed_tokens: int,
-        cache_salt: str | None,
+        token_ids: Sequence[int] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Hash the request's blocks that are now full of computed tokens (prompt or
-        generated) so later requests can hit them. Call once their keys and values are
-        written, i.e. after the step ran."""
+        """Register the request's blocks that filled with computed tokens (prompt or
+        generated) while it went from `num_computed_before` to `num_computed_tokens`, under
+        the request's own hashes, so later requests can hit them. Call once their keys and
+        values are written, i.e. after the step ran. Blocks full before were registered
+        then (or came from the cache). `token_ids` and `cache_salt` only label the event."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        hashes = self._hashes.setdefault(request_id, [])
-        num_full = num_computed_tokens // bs
-        if num_full <= len(hashes):
+        first, end = num_computed_before // bs, num_computed_tokens // bs
+        if end <= first:
             return
+        assert len(block_hashes) >= end, f"{request_id}: {end} full blocks, {len(block_hashes)} hashes"
         table = self.block_tables[request_id]
-        parent = hashes[-1] if hashes else ROOT
-        new = iter_block_hashes(token_ids, bs, cache_salt, parent, len(hashes), num_full)
-        stored: list[int] = []  # indexes of blocks registered now, for the listener
-        for i, h in enumerate(new, start=len(hashes)):
-            b = table[i]
+        stored: list[int] = []  # indexes of blocks registered now, for the event
+        for i in range(first, end):
+            b, h = table[i], block_hashes[i]
             known = self.pool.block_hashes[b]
             if known is None:
                 # False for a duplicate (e.g. a copy-on-write copy)
@@ -199,9 +202,8 @@ class KVCacheManager:
                     stored.append(i)
             else:
                 assert known == h, f"{request_id}: block {b} is cached under another prefix"
-            hashes.append(h)
-        if stored and self.pool.listener is not None:
-            self._publish_stored(hashes, stored, token_ids, cache_salt)
+        if stored and self.pool.events is not None:
+            self._record_stored(block_hashes, stored, token_ids, cache_salt)
 
     def check_writable(self, request_id: str, start: int, end: int) -> None:
         """Positions ``start..end-1`` are about to be written: their blocks must belong to
@@ -222,7 +224,6 @@ class KVCacheManager:
         cpu = self.cpu_tables.pop(request_id, None)
         if cpu:
             self.swap_space.free(cpu)
-        self._hashes.pop(request_id, None)
 
     # -- swap ------------------------------------------------------------------------------
 
@@ -246,10 +247,13 @@ class KVCacheManager:
         self.cpu_tables[request_id] = cpu
         self.pool.free(reversed(table))
 
-    def swap_in(self, request_id: str, num_total_tokens: int) -> bool:
+    def swap_in(
+        self, request_id: str, num_total_tokens: int, block_hashes: Sequence[BlockHash] = ()
+    ) -> bool:
         """Bring a swapped-out request back into fresh GPU blocks, enough for
-        `num_total_tokens` positions. All or nothing, like `allocate_slots`. Its full
-        blocks are cached again at once (the swap-in runs before anything reads them)."""
+        `num_total_tokens` positions. All or nothing, like `allocate_slots`. Its computed
+        full blocks, whose hashes are `block_hashes`, are cached again at once (the swap-in
+        runs before anything reads them)."""
         cpu = self.cpu_tables[request_id]
         if not self.can_allocate(request_id, num_total_tokens):
             return False
@@ -260,12 +264,17 @@ class KVCacheManager:
         del self.cpu_tables[request_id]
         self.block_tables[request_id] = gpu
         if self.enable_prefix_caching:
-            hashes = self._hashes.get(request_id, [])
-            stored = [i for i, (h, b) in enumerate(zip(hashes, gpu, strict=False))
+            assert len(block_hashes) <= len(cpu), f"{request_id}: hashes of blocks not swapped"
+            stored = [i for i, (h, b) in enumerate(zip(block_hashes, gpu, strict=False))
                       if self.pool.cache(b, h)]
-            if stored and self.pool.listener is not None:
-                self._publish_stored(hashes, stored, None, None)
+            if stored and self.pool.events is not None:
+                self._record_stored(block_hashes, stored, None, None)
         return True
+
+    def take_events(self) -> list[KVEvent]:
+        """The prefix-cache events since the last call (`kvcache.events`); the engine takes
+        them once per step. Empty unless `pool.record_events()` was called."""
+        return self.pool.take_events()
 
     # -- per step --------------------------------------------------------------------------
 
@@ -325,34 +334,25 @@ class KVCacheManager:
         both = self.block_tables.keys() & self.cpu_tables.keys()
         assert not both, f"{both}: both on GPU and swapped out"
         self.swap_space.check_integrity(b for t in self.cpu_tables.values() for b in t)
-        for rid, hashes in self._hashes.items():
-            table = self.block_tables.get(rid, self.cpu_tables.get(rid))
-            assert table is not None, f"{rid}: hashes kept for a request without blocks"
-            assert len(hashes) <= len(table), f"{rid}: more hashes than blocks"
-            if rid in self.block_tables:
-                for h, b in zip(hashes, table, strict=False):
-                    assert pool.block_hashes[b] in (None, h), f"{rid}: block {b} hash mismatch"
 
     # -- internals -------------------------------------------------------------------------
 
-    def _publish_stored(self, hashes: Sequence[BlockHash], stored: list[int],
-                        token_ids: Sequence[int] | None, cache_salt: str | None) -> None:
-        """Tell the pool's listener of the blocks at indexes `stored` (ascending) of a
-        chain, one call per run of consecutive blocks (a run's parent is the block before)."""
-        listener = self.pool.listener
-        assert listener is not None
+    def _record_stored(self, hashes: Sequence[BlockHash], stored: list[int],
+                       token_ids: Sequence[int] | None, cache_salt: str | None) -> None:
+        """Record the blocks at indexes `stored` (ascending) of a chain as stored, one
+        event per run of consecutive blocks (a run's parent is the block before)."""
         bs = self.block_size
         start = 0
         for k in range(1, len(stored) + 1):
             if k < len(stored) and stored[k] == stored[k - 1] + 1:
                 continue
             first, last = stored[start], stored[k - 1]
-            listener.blocks_stored(
-                hashes[first : last + 1],
+            self.pool.add_event(BlocksStored(
+                tuple(hashes[first : last + 1]),
                 hashes[first - 1] if first else None,
-                None if token_ids is None else list(token_ids[first * bs : (last + 1) * bs]),
+                None if token_ids is None else tuple(token_ids[first * bs : (last + 1) * bs]),
                 cache_salt,
-            )
+            ))
             start = k
 
     def _demand(
@@ -381,4 +381,3 @@ class KVCacheManager:
             self._written.add(dst)
             table.append(dst)
         self.block_tables[request_id] = table
-        self._hashes[request_id] = list(hit.hashes)

@@ -15,7 +15,7 @@ So a shared block is never written; `KVCacheManager.check_writable` asserts it.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcache.block_hash import BlockHash, iter_block_hashes
+from kvcache.block_hash import BlockHash
 from kvcache.block_pool import BlockPool
 
 
@@ -29,19 +29,23 @@ class PrefixHit:
 
 
 def find_cached_prefix(
-    pool: BlockPool, token_ids: Sequence[int], block_size: int, cache_salt: str | None
+    pool: BlockPool, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int
 ) -> PrefixHit:
-    """The longest run of cached full blocks that `token_ids` starts with (see above)."""
-    assert token_ids, "nothing to look up"
+    """The longest run of cached full blocks that a request's tokens start with (see above).
+    `block_hashes` are the request's own chained hashes of its full blocks (computed once,
+    as its tokens arrived: `scheduler.request.Request.block_hashes`); `num_tokens` its
+    tokens in all."""
+    assert num_tokens > 0, "nothing to look up"
+    assert len(block_hashes) == num_tokens // block_size, "hashes of every full block needed"
     blocks: list[int] = []
     hashes: list[BlockHash] = []
-    for h in iter_block_hashes(token_ids, block_size, cache_salt):
+    for h in block_hashes:
         b = pool.lookup(h)
         if b is None:
             break
         blocks.append(b)
         hashes.append(h)
-    n = len(token_ids)
+    n = num_tokens
     if len(blocks) * block_size < n:
         return PrefixHit(tuple(blocks), tuple(hashes), len(blocks) * block_size, None, n)
     return PrefixHit(tuple(blocks[:-1]), tuple(hashes[:-1]), n - 1, blocks[-1], n)

@@ -1,4 +1,7 @@
-"""A request and everything the scheduler knows about it. State lives here."""
+"""A request and everything the scheduler knows about it. State lives here: its tokens,
+how many are computed, its status, the chained hashes of its full blocks (grown as tokens
+arrive, never recomputed), and the engine's output state (detokenizer, stop strings).
+Whatever a request owns ends with it."""
 
 import enum
 import math
@@ -7,7 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcache.block_hash import ROOT, BlockHash, iter_block_hashes
+
 MAX_LOGPROBS = 20
+# A temperature below this samples greedily, as in vLLM: dividing logits by a smaller one
+# overflows float32 (and a distribution that sharp is the argmax anyway).
+SAMPLING_EPS = 1e-5
+# Repetition penalties beyond these bounds change nothing more (a logit divided or
+# multiplied by 100 already dominates any gap between logits) but can overflow float32.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class RequestStatus(enum.Enum):
@@ -37,14 +48,25 @@ _LIMITS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("repetition_penalty", lambda v: 0 < v < math.inf, "> 0 and finite"),
+    ("repetition_penalty", lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+     f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)"),
     ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
     ("max_tokens", lambda v: v >= 1, ">= 1"),
     ("stop", lambda v: all(isinstance(s, str) and s for s in v), "non-empty strings"),
-    ("stop_token_ids", lambda v: all(t >= 0 for t in v), ">= 0"),
+    ("stop_token_ids", lambda v: all(isinstance(t, int) and t >= 0 for t in v), "ints >= 0"),
     ("logprobs", lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
 )
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter: `field` (SamplingParams' name, which a wire format may
+    spell differently) and what is wrong with it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -71,11 +93,20 @@ class SamplingParams:
         for name, valid, limit in _LIMITS:
             value = getattr(self, name)
             if not valid(value):
-                raise ValueError(f"{name} must be {limit}, got {value!r}")
+                raise SamplingParamsError(name, f"must be {limit}, got {_bounded(value)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Sampled as the argmax: temperature below `SAMPLING_EPS`, or top_k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def _bounded(value: Any) -> str:
+    """A value for an error message, quoted at most 64 characters long (a sequence with
+    its length): hostile input is never echoed whole."""
+    text = repr(value)
+    text = text if len(text) <= 64 else text[:64] + "..."
+    return f"{len(value)} items: {text}" if isinstance(value, tuple | list) else text
 
 
 @dataclass(eq=False)
@@ -105,6 +136,14 @@ class Request:
     num_preemptions: int = field(default=0, init=False)
     # Set by Scheduler.add_request: breaks ties between equal arrival times, FCFS.
     seq: int = field(default=0, init=False)
+    # Chained hashes (kvcache.block_hash) of every full block of all_token_ids, for prefix
+    # caching: each block is hashed once, when it fills. `hash_block_size` 0 = not hashed
+    # (prefix caching off); the scheduler sets it on admission.
+    block_hashes: list[BlockHash] = field(default_factory=list, init=False)
+    hash_block_size: int = field(default=0, init=False)
+    # The engine's per-request output state (worker.outputs.OutputState: detokenizer and
+    # stop-string matching); lives and dies with the request.
+    output_state: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -135,6 +174,22 @@ class Request:
         assert not self.is_finished, f"{self.request_id}: token after finish"
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.hash_block_size and self.num_tokens % self.hash_block_size == 0:
+            self.update_block_hashes()
+
+    def start_block_hashes(self, block_size: int) -> None:
+        """Hash the full blocks of the tokens so far, and every block that fills later."""
+        assert block_size > 0 and not self.block_hashes
+        self.hash_block_size = block_size
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        """Extend `block_hashes` over the blocks filled since the last call."""
+        bs, done = self.hash_block_size, len(self.block_hashes)
+        if self.num_tokens // bs > done:
+            parent = self.block_hashes[-1] if done else ROOT
+            self.block_hashes.extend(
+                iter_block_hashes(self.all_token_ids, bs, self.cache_salt, parent, done))
 
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stop checks after a new token; sets the finished status.

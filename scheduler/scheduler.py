@@ -53,10 +53,12 @@ live rather than stuck. A swapped request keeps `num_computed_tokens` and waits 
 queues' fronts, so a swapped request resumes before anything ranked behind it is
 admitted, into fresh GPU blocks (the runner copies its CPU blocks back).
 
-Prefix caching. A request admitted with no blocks first takes the longest cached prefix
-of its tokens (prompt, plus output when it was recomputed), so `num_computed_tokens`
-starts there; `num_cached_tokens` records the first admission's hit. After each step,
-blocks that filled up are hashed for later requests (`KVCacheManager.cache_full_blocks`).
+Prefix caching. A request's full blocks are hashed once, as they fill
+(`Request.block_hashes`, started at `add_request`). A request admitted with no blocks first
+takes the longest cached prefix of its tokens (prompt, plus output when it was recomputed),
+so `num_computed_tokens` starts there; `num_cached_tokens` records the first admission's
+hit. After each step, blocks that filled up with computed tokens are registered under those
+hashes for later requests (`KVCacheManager.cache_full_blocks`).
 """
 
 import bisect
@@ -146,25 +148,33 @@ class Scheduler:
         """Whether a request of `num_tokens` tokens fits in the whole cache on its own."""
         return cdiv(num_tokens, self.kv.block_size) <= self.kv.num_blocks
 
-    def add_request(self, req: Request) -> None:
-        rid = req.request_id
+    def check_request(self, req: Request) -> None:
+        """What the scheduler needs of a new request; raises ValueError saying what is
+        wrong. `add_request` calls it; callers that want the error before queueing (the
+        door) may call it first: it reads only fixed settings, from any thread."""
         if not req.prompt_token_ids:
-            raise ValueError(f"{rid}: prompt is empty")
+            raise ValueError("prompt is empty")
         if req.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
-                f"{rid}: prompt has {req.num_prompt_tokens} tokens, must be < "
+                f"prompt has {req.num_prompt_tokens} tokens, must be < "
                 f"max_model_len {self.max_model_len}"
             )
-        if rid in self.requests:
-            raise ValueError(f"{rid}: request id already in use")
         # A request that cannot fit alone would preempt itself forever; refuse it up front.
         longest = min(req.num_prompt_tokens + req.sampling_params.max_tokens, self.max_model_len)
         if not self.can_ever_fit(longest):
             raise ValueError(
-                f"{rid}: {longest} tokens can never fit in the KV cache "
+                f"{longest} tokens can never fit in the KV cache "
                 f"({self.kv.num_blocks} blocks of {self.kv.block_size})"
             )
+
+    def add_request(self, req: Request) -> None:
+        rid = req.request_id
+        self.check_request(req)
+        if rid in self.requests:
+            raise ValueError(f"request id {rid[:64]!r} is already in use")
         assert req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
+        if self.kv.enable_prefix_caching and not req.hash_block_size:
+            req.start_block_hashes(self.kv.block_size)
         req.seq = next(self._seq)
         self.requests[rid] = req
         self._enqueue(req)
@@ -306,7 +316,7 @@ class Scheduler:
             swapped = req.status is RequestStatus.SWAPPED
             hit = None
             if not swapped and budget > 0:
-                hit = self.kv.find_cached_prefix(req.all_token_ids, req.cache_salt)
+                hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
             start = req.num_computed_tokens if hit is None else hit.num_tokens
             num_new = min(req.num_tokens - start, budget)
             # Static moves the whole batch in at once; members past the budget wait as
@@ -339,7 +349,8 @@ class Scheduler:
 
     def _allocate(self, req: Request, num_total_tokens: int, hit: PrefixHit | None) -> bool:
         if req.status is RequestStatus.SWAPPED:
-            return self.kv.swap_in(req.request_id, num_total_tokens)
+            computed = req.block_hashes[: req.num_computed_tokens // self.kv.block_size]
+            return self.kv.swap_in(req.request_id, num_total_tokens, computed)
         return self.kv.allocate_slots(req.request_id, num_total_tokens, hit)
 
     def _rank(self, req: Request) -> tuple[float, float, int]:
@@ -472,9 +483,9 @@ class Scheduler:
                 continue  # aborted or stopped by the engine while the step ran
             assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == s.start
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(
-                req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt
-            )
+            self.kv.cache_full_blocks(req.request_id, req.block_hashes, s.start,
+                                      req.num_computed_tokens, req.all_token_ids,
+                                      req.cache_salt)
             if not s.will_sample:
                 continue
             req.append_output_token(sampled[req.request_id])

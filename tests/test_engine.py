@@ -184,9 +184,9 @@ def test_background_thread_serves_submit_and_abort_from_other_threads(default_mo
     finished = threading.Event()
     lock = threading.Lock()
 
-    def sink(outputs) -> None:
+    def sink(step) -> None:
         with lock:
-            for o in outputs:
+            for o in step.outputs:
                 done.setdefault(o.request_id, []).append(o)
             if sum(1 for v in done.values() if v[-1].finished) == 4:
                 finished.set()
@@ -253,7 +253,7 @@ def test_a_request_the_scheduler_refuses_fails_alone(default_model, chat_prompt_
     engine.submit(first)
     engine.submit(twin)
     while engine.has_work():
-        outputs += engine.step()
+        outputs += engine.step().outputs
     finals = [o for o in outputs if o.finished]
     assert sorted(o.finish_reason for o in finals) == ["error", "length"]
     assert "already in use" in next(o.error for o in finals if o.finish_reason == "error")

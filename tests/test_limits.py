@@ -28,6 +28,7 @@ from scheduler.request import Request
 from tests.test_server import GREEDY, FakeEngine, Worker, blocks_all_free, code_of, run, wait_until
 from worker.bridge import EngineBridge
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig, WorkerConfig
+from worker.door import Door
 from worker.engine import Engine
 from worker.outputs import RequestOutput
 from worker.service import WorkerServicer
@@ -146,13 +147,14 @@ class Served:
     async def __aenter__(self) -> Served:
         self.health = health.aio.HealthServicer()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.servicer = WorkerServicer(WorkerConfig(server=ServerConfig()),
-                                       on_drain=self.health.enter_graceful_shutdown)
+        self.door = Door(WorkerConfig(server=ServerConfig()),
+                         on_drain=self.health.enter_graceful_shutdown)
+        self.servicer = WorkerServicer(self.door)
         self.bridge = EngineBridge(self.engine, watchdog_period_s=0.02)
         loop = asyncio.get_running_loop()
-        self.bridge.on_dead = lambda: loop.create_task(self.servicer.start_draining())
+        self.bridge.on_dead = lambda: loop.create_task(self.door.start_draining())
         self.bridge.start()
-        self.servicer.attach(self.bridge)
+        self.door.attach(self.bridge)
         self.server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from worker import telemetry
 from worker.bridge import EngineBridge
 from worker.config import CacheConfig, ModelConfig, WorkerConfig
+from worker.door import Door
 from worker.engine import Engine
 from worker.service import WorkerServicer
 
@@ -24,8 +25,9 @@ async def _run(loaded, requests: list[tuple[pb.GenerateRequest, tuple]],
     conf = conf or WorkerConfig(cache=CacheConfig(kv_cache_memory=0.5))
     bridge = EngineBridge(Engine(conf, loaded=loaded))
     bridge.start()
-    servicer = WorkerServicer(conf)
-    servicer.attach(bridge)
+    door = Door(conf)
+    door.attach(bridge)
+    servicer = WorkerServicer(door)
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -5,11 +5,16 @@ KVRunner checks every position's fake KV contents through the block tables each 
 
 import pytest
 
-from kvcache import KVCacheManager
+from kvcache import KVCacheManager, iter_block_hashes
 from scheduler import Request, SamplingParams, Scheduler
 from tests.test_kvcache_runner import KVRunner, drain, expected_output, run_step
 
 SYSTEM = list(range(100, 140))  # 40 tokens that many prompts start with
+
+
+def hashes(tokens: list[int], block_size: int = 4) -> list[bytes]:
+    """A request's block hashes, as `Request.block_hashes` holds them."""
+    return list(iter_block_hashes(tokens, block_size))
 
 
 def make(
@@ -69,7 +74,7 @@ def test_block_aligned_full_hit_copies_the_last_block(a_done):
     a_table = [*sched.kv.block_table("a")] or None
     assert (a.is_finished, a_table is None) == (a_done, a_done)
     src0, src1 = (
-        sched.kv.pool.lookup(h) for h in sched.kv.find_cached_prefix(SYSTEM[:9], None).hashes
+        sched.kv.pool.lookup(h) for h in sched.kv.find_cached_prefix(hashes(SYSTEM[:9]), len(SYSTEM[:9])).hashes
     )
     b = req("b", SYSTEM[:8])
     sched.add_request(b)
@@ -91,8 +96,8 @@ def test_block_aligned_full_hit_copies_the_last_block(a_done):
 def test_shared_blocks_are_never_written():
     kv = KVCacheManager(8, block_size=4)
     assert kv.allocate_slots("a", 6)
-    kv.cache_full_blocks("a", SYSTEM[:6], 6, None)
-    hit = kv.find_cached_prefix(SYSTEM[:6], None)
+    kv.cache_full_blocks("a", hashes(SYSTEM[:6]), 0, 6, SYSTEM[:6])
+    hit = kv.find_cached_prefix(hashes(SYSTEM[:6]), len(SYSTEM[:6]))
     assert kv.allocate_slots("b", 6, hit)
     kv.check_writable("b", 4, 6)  # its own block
     with pytest.raises(AssertionError, match="writing shared block"):
@@ -246,13 +251,13 @@ def test_room_check_counts_shared_blocks_once():
     # only its own block; freeing both frees all 4.
     kv = KVCacheManager(4, block_size=4)
     assert kv.allocate_slots("a", 10)
-    kv.cache_full_blocks("a", SYSTEM[:10], 10, None)
-    assert kv.allocate_slots("b", 10, kv.find_cached_prefix(SYSTEM[:10], None))
+    kv.cache_full_blocks("a", hashes(SYSTEM[:10]), 0, 10, SYSTEM[:10])
+    assert kv.allocate_slots("b", 10, kv.find_cached_prefix(hashes(SYSTEM[:10]), len(SYSTEM[:10])))
     assert kv.num_free_blocks == 0
     assert kv.can_allocate("c", 4, freeing=["b"]) and not kv.can_allocate("c", 8, freeing=["b"])
     assert kv.can_allocate("c", 16, freeing=["a", "b"])
     # A hit on the shared blocks needs only the fresh block once a frees... its own block.
-    hit = kv.find_cached_prefix([*SYSTEM[:8], 1, 2], None)
+    hit = kv.find_cached_prefix(hashes([*SYSTEM[:8], 1, 2]), len([*SYSTEM[:8], 1, 2]))
     assert hit.num_tokens == 8 and kv.num_blocks_needed("c", 10, hit) == 1
     assert kv.can_allocate("c", 10, hit, freeing=["a"])
     assert not kv.can_allocate("c", 10, hit)

@@ -30,6 +30,7 @@ from llmworker.v1 import worker_pb2_grpc
 
 from scheduler.request import Request
 from worker.bridge import DuplicateRequestError, EngineBridge
+from worker.engine import StepOutput
 from worker.model_runner import SampleResult
 from worker.outputs import RequestOutput
 
@@ -501,17 +502,25 @@ class FakeEngine:
     """What `EngineBridge` uses of an `Engine`; the test plays the engine thread."""
 
     def __init__(self) -> None:
-        self.sink = None
+        self.on_step = None
+        self.requests: dict[str, Request] = {}
         self.submitted: list[str] = []
         self.aborted: list[str] = []
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0)
         self._thread = threading.current_thread()  # alive
         self.num_steps = 0
 
-    def start(self, sink) -> None:
-        self.sink = sink
+    def start(self, on_step) -> None:
+        self.on_step = on_step
+
+    def sink(self, outputs: list[RequestOutput]) -> None:
+        """Publish one step's outputs, each tied to its request as the engine's are."""
+        for o in outputs:
+            o.request = self.requests[o.request_id]
+        self.on_step(StepOutput(outputs))
 
     def submit(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.submitted.append(request.request_id)
 
     def abort(self, ids: list[str]) -> None:
@@ -552,7 +561,8 @@ def test_bridge_coalesces_steps_for_a_slow_reader() -> None:
         assert bridge.num_in_flight == 1 and bridge.finish_counts == {"length": 1}
         assert bridge.tokens_per_second() > 0
 
-        assert bridge.abort("b") and bridge.abort("b") and not bridge.abort("nope")
+        # The id is free as soon as abort returns: a second abort finds nothing to abort.
+        assert bridge.abort("b") and not bridge.abort("b") and not bridge.abort("nope")
         assert eng.aborted == ["b"]  # asked once
         await bridge.close()  # what is still open ends with an error
         last = await b.next()

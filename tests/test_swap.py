@@ -7,11 +7,16 @@ import random
 
 import pytest
 
-from kvcache import KVCacheManager
+from kvcache import KVCacheManager, iter_block_hashes
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler
 from tests.test_kvcache_runner import KVRunner, drain, expected_output, fingerprints, run_step
 
 BS = 4
+
+
+def hashes(tokens: list[int]) -> list[bytes]:
+    """A request's block hashes, as `Request.block_hashes` holds them."""
+    return list(iter_block_hashes(tokens, BS))
 
 
 def make(
@@ -180,17 +185,17 @@ def test_swapped_in_blocks_are_cached_again():
     kv = KVCacheManager(3, BS, num_cpu_blocks=3)
     tokens = list(range(9))
     assert kv.allocate_slots("a", 9)
-    kv.cache_full_blocks("a", tokens, 9, None)
+    kv.cache_full_blocks("a", hashes(tokens), 0, 9, tokens)
     kv.swap_out("a", 9)
     kv.take_moves()
     assert kv.allocate_slots("x", 12)  # evicts a's cached GPU blocks
-    assert kv.find_cached_prefix(tokens, None).num_tokens == 0
+    assert kv.find_cached_prefix(hashes(tokens), len(tokens)).num_tokens == 0
     kv.free("x")
-    assert kv.swap_in("a", 10)
+    assert kv.swap_in("a", 10, hashes(tokens))
     moves = kv.take_moves()
     new = kv.block_table("a")
     assert [g for _, g in moves.swap_in] == new
-    hit = kv.find_cached_prefix(tokens, None)
+    hit = kv.find_cached_prefix(hashes(tokens), len(tokens))
     assert hit.blocks == tuple(new[:2]) and hit.num_tokens == 8
     kv.moves_done()
     kv.check_integrity()
@@ -220,10 +225,10 @@ def test_copy_source_is_pinned_until_the_moves_are_done():
     kv = KVCacheManager(3, BS, num_cpu_blocks=4)
     tokens = list(range(8))
     assert kv.allocate_slots("a", 8)
-    kv.cache_full_blocks("a", tokens, 8, None)
+    kv.cache_full_blocks("a", hashes(tokens), 0, 8, tokens)
     src = kv.block_table("a")[1]
     kv.free("a")  # both blocks free and cached; block 2 never used
-    hit = kv.find_cached_prefix(tokens, None)
+    hit = kv.find_cached_prefix(hashes(tokens), len(tokens))
     assert hit.cow_src == src and hit.num_tokens == 7
     assert kv.allocate_slots("b", 8, hit)
     assert kv.pool.ref_counts[src] == 1 and kv.num_free_blocks == 0  # pinned, not free

@@ -28,13 +28,15 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvcache.block_hash import ROOT, hash_block
+from kvcache.events import AllCleared, BlocksRemoved, BlocksStored
 from kvcache.manager import KVCacheManager
 from tests.test_server import MAX_MODEL_LEN, Worker, blocks_all_free, code_of, run, wait_until
 from worker import auth
 from worker.config import WorkerConfig
+from worker.door import Door
+from worker.engine import StepOutput
 from worker.kv_events import KvEventHub, Overflowed, to_int64
 from worker.load import Load
-from worker.service import WorkerServicer
 from worker.tokenizer import Tokenizer
 from worker.vllm_service import VllmEngineServicer
 from worker.weights import default_model_path
@@ -451,36 +453,29 @@ def test_small_worker_no_kv_events_queue_full_and_draining() -> None:
 # ----- pure pieces: the kvcache listener, the hub, health before attach, auth levels ----------
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-
-    def blocks_stored(self, hashes, parent, token_ids, cache_salt) -> None:
-        self.events.append(("stored", list(hashes), parent, token_ids, cache_salt))
-
-    def blocks_removed(self, hashes) -> None:
-        self.events.append(("removed", list(hashes)))
-
-    def all_cleared(self) -> None:
-        self.events.append(("cleared",))
-
-
-def test_kvcache_listener_reports_store_evict_and_clear() -> None:
+def test_kvcache_records_store_evict_and_clear_until_taken() -> None:
     kv = KVCacheManager(num_blocks=3, block_size=4)
-    rec = kv.pool.listener = Recorder()
     toks = list(range(10))
-    assert kv.allocate_slots("a", 10)
-    kv.cache_full_blocks("a", toks, 10, "salt")
     h0 = hash_block(ROOT, toks[:4], "salt")
     h1 = hash_block(h0, toks[4:8], "salt")
-    assert rec.events == [("stored", [h0, h1], None, toks[:8], "salt")]
+    assert kv.allocate_slots("a", 10)
+    kv.cache_full_blocks("a", [h0, h1], 0, 10, toks, "salt")
+    assert kv.take_events() == []  # not recorded until someone will take them
     kv.free("a")
+    kv.pool.drop_all_hashes()
+    kv.pool.record_events()
+    assert kv.allocate_slots("a2", 10)
+    kv.cache_full_blocks("a2", [h0, h1], 0, 10, toks, "salt")
+    assert kv.take_events() == [BlocksStored((h0, h1), None, tuple(toks[:8]), "salt")]
+    assert kv.take_events() == []  # taken once
+    kv.free("a2")
     assert kv.allocate_slots("b", 12)  # needs all 3 blocks: both cached ones are evicted
-    assert sorted(e[0] for e in rec.events[1:]) == ["removed", "removed"]
-    assert {e[1][0] for e in rec.events[1:]} == {h0, h1}
+    events = kv.take_events()
+    assert all(isinstance(e, BlocksRemoved) for e in events) and len(events) == 2
+    assert {e.hashes[0] for e in events} == {h0, h1}
     kv.free("b")
     assert kv.reset_prefix_cache()
-    assert rec.events[-1] == ("cleared",)
+    assert kv.take_events() == [AllCleared()]
     kv.check_integrity()
 
 
@@ -493,11 +488,11 @@ def _load() -> Load:
 
 def test_hub_drops_a_subscriber_that_falls_behind_and_resumes_from_history() -> None:
     async def scenario() -> None:
-        hub = KvEventHub(asyncio.get_running_loop(), 4, _load, 8, queue_size=2, history_size=8)
+        hub = KvEventHub(4, _load, 8, queue_size=2, history_size=8)
         slow = hub.subscribe()
-        for i in range(3):  # from "the engine thread" (here the loop), one batch each
-            hub.blocks_removed([bytes([i]) * 32])
-            await asyncio.sleep(0)
+        for i in range(3):  # three engine steps, one batch each
+            hub.step(StepOutput(kv_events=[BlocksRemoved((bytes([i]) * 32,))]), 0.0)
+            hub.step(StepOutput(), 0.0)  # a step without events sends no batch
         assert hub.sequence == 3
         got = [(await slow.next(1.0)).sequence_number for _ in range(2)]
         assert got == [1, 2]
@@ -519,7 +514,7 @@ def test_hash_mapping_is_the_digest_prefix_as_int64() -> None:
 
 
 def test_health_check_says_loading_and_draining() -> None:
-    front = WorkerServicer(WorkerConfig())
+    front = Door(WorkerConfig())
     vllm = VllmEngineServicer(front)
 
     async def check() -> vpb.HealthCheckResponse:

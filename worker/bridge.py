@@ -1,11 +1,16 @@
 """The asyncio side of the engine: per-request streams fed from the engine thread.
 
-The engine thread calls the sink once per step with that step's outputs; the sink makes
-ONE ``loop.call_soon_threadsafe`` hop and `_dispatch` fans the outputs out on the loop::
+The engine thread calls the sink once per step with that step's `StepOutput`; the sink
+makes ONE ``loop.call_soon_threadsafe`` hop and `_dispatch` fans it out on the loop::
 
     engine thread                      event loop
-    step -> [out A, out B, out C] ---> _dispatch: A -> stream A, B -> stream B, ...
-                 (one hop per step)               tokens/s ring, finish counters
+    step -> StepOutput ------------->  _dispatch: out A -> stream A, out B -> stream B, ...
+            (outputs, KV events,                  tokens/s ring, finish counters,
+             figures; one hop a step)             step observers (KV-event hub, metrics)
+
+Outputs are routed by their request object, not by id: `abort` frees a request id at once
+(a new request may take it as soon as Abort returns) while the old request's last output,
+still on its way from the engine, reaches the old stream.
 
 A stream holds at most ONE pending output: when its reader is slower than the engine, a
 new output merges into the pending one (text, token ids and logprobs concatenate; the
@@ -27,7 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from scheduler.request import Request
-from worker.engine import Engine
+from worker.engine import Engine, StepOutput
 from worker.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -83,6 +88,13 @@ class RequestObserver(Protocol):
     def finished(self, stream: RequestStream, out: RequestOutput) -> None: ...
 
 
+class StepObserver(Protocol):
+    """Sees every engine step that published something, on the loop (`t`: when it ended):
+    the KV-event hub (`worker.kv_events`) and the step metrics."""
+
+    def step(self, step: StepOutput, t: float) -> None: ...
+
+
 class EngineBridge:
     """Starts the engine thread and routes its outputs into `RequestStream`s."""
 
@@ -93,6 +105,9 @@ class EngineBridge:
         self.watchdog_period_s = watchdog_period_s
         self.on_dead: Callable[[], None] | None = None  # called on the loop if the thread dies
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Requests whose engine output has not ended, by request object (routing), and the
+        # ids taken by open streams that were not aborted (duplicate check, abort by id).
+        self._live: dict[Request, RequestStream] = {}
         self._streams: dict[str, RequestStream] = {}
         self._rate: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens)
         self._started_at = time.monotonic()
@@ -103,6 +118,7 @@ class EngineBridge:
         self.finish_counts: collections.Counter[str] = collections.Counter()
         self.num_preemptions = 0
         self.observers: list[RequestObserver] = []
+        self.step_observers: list[StepObserver] = []
 
     # ----- lifecycle -----
 
@@ -134,7 +150,7 @@ class EngineBridge:
             await asyncio.sleep(self.watchdog_period_s)
             thread = self.engine._thread
             if not self.closed and (thread is None or not thread.is_alive()):
-                log.error("the engine thread died; failing %d requests", len(self._streams))
+                log.error("the engine thread died; failing %d requests", len(self._live))
                 self.dead = True
                 self._fail_all("the engine thread died")
                 if self.on_dead is not None:
@@ -142,7 +158,7 @@ class EngineBridge:
                 return
 
     def _fail_all(self, message: str) -> None:
-        for stream in list(self._streams.values()):
+        for stream in list(self._live.values()):
             req = stream.request
             self._finish(stream, RequestOutput(
                 request_id=stream.request_id, new_token_ids=[], new_text="", finished=True,
@@ -158,22 +174,32 @@ class EngineBridge:
         if self.closed or self.dead:
             raise RuntimeError("the engine is not running")
         if request.request_id in self._streams:
-            raise DuplicateRequestError(f"request_id {request.request_id!r} is already in flight")
+            raise DuplicateRequestError(
+                f"request_id {request.request_id[:64]!r} is already in flight")
         stream = RequestStream(request, tracked)
         self._streams[request.request_id] = stream
+        self._live[request] = stream
         self.engine.submit(request)
         return stream
 
     def abort(self, request_id: str) -> bool:
         """Ask the engine to abort a request in flight; its stream then ends with "abort"
-        and its blocks are freed in the next step. False if it is not in flight."""
+        and its blocks are freed in the next step. The id is free for a new request at
+        once. False if it is not in flight."""
         stream = self._streams.get(request_id)
         if stream is None or stream.finished:
             return False
+        self._abort(stream)
+        return True
+
+    def _abort(self, stream: RequestStream) -> None:
         if not stream.aborting:
             stream.aborting = True
-            self.engine.abort([request_id])
-        return True
+            # The engine reads its inbox in order: this abort reaches it before any new
+            # request submitted under the same id.
+            self.engine.abort([stream.request_id])
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
 
     def expire(self, request_id: str, finish_reason: str = "length") -> bool:
         """End a request in flight through the abort path (blocks freed in the engine's
@@ -188,26 +214,33 @@ class EngineBridge:
         return self.abort(request_id)
 
     def abort_all(self) -> int:
-        return sum(self.abort(rid) for rid in list(self._streams))
+        count = 0
+        for stream in list(self._live.values()):
+            if not stream.finished:
+                self._abort(stream)
+                count += 1
+        return count
 
     # ----- the hop from the engine thread -----
 
-    def _sink(self, outputs: list[RequestOutput]) -> None:
+    def _sink(self, step: StepOutput) -> None:
         """Engine thread: one hop per step."""
         loop = self._loop
         assert loop is not None
         try:
-            loop.call_soon_threadsafe(self._dispatch, outputs, time.monotonic())
+            loop.call_soon_threadsafe(self._dispatch, step, time.monotonic())
         except RuntimeError:  # the loop is closed: the process is going down
             pass
 
-    def _dispatch(self, outputs: list[RequestOutput], t: float) -> None:
+    def _dispatch(self, step: StepOutput, t: float) -> None:
         tokens = 0
-        for out in outputs:
+        for obs in self.step_observers:
+            obs.step(step, t)
+        for out in step.outputs:
             tokens += len(out.new_token_ids)
-            stream = self._streams.get(out.request_id)
+            stream = self._live.get(out.request) if out.request is not None else None
             if stream is None:
-                log.warning("output for unknown request %s", out.request_id)
+                log.warning("output for unknown request %s", out.request_id[:64])
                 continue
             if stream.tracked:
                 for obs in self.observers:
@@ -221,7 +254,9 @@ class EngineBridge:
             self._trim(t)
 
     def _finish(self, stream: RequestStream, out: RequestOutput) -> None:
-        del self._streams[stream.request_id]
+        del self._live[stream.request]
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
         if stream.finish_as is not None and out.finish_reason == "abort":
             out.finish_reason = stream.finish_as
         stream.push(out)
@@ -239,8 +274,8 @@ class EngineBridge:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests opened whose finished output has not arrived yet."""
-        return len(self._streams)
+        """Requests opened whose finished output has not arrived yet (aborted ones too)."""
+        return len(self._live)
 
     @property
     def num_running(self) -> int:

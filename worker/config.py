@@ -106,6 +106,9 @@ class ServerConfig:
     max_message_bytes: int = opt(4 << 20, "largest gRPC message accepted, in bytes")
     max_prompt_tokens: int = opt(0, "most prompt tokens one request may send; 0 = --max-model-len")
     max_chat_messages: int = opt(256, "most chat messages in one request")
+    max_prompt_chars: int = opt(0, "most characters of prompt text (or chat content) one "
+                                "request may send, refused before tokenizing; 0 = 32 per "
+                                "allowed prompt token")
     max_generation_time_s: float = opt(600.0, "a request still generating after this many "
                                        "seconds is ended (finish reason length); 0 = no limit")
     tls_cert: str = opt("", "PEM certificate chain: serve TLS (with --tls-key)")
@@ -146,6 +149,8 @@ class ServerConfig:
             raise ValueError("--max-message-bytes must be >= 1024 and --max-chat-messages >= 1")
         if self.max_prompt_tokens < 0 or self.max_generation_time_s < 0:
             raise ValueError("--max-prompt-tokens and --max-generation-time-s must be >= 0")
+        if self.max_prompt_chars < 0:
+            raise ValueError(f"--max-prompt-chars must be >= 0, got {self.max_prompt_chars}")
         if not 0 <= self.health_port <= 65535:
             raise ValueError(f"--health-port must be in [0, 65535], got {self.health_port}")
         if not 0 <= self.metrics_port <= 65535:

@@ -2,10 +2,11 @@
 ``schedule -> run model -> sample -> update -> publish`` while there is work.
 
 `submit()` and `abort()` are safe from any thread: they post to an inbox the
-loop drains at the top of each step. Outputs leave once per step, as one list,
-through the `on_outputs` callback (the gRPC side hops them onto its event loop).
-`generate()` is the offline API: it drives the same `step()` in the caller's
-thread, for tests, the CLI and benchmarks.
+loop drains at the top of each step. Each step's results leave once, as one
+`StepOutput` (the requests' outputs, the prefix-cache events taken from the KV
+cache, the step's figures), through the `on_step` callback (the gRPC side hops
+it onto its event loop). `generate()` is the offline API: it drives the same
+`step()` in the caller's thread, for tests, the CLI and benchmarks.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 import ops
 from kvcache.budget import KVBudget, kv_bytes_per_token, num_blocks_for_budget
+from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import PrefixCacheReset, Scheduler
@@ -34,7 +36,23 @@ from worker.weights import LoadedModel, load_model
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-OutputSink = Callable[[list[RequestOutput]], None]
+
+
+@dataclass
+class StepOutput:
+    """What one engine step publishes, in one piece: per-request outputs, the prefix-cache
+    events the step caused (taken from the KV cache, `kvcache.events`), and figures."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    kv_events: list[KVEvent] = field(default_factory=list)
+    num_batched_tokens: int = 0  # tokens the model computed (prefill chunks + decodes)
+    num_preempted: int = 0  # requests preempted by this step's schedule (swap or recompute)
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs or self.kv_events or self.num_preempted)
+
+
+StepSink = Callable[[StepOutput], None]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,6 +100,8 @@ class Engine:
             loaded = load_model(config.model.model, device, resolve_dtype(config.model.dtype, device))
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        # The id clients see (GetModelInfo, metrics, spans).
+        self.model_name = loaded.name
         mcfg = loaded.config
         self.max_model_len = config.model.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
@@ -101,6 +121,9 @@ class Engine:
         self.kv = KVCacheManager(self.budget.num_blocks, cc.block_size,
                                  enable_prefix_caching=cc.enable_prefix_caching,
                                  num_cpu_blocks=num_cpu_blocks)
+        srv = config.server
+        if srv.kv_events and srv.vllm_protocol and cc.enable_prefix_caching:
+            self.kv.pool.record_events()  # taken every step, published by worker.kv_events
         self.scheduler = Scheduler(
             self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy,
             aging_s=sc.priority_aging_s or None, preemption_mode=sc.preemption_mode,
@@ -117,7 +140,6 @@ class Engine:
         )
         log.info(self.runner.describe_kernels())
         torch.manual_seed(config.model.seed)
-        self._states: dict[str, OutputState] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,10 +180,12 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate at the door; raise ValueError naming the field and the limit."""
+        """A request for this model; raises ValueError saying what is wrong. The model's
+        concerns are checked here (the vocabulary, prompt + max_tokens within
+        max_model_len, stop strings needing a tokenizer), the scheduler's by
+        `Scheduler.check_request` (called here, so that the error comes before queueing),
+        the sampling values' by `SamplingParams`."""
         ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt is empty")
         vocab = self.loaded.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -171,16 +195,9 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        if not self.scheduler.can_ever_fit(len(ids) + params.max_tokens):
-            # Unreachable while max_model_len <= the cache (checked at start), kept so that
-            # a request that could never fit is refused here and never left waiting.
-            raise ValueError(
-                f"prompt + max_tokens ({len(ids) + params.max_tokens} tokens) exceeds what the "
-                f"whole KV cache holds ({self.kv.num_blocks * self.kv.block_size} tokens)"
-            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (send stop_token_ids)")
-        return Request(
+        req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=ids,
             sampling_params=params,
@@ -188,6 +205,8 @@ class Engine:
             priority=priority,
             cache_salt=cache_salt or None,
         )
+        self.scheduler.check_request(req)
+        return req
 
     def submit(self, request: Request) -> None:
         self._inbox.put(("add", request))
@@ -222,9 +241,9 @@ class Engine:
                     item.status = RequestStatus.FINISHED_ERROR
                     outputs.append(RequestOutput(
                         item.request_id, [], "", finished=True, finish_reason="error",
-                        prompt_tokens=item.num_prompt_tokens, error=str(e)))
+                        prompt_tokens=item.num_prompt_tokens, error=str(e), request=item))
                     continue
-                self._states[item.request_id] = OutputState.create(item, self.tokenizer)
+                item.output_state = OutputState.create(item, self.tokenizer)
             elif kind == "reset_prefix_cache":
                 requeue, fut = item  # type: ignore[misc]
                 try:
@@ -240,14 +259,21 @@ class Engine:
         # The inbox counts: a reset or an abort must be answered even when nothing runs.
         return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration; returns the outputs it produced (possibly none)."""
-        outputs = self._drain_inbox()
-        if not self.scheduler.has_unfinished_requests():
-            return outputs
+    def step(self) -> StepOutput:
+        """One iteration; returns what it produced (possibly nothing)."""
+        step = StepOutput(self._drain_inbox())
+        if self.scheduler.has_unfinished_requests():
+            self._run(step)
+        # After the run: the events of this step's admissions, evictions and filled blocks.
+        step.kv_events = self.kv.take_events()
+        return step
+
+    def _run(self, step: StepOutput) -> None:
+        outputs = step.outputs
         sched = self.scheduler.schedule()
+        step.num_preempted = len(sched.preempted_ids)
         if sched.is_empty:
-            return outputs
+            return
         try:
             sampled = self.runner.execute(sched)
         except Exception as e:  # a failed step fails its requests, never hangs them
@@ -260,13 +286,15 @@ class Engine:
                      if (r := self.scheduler.get_request(rid)) is not None
                      and r.status is RequestStatus.SWAPPED]
             self.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)
-            return outputs + [self._output(r, [], finished=True, error=f"model step failed: {e}") for r in reqs]
+            outputs += [self._output(r, [], finished=True, error=f"model step failed: {e}") for r in reqs]
+            return
         self.num_steps += 1
         self.num_failed_steps = 0
+        step.num_batched_tokens = sched.num_batched_tokens
         updated = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
         stopped: list[str] = []
         for req in updated:
-            state = self._states[req.request_id]
+            state = req.output_state
             res = sampled[req.request_id]
             if req.sampling_params.logprobs is not None:
                 state.pending_logprobs.append(res)
@@ -278,10 +306,9 @@ class Engine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for req in updated:
             outputs.append(self._output(req, [req.output_token_ids[-1]], finished=req.is_finished))
-        return outputs
 
     def _output(self, req: Request, new_ids: list[int], finished: bool, error: str | None = None) -> RequestOutput:
-        state = self._states[req.request_id] if not finished else self._states.pop(req.request_id)
+        state: OutputState = req.output_state
         lps = state.pending_logprobs or None
         state.pending_logprobs = []
         out = RequestOutput(
@@ -293,6 +320,7 @@ class Engine:
             prompt_tokens=req.num_prompt_tokens,
             completion_tokens=req.num_output_tokens,
             cached_tokens=req.num_cached_tokens,
+            request=req,
         )
         if finished:
             now = time.monotonic()
@@ -308,10 +336,10 @@ class Engine:
 
     # ----- background loop -----
 
-    def start(self, on_outputs: OutputSink) -> None:
+    def start(self, on_step: StepSink) -> None:
         assert self._thread is None, "engine already started"
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, args=(on_outputs,), name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(on_step,), name="engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -321,15 +349,15 @@ class Engine:
             self._thread.join()
             self._thread = None
 
-    def _loop(self, on_outputs: OutputSink) -> None:
+    def _loop(self, on_step: StepSink) -> None:
         while not self._stop:
             if not self.has_work():
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            outputs = self.step()
-            if outputs:
-                on_outputs(outputs)
+            step = self.step()
+            if step:
+                on_step(step)
             if self.num_failed_steps >= self.max_consecutive_failed_steps:
                 log.error("%d model steps failed in a row; the engine stops",
                           self.num_failed_steps)
@@ -337,7 +365,8 @@ class Engine:
 
     # ----- offline API -----
 
-    def generate(self, requests: Sequence[Request], on_output: OutputSink | None = None) -> list[Completion]:
+    def generate(self, requests: Sequence[Request],
+                 on_output: Callable[[list[RequestOutput]], None] | None = None) -> list[Completion]:
         """Run requests to completion in this thread; results in the order given."""
         assert self._thread is None, "generate() drives the engine itself; the loop is running"
         acc: dict[str, RequestOutput | None] = {}
@@ -346,7 +375,7 @@ class Engine:
             self.submit(r)
         pending = set(acc)
         while pending:
-            outputs = self.step()
+            outputs = self.step().outputs
             if on_output is not None and outputs:
                 on_output(outputs)
             for o in outputs:

@@ -1,15 +1,17 @@
 """Prefix-cache events for SMG's cache-aware routing: the vLLM protocol's `SubscribeKvEvents`.
 
-    engine thread                              event loop
-    kvcache listener call --(append, lock)--> pending --(one call_soon_threadsafe per
-    (stored / removed / cleared)                          burst)--> _flush: proto events,
-                                                          one KvEventBatch, sequence + 1,
-                                                          history ring, fan-out to each
-                                                          subscriber's bounded queue
+    engine thread                        event loop
+    step: kv.take_events() --(StepOutput, the bridge's one hop)--> KvEventHub.step:
+    (stored / removed / cleared,                                  proto events, one
+     recorded by the block pool)                                  KvEventBatch per step,
+                                                                  sequence + 1, history
+                                                                  ring, fan-out to each
+                                                                  subscriber's queue
 
-The engine thread only appends a plain tuple under a lock held for an append, and posts
-at most one wake-up per burst (a step's events share one batch): it never waits on the
-loop. Protobuf building, the load record and the fan-out all happen on the loop.
+Pulled, not pushed: the block pool records events in a plain list and the engine takes
+them once per step, so they ride the step's outputs through the hop the outputs already
+make (vLLM's `take_events()`); nothing on the engine thread calls into this module.
+Protobuf building, the load record and the fan-out all happen on the loop.
 
 Hash mapping: our block hashes are 32-byte SHA-256 digests (`kvcache.block_hash`); the
 proto's `block_hash` / `parent_block_hash` are int64. We send the digest's first 8 bytes
@@ -27,8 +29,6 @@ Bounds and what happens at them:
   replays the held batches numbered >= N, then goes live (a gap in the numbers tells the
   subscriber that history no longer reached back). 0 = live only, from now (no snapshot
   of blocks cached before the subscription).
-- the engine-side pending list holds `max_pending` events; past that (a stalled loop)
-  events are dropped and every subscriber is ended as above, since its view is now wrong.
 - a block re-registered at a swap-in comes without tokens (the kvcache does not keep
   them); its tokens are looked up among the last `token_memory` stored blocks, and a
   block not found there is not published (SMG then misses a hit; it is never misled).
@@ -41,20 +41,21 @@ import asyncio
 import collections
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from smg_grpc_proto.generated import common_pb2
 
 from kvcache.block_hash import BlockHash
+from kvcache.events import AllCleared, BlocksRemoved, BlocksStored, KVEvent
 from worker.load import Load
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from worker.engine import StepOutput
 
-_STORED, _REMOVED, _CLEARED = "stored", "removed", "cleared"
-RawEvent = tuple[str, tuple]
+log = logging.getLogger(__name__)
 
 
 def to_int64(block_hash: BlockHash) -> int:
@@ -115,19 +116,16 @@ class Subscription:
 
 
 class KvEventHub:
-    """The `kvcache.block_pool.KVEventListener` of the engine's KV cache (engine thread)
-    and the publisher of numbered `KvEventBatch`es to subscribers (event loop)."""
+    """Publishes each step's prefix-cache events (a `worker.bridge.StepObserver`) as
+    numbered `KvEventBatch`es to subscribers. Everything here runs on the event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, block_size: int,
-                 load: Callable[[], Load], max_num_seqs: int, *, queue_size: int = 1024,
-                 history_size: int = 1024, max_pending: int = 1 << 16,
+    def __init__(self, block_size: int, load: Callable[[], Load], max_num_seqs: int, *,
+                 queue_size: int = 1024, history_size: int = 1024,
                  token_memory: int = 1 << 14) -> None:
-        self.loop = loop
         self.block_size = block_size
         self.load = load
         self.max_num_seqs = max_num_seqs
         self.queue_size = queue_size
-        self.max_pending = max_pending
         self.token_memory = token_memory
         self.sequence = 0  # of the last batch published
         self.subscribers: set[Subscription] = set()
@@ -138,50 +136,14 @@ class KvEventHub:
         # hash -> (token ids packed, cache salt) of recently stored blocks, for swap-ins.
         self._tokens: collections.OrderedDict[BlockHash, tuple[array.array, str | None]] = (
             collections.OrderedDict())
-        # Engine thread -> loop.
-        self._lock = threading.Lock()
-        self._pending: list[RawEvent] = []
-        self._posted = False
-        self._lost = 0
 
-    # ----- engine thread (KVEventListener) -----
+    def step(self, step: StepOutput, t: float) -> None:
+        """A step's events become one batch (a step without events sends none)."""
+        if step.kv_events:
+            self.publish(step.kv_events)
 
-    def blocks_stored(self, hashes: Sequence[BlockHash], parent: BlockHash | None,
-                      token_ids: Sequence[int] | None, cache_salt: str | None) -> None:
-        self._post((_STORED, (tuple(hashes), parent, token_ids, cache_salt)))
-
-    def blocks_removed(self, hashes: Sequence[BlockHash]) -> None:
-        self._post((_REMOVED, (tuple(hashes),)))
-
-    def all_cleared(self) -> None:
-        self._post((_CLEARED, ()))
-
-    def _post(self, event: RawEvent) -> None:
-        with self._lock:
-            if len(self._pending) >= self.max_pending:
-                self._lost += 1
-                return
-            self._pending.append(event)
-            if self._posted:
-                return
-            self._posted = True
-        try:
-            self.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed: the process is going down
-            pass
-
-    # ----- event loop -----
-
-    def _flush(self) -> None:
-        with self._lock:
-            raw, self._pending, self._posted = self._pending, [], False
-            lost, self._lost = self._lost, 0
-        if lost:
-            log.warning("dropped %d KV events (the event loop fell behind the engine)", lost)
-            for sub in list(self.subscribers):
-                self._drop(sub, f"{lost} KV events were lost on the worker; resubscribe "
-                                "(start_sequence_number 0) to rebuild this worker's index")
-        events = [ev for kind, args in raw if (ev := self._convert(kind, args)) is not None]
+    def publish(self, raw: Sequence[KVEvent]) -> None:
+        events = [ev for e in raw if (ev := self._convert(e)) is not None]
         if not events:
             return
         self.sequence += 1
@@ -192,18 +154,19 @@ class KvEventHub:
         for sub in list(self.subscribers):
             self._deliver(sub, batch)
 
-    def _convert(self, kind: str, args: tuple) -> common_pb2.KvCacheEvent | None:
-        if kind == _CLEARED:
+    def _convert(self, event: KVEvent) -> common_pb2.KvCacheEvent | None:
+        if isinstance(event, AllCleared):
             return common_pb2.KvCacheEvent(event_id=next(self._event_ids),
                                            cleared=common_pb2.KvCacheCleared())
-        if kind == _REMOVED:
-            (hashes,) = args
+        if isinstance(event, BlocksRemoved):
             return common_pb2.KvCacheEvent(
                 event_id=next(self._event_ids),
                 removed=common_pb2.KvBlocksRemoved(
-                    block_hashes=[to_int64(h) for h in hashes],
+                    block_hashes=[to_int64(h) for h in event.hashes],
                     tier=common_pb2.KV_CACHE_TIER_DEVICE))
-        hashes, parent, token_ids, salt = args
+        assert isinstance(event, BlocksStored)
+        hashes, parent, token_ids, salt = (event.hashes, event.parent, event.token_ids,
+                                           event.cache_salt)
         bs = self.block_size
         if token_ids is None:  # a swap-in: tokens from memory, or not published
             known = [self._tokens.get(h) for h in hashes]

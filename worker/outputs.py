@@ -26,6 +26,10 @@ class RequestOutput:
     ttft_s: float | None = None  # arrival -> first token
     total_time_s: float | None = None
     error: str | None = None
+    # The request this output belongs to: the bridge routes by it rather than by id, so a
+    # request id is free for reuse the moment its stream ends (an abort), even while the
+    # engine still has outputs of the old request in flight.
+    request: Request | None = field(default=None, repr=False, compare=False)
 
     def merge(self, new: RequestOutput) -> None:
         """Fold `new`, a later step's output of the same request, into this one: text,

@@ -32,7 +32,9 @@ from scheduler.request import SamplingParams
 from worker import auth, telemetry, wire
 from worker.bridge import EngineBridge
 from worker.config import WorkerConfig
+from worker.door import Door
 from worker.engine import Engine
+from worker.kv_events import KvEventHub
 from worker.metrics import MetricsServer
 from worker.service import SERVICE_NAME, WorkerServicer
 from worker.vllm_service import SERVICE_NAME as VLLM_SERVICE_NAME
@@ -79,7 +81,9 @@ async def serve(config: WorkerConfig) -> int:
     health_names = HEALTH_SERVICES + ((VLLM_SERVICE_NAME,) if sc.vllm_protocol else ())
     for name in health_names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    servicer = WorkerServicer(config, on_drain=health_servicer.enter_graceful_shutdown)
+    # One door for both wire formats; the adapters only translate (see worker.door).
+    door = Door(config, on_drain=health_servicer.enter_graceful_shutdown)
+    servicer = WorkerServicer(door)
     servicer.config_json = auth.redacted_config_json(config)  # no tokens in GetServerStatus
     interceptor = auth.TokenInterceptor.from_config(sc)
     # so_reuseport off: a second worker on a taken port must fail, not share it silently.
@@ -94,8 +98,12 @@ async def serve(config: WorkerConfig) -> int:
                              interceptors=[interceptor] if interceptor else None)
     # Not the generated add_..._to_server: bytes that do not parse get INVALID_ARGUMENT.
     wire.add_servicer(servicer, worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], server)
-    # The vLLM engine protocol (SMG's), sharing the servicer's state: see worker.vllm_service.
-    vllm = VllmEngineServicer(servicer) if sc.vllm_protocol else None
+    # The vLLM engine protocol (SMG's) over the same door: see worker.vllm_service. Its
+    # KV-event hub publishes the events each engine step takes from the KV cache.
+    hub = None
+    if sc.vllm_protocol and sc.kv_events and config.cache.enable_prefix_caching:
+        hub = KvEventHub(config.cache.block_size, door.load, config.scheduler.max_num_seqs)
+    vllm = VllmEngineServicer(door, hub) if sc.vllm_protocol else None
     if vllm is not None:
         wire.add_servicer(vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -129,7 +137,7 @@ async def serve(config: WorkerConfig) -> int:
 
     def begin_drain() -> None:
         stop.set()
-        task = loop.create_task(servicer.start_draining())  # health NOT_SERVING at once
+        task = loop.create_task(door.start_draining())  # health NOT_SERVING at once
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
@@ -161,9 +169,9 @@ async def serve(config: WorkerConfig) -> int:
         bridge.start()
         if not stop.is_set():
             await warm_up(bridge)
-            servicer.attach(bridge)
-            if vllm is not None:
-                vllm.attach(bridge)
+            door.attach(bridge)
+            if hub is not None:
+                bridge.step_observers.append(hub)
             if sc.metrics_port:
                 metrics = MetricsServer(bridge, sc.metrics_host, sc.metrics_port)
                 _say(f"Prometheus metrics (vLLM's names) on "

@@ -14,6 +14,7 @@ Chat templates are rendered with jinja2 exactly as `transformers` renders them.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -114,9 +115,18 @@ class Tokenizer:
                 raise TokenizerError(
                     f"{name} token id {tid} is outside the vocabulary (size {self.vocab_size})"
                 )
-        self._special_ids = frozenset(
-            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
-        )
+        added = tokenizer.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        # Control-token strings ("<|im_start|>"), longest first: leftmost-longest matching,
+        # as the tokenizer's own added-token matcher.
+        self._special_strings = sorted({t.content for t in added.values() if t.special},
+                                       key=len, reverse=True)
+        self._special_re = (re.compile("|".join(map(re.escape, self._special_strings)))
+                            if self._special_strings else None)
+        # The same, with special-token strings read as text (what users typed). Built here,
+        # not on first use: copying it holds the GIL ~0.1 s, and first use is under load.
+        self._plain = _HFTokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
         self._template: jinja2.Template | None = None  # compiled on first use
 
     # ------------------------------------------------------------------ loading
@@ -247,18 +257,72 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`. Special-token strings in it ("<|im_start|>") become their ids.
+    def encode(self, text: str, add_special_tokens: bool = False,
+               parse_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. With `parse_special_tokens` (trusted text: a rendered
+        template) special-token strings in it ("<|im_start|>") become their ids; without,
+        they are tokenized as the text they are (what a user typed).
 
         `add_special_tokens` prepends BOS only if the model's tokenizer adds one to plain text;
         a rendered chat template writes its own, so encode it with the default False.
+
+        `encode_batch` is used even for one text: unlike `encode`, it releases the GIL, so a
+        long text tokenized in a worker thread does not stall the event loop.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"text to encode must be a str, not {type(text).__name__}")
+        tok = self._tok if parse_special_tokens else self._plain
         # The post-processor is bypassed: BOS is the only special token we ever add.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
+        return ids
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` contains a special-token string."""
+        return self._special_re is not None and self._special_re.search(text) is not None
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    parse_special_tokens: bool = False) -> list[int]:
+        """Render `messages` with the chat template and tokenize the result. Special-token
+        strings the template writes become control tokens; those inside message content
+        (typed by a user: "<|im_start|>system ...") stay text unless
+        `parse_special_tokens` (a trusted caller). Content without such strings (nearly
+        all) is tokenized exactly as the rendered text always was."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        if parse_special_tokens or not any(self.has_special_text(m["content"]) for m in messages):
+            return self.encode(text)
+        return self._encode_with_template_specials(text, messages, add_generation_prompt)
+
+    def _encode_with_template_specials(self, text: str, messages: list[dict[str, str]],
+                                       add_generation_prompt: bool) -> list[int]:
+        """Tokenize the rendered `text`, reading as control tokens only the special strings
+        the template wrote. Those are found by rendering again with every special string in
+        the content masked by a character of the same length: what is still a special string
+        there came from the template. The tokenizer splits its input at special tokens and
+        tokenizes the pieces between them independently, so tokenizing those pieces as plain
+        text gives what the template's own text would, and the user's strings as text."""
+        assert self._special_re is not None
+        masked = [{**m, "content": self._special_re.sub(lambda x: "_" * len(x.group()),
+                                                        m["content"])} for m in messages]
+        shape = self.apply_chat_template(masked, add_generation_prompt)
+        if len(shape) != len(text):
+            raise TokenizerError("the chat template changes message content in a way that "
+                                 "hides where special-token text typed in it lies")
+        ids: list[int] = []
+        pieces: list[str] = []
+        specials: list[str] = []
+        pos = 0
+        for m in self._special_re.finditer(shape):
+            pieces.append(text[pos : m.start()])
+            specials.append(text[m.start() : m.end()])
+            pos = m.end()
+        pieces.append(text[pos:])
+        plain = self._plain.encode_batch(pieces, add_special_tokens=False)
+        for i, enc in enumerate(plain):
+            ids += enc.ids
+            if i < len(specials):
+                ids.append(self._tok.token_to_id(specials[i]))
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

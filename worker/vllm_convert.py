@@ -1,7 +1,7 @@
-"""vLLM engine protocol messages <-> ours: which fields we take, which we refuse, and the
-response messages. The checks with limits are the shared door's (`worker.service`); what
-is here is only what this wire format adds (its proto3 defaults, its unsupported fields).
-See `worker.vllm_service` for the table of fields and status codes.
+"""vLLM engine protocol messages <-> the door's: which fields we take, which we refuse, and
+the response messages. The checks with limits are the door's (`worker.door`); what is here
+is only what this wire format adds (its proto3 defaults, its unsupported fields). See
+`worker.vllm_service` for the table of fields and status codes.
 """
 
 from __future__ import annotations
@@ -11,11 +11,19 @@ from typing import Any
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from scheduler.request import MAX_LOGPROBS
+from worker.door import FieldNames, InvalidArgument, Submission
 from worker.model_runner import SampleResult
 from worker.outputs import RequestOutput
-from worker.service import InvalidArgument
 
 _SEED_MASK = 0xFFFF_FFFF  # the proto's int32 seed, read as the uint32 of its bits
+NAMES = FieldNames(input="input (tokenized or text)", token_ids="tokenized.input_ids",
+                   messages="(chat is not part of this protocol)",
+                   stop="sampling_params.stop", max_tokens="sampling_params.max_tokens",
+                   truncate_prompt_tokens="sampling_params.truncate_prompt_tokens",
+                   sampling={f: f"sampling_params.{f}" for f in (
+                       "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                       "presence_penalty", "frequency_penalty", "seed", "stop_token_ids",
+                       "ignore_eos", "skip_special_tokens", "logprobs")})
 
 # Request fields with no meaning here (one text model, one device, no KV transfer): sent
 # set, they are refused, never ignored.
@@ -57,17 +65,21 @@ def unsupported(msg: vpb.GenerateRequest) -> None:
                               f"{p.logprobs} (-1, all of them, is not supported)")
 
 
-def truncate(ids: list[int], p: vpb.SamplingParams, max_prompt: int) -> list[int]:
-    """`truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the most allowed)."""
-    if not p.HasField("truncate_prompt_tokens"):
-        return ids
-    k = p.truncate_prompt_tokens
-    if k == -1:
-        k = max_prompt
-    elif k < 1:
-        raise InvalidArgument(f"sampling_params.truncate_prompt_tokens must be >= 1 or -1, "
-                              f"got {k}")
-    return ids[-k:]
+def submission(msg: vpb.GenerateRequest) -> Submission:
+    """The door's view of `msg`; raises InvalidArgument for what this adapter cannot take."""
+    unsupported(msg)
+    p = msg.sampling_params
+    kind = msg.WhichOneof("input")
+    return Submission(
+        request_id=msg.request_id,
+        text=msg.text if kind == "text" else None,
+        token_ids=msg.tokenized.input_ids if kind == "tokenized" else None,
+        max_tokens=max_tokens(p),
+        truncate_prompt_tokens=(p.truncate_prompt_tokens
+                                if p.HasField("truncate_prompt_tokens") else None),
+        sampling=sampling_fields(p),
+        names=NAMES,
+    )
 
 
 def sampling_fields(p: vpb.SamplingParams) -> dict[str, Any]:

@@ -1,15 +1,17 @@
 """`vllm.grpc.engine.VllmEngine` (the protocol SMG speaks to its workers) over the one engine.
 
 A second thin adapter beside `worker.service.WorkerServicer`, on the same server and port
-(--vllm-protocol). It shares that servicer's state (attached bridge, draining flag, start
-time) and its door: the same checks and limits (`check_door`, `build_request`), the same
-admission (`serving`, `open_stream`) and the same output stream (`follow`: deadline,
---max-generation-time-s, abort on cancel, traces). Stubs come from `smg-grpc-proto`.
+(--vllm-protocol), over the same door (`worker.door`): the same checks and limits, the same
+admission and the same output stream (deadline, --max-generation-time-s, abort on cancel,
+traces). It translates this wire format's messages and nothing more. Stubs come from
+`smg-grpc-proto`.
 
 Generate
 --------
-Input: ``tokenized.input_ids`` as given (``original_text`` is not read), or ``text``,
-tokenized by us (BOS only if the model's tokenizer adds one to plain text).
+Input: ``tokenized.input_ids`` as given (``original_text`` is not read): how the gateway
+tokenized, special tokens included, is its business. Or ``text``, tokenized by us (BOS only
+if the model's tokenizer adds one to plain text; special-token strings in it stay text, as
+on our protocol).
 ``stream`` true: a chunk per engine step that produced tokens (``token_ids`` new ones;
 ``prompt_tokens``, ``cached_tokens`` and the running ``completion_tokens`` so far), then
 ``complete``. ``stream`` false: only ``complete``. ``complete.output_ids`` always holds
@@ -86,13 +88,10 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from scheduler.request import Request
 from worker import telemetry, tokenizer_bundle, vllm_convert
-from worker.bridge import EngineBridge
-from worker.engine import Engine
+from worker.door import Door, abort
 from worker.kv_events import KvEventHub, Overflowed
-from worker.load import snapshot
-from worker.service import WorkerServicer, build_request, check_door, encode_text
+from worker.tokenizer import Tokenizer
 from worker.weights import default_model_path
 
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -110,103 +109,50 @@ def _version() -> str:
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    """Shares `front`'s state; `attach` (after `front.attach`) starts the KV-event hub."""
+    """The vLLM engine protocol over the door; `hub` publishes the KV events (None when
+    --kv-events or prefix caching is off)."""
 
-    def __init__(self, front: WorkerServicer) -> None:
-        self.front = front
-        self.config = front.config
-        self.hub: KvEventHub | None = None
-        self.last_receive = 0.0  # wall time of the last Generate
+    def __init__(self, door: Door, hub: KvEventHub | None = None) -> None:
+        self.door = door
+        self.config = door.config
+        self.hub = hub
         self.version = _version()
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self._tokenizer_lock = asyncio.Lock()
-
-    def attach(self, bridge: EngineBridge) -> None:
-        cfg = self.config
-        if cfg.server.kv_events and cfg.cache.enable_prefix_caching:
-            engine = bridge.engine
-            self.hub = KvEventHub(asyncio.get_running_loop(), engine.kv.block_size,
-                                  lambda: snapshot(bridge), cfg.scheduler.max_num_seqs)
-            engine.kv.pool.listener = self.hub  # from now on the engine thread reports
 
     # ----- Generate -----
 
     async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
         method = f"/{SERVICE_NAME}/Generate"
         with telemetry.rpc_span(method, context.invocation_metadata(), context=context):
-            async for response in self._generate(request, context):
-                yield response
-
-    async def _generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
-        front = self.front
-        bridge = await front.serving(context)
-        self.last_receive = time.time()
-        try:
-            req = await self._to_request(request, bridge)
-        except ValueError as e:  # ours, the door's, SamplingParams', make_request's
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stream = await front.open_stream(context, bridge, req)
-        rid = req.request_id
-        want_logprobs = req.sampling_params.logprobs is not None
-        output_ids: list[int] = []
-        logprobs: list = []
-        prompt = request.text if request.HasField("text") else None
-        async with contextlib.aclosing(front.follow(context, bridge, req, stream, prompt)) as outs:
-            async for out in outs:
-                output_ids += out.new_token_ids
-                if want_logprobs and not request.stream:
-                    logprobs += out.logprobs or ()
-                if request.stream and out.new_token_ids:
-                    yield vllm_convert.chunk_response(out, len(output_ids), want_logprobs)
-                if out.finished:
-                    if out.finish_reason == "error":
-                        await front.fail(context, bridge, rid, out)
-                    yield vllm_convert.complete_response(out, output_ids, logprobs or None)
-
-    async def _to_request(self, msg: vpb.GenerateRequest, bridge: EngineBridge) -> Request:
-        """Validate and translate; raises ValueError naming the field and the limit."""
-        sc, engine = self.front.sc, bridge.engine
-        p = msg.sampling_params
-        check_door(sc, msg.request_id, list(p.stop), "sampling_params.stop")
-        vllm_convert.unsupported(msg)
-        kind = msg.WhichOneof("input")
-        if kind is None:
-            raise vllm_convert.InvalidArgument("input is missing: set tokenized or text")
-        if kind == "tokenized":
-            ids = list(msg.tokenized.input_ids)
-            if not ids:
-                raise vllm_convert.InvalidArgument("tokenized.input_ids is empty")
-        else:
-            if not msg.text:
-                raise vllm_convert.InvalidArgument("text is empty")
-            if engine.tokenizer is None:
-                raise vllm_convert.InvalidArgument(
-                    f"text input needs a tokenizer; model {engine.loaded.name} has none "
-                    "(send tokenized.input_ids)")
-            ids = await encode_text(engine.tokenizer, msg.text, add_special_tokens=True)
-        ids = vllm_convert.truncate(ids, p, sc.max_prompt_tokens or engine.max_model_len)
-        return build_request(sc, engine, ids, request_id=msg.request_id,
-                             max_tokens=vllm_convert.max_tokens(p),
-                             **vllm_convert.sampling_fields(p))
+            try:
+                sub = vllm_convert.submission(request)
+            except ValueError as e:  # what this wire format cannot express
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            gen = await self.door.admit(context, sub)
+            want_logprobs = gen.wants_logprobs
+            output_ids: list[int] = []
+            logprobs: list = []
+            async with contextlib.aclosing(gen.outputs()) as outs:
+                async for out in outs:
+                    output_ids += out.new_token_ids
+                    if want_logprobs and not request.stream:
+                        logprobs += out.logprobs or ()
+                    if request.stream and out.new_token_ids:
+                        yield vllm_convert.chunk_response(out, len(output_ids), want_logprobs)
+                    if out.finished:
+                        yield vllm_convert.complete_response(out, output_ids, logprobs or None)
 
     # ----- management -----
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext):
-        bridge = await self.front._engine(context)
-        for rid in request.request_ids:
-            bridge.abort(rid)
+        await self.door.abort_requests(context, list(request.request_ids))
         return vpb.AbortResponse()
 
     async def HealthCheck(self, request: vpb.HealthCheckRequest,
                           context: grpc.aio.ServicerContext):
-        bridge = self.front.bridge
-        if bridge is None:
-            return vpb.HealthCheckResponse(healthy=False, message="the model is still loading")
-        if bridge.dead or bridge.closed:
-            return vpb.HealthCheckResponse(healthy=False, message="the engine is not running")
-        if self.front.draining:
-            return vpb.HealthCheckResponse(healthy=False, message="the worker is draining")
-        return vpb.HealthCheckResponse(healthy=True, message="serving")
+        healthy, message = self.door.health()
+        return vpb.HealthCheckResponse(healthy=healthy, message=message)
 
     def _model_path(self) -> str:
         spec = self.config.model.model
@@ -216,46 +162,46 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext):
-        engine = (await self.front._engine(context)).engine
-        loaded, tok = engine.loaded, engine.tokenizer
-        source = loaded.source
+        await self.door.engine(context)
+        m = self.door.model
+        assert m is not None
         return vpb.GetModelInfoResponse(
             model_path=self._model_path(),
             is_generation=True,
-            max_context_length=engine.max_model_len,
-            vocab_size=loaded.config.vocab_size,
+            max_context_length=m.max_model_len,
+            vocab_size=m.vocab_size,
             supports_vision=False,
-            served_model_name=loaded.name,
-            tokenizer_path=self._model_path() if source == "safetensors" else "",
+            served_model_name=m.name,
+            tokenizer_path=self._model_path() if m.source == "safetensors" else "",
             model_type="llama",
-            architectures=[loaded.config.architecture],
-            eos_token_ids=list(loaded.eos_token_ids),
-            pad_token_id=(tok.pad_token_id or 0) if tok else 0,
-            bos_token_id=(tok.bos_token_id or 0) if tok else 0,
-            max_req_input_len=self.front.sc.max_prompt_tokens or engine.max_model_len,
+            architectures=[m.architecture],
+            eos_token_ids=list(m.eos_token_ids),
+            pad_token_id=m.pad_token_id or 0,
+            bos_token_id=m.bos_token_id or 0,
+            max_req_input_len=m.max_prompt_tokens,
             default_sampling_params_json="",
         )
 
     async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext):
-        bridge = self.front.bridge
-        cfg = self.config
-        loaded = bridge.engine.loaded if bridge else None
+        door, cfg = self.door, self.config
+        st, m = door.status(), door.model
         return vpb.GetServerInfoResponse(
-            active_requests=bridge.num_in_flight if bridge else 0,
-            is_paused=self.front.draining,
-            last_receive_timestamp=self.last_receive,
-            uptime_seconds=time.monotonic() - self.front.started_at,
+            active_requests=st.num_in_flight,
+            is_paused=st.draining,
+            last_receive_timestamp=door.last_receive,
+            uptime_seconds=st.uptime_s,
             server_type="vllm-grpc",
             data_parallel_size=1,
             kv_cache_dtype="auto",  # the KV cache holds the model's dtype
             block_size=cfg.cache.block_size,
-            model_dtype=str(loaded.dtype) if loaded else "",
+            model_dtype=f"torch.{m.dtype}" if m else "",
             max_num_seqs=cfg.scheduler.max_num_seqs,
         )
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext):
-        load = snapshot(await self.front._engine(context))
+        await self.door.engine(context)
+        load = self.door.load()
         loads = []
         if not request.HasField("dp_rank") or request.dp_rank == 0:
             loads.append(vpb.SchedulerLoad(
@@ -276,15 +222,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext):
-        bridge = await self.front._engine(context)
+        door = self.door
+        await door.engine(context)
         wait = request.timeout_s
         if not 0 <= wait <= _MAX_FLUSH_WAIT_S:  # NaN fails too
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"timeout_s must be in [0, {_MAX_FLUSH_WAIT_S:g}], got {wait}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"timeout_s must be in [0, {_MAX_FLUSH_WAIT_S:g}], got {wait}")
         loop = asyncio.get_running_loop()
         until = loop.time() + wait
         while True:
-            result = await asyncio.wrap_future(bridge.engine.reset_prefix_cache(False))
+            result = await door.reset_prefix_cache(context, False)
             if result:
                 return common_pb2.FlushCacheResponse(
                     success=True,
@@ -292,40 +239,45 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if loop.time() >= until:
                 return common_pb2.FlushCacheResponse(
                     success=False,
-                    message=f"requests in flight hold KV blocks ({bridge.num_in_flight} "
+                    message=f"requests in flight hold KV blocks ({door.status().num_in_flight} "
                             f"requests); retry when idle or with timeout_s > 0"
                             + (f" (waited {wait:g} s)" if wait else ""))
             await asyncio.sleep(min(0.05, max(0.0, until - loop.time())))
 
     async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator:
-        engine = (await self.front._engine(context)).engine
-        if engine.tokenizer is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"model {engine.loaded.name} has no tokenizer (dummy weights)")
+        await self.door.engine(context)
+        tok, m = self.door.tokenizer(), self.door.model
+        assert m is not None
+        if tok is None:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        f"model {m.name} has no tokenizer (dummy weights)")
         async with self._tokenizer_lock:  # built once, off the loop
             if self._tokenizer_zip is None:
-                self._tokenizer_zip = await asyncio.to_thread(self._build_tokenizer_zip, engine)
+                self._tokenizer_zip = await asyncio.to_thread(self._build_tokenizer_zip, tok,
+                                                              m.source, m.max_model_len)
         data, sha = self._tokenizer_zip
         for start in range(0, len(data), TOKENIZER_CHUNK):
             end = start + TOKENIZER_CHUNK
             yield common_pb2.GetTokenizerChunk(data=data[start:end],
                                                sha256=sha if end >= len(data) else "")
 
-    def _build_tokenizer_zip(self, engine: Engine) -> tuple[bytes, str]:
-        if engine.loaded.source == "safetensors":
+    def _build_tokenizer_zip(self, tok: Tokenizer, source: str,
+                             max_model_len: int) -> tuple[bytes, str]:
+        if source == "safetensors":
             files = tokenizer_bundle.folder_files(Path(self._model_path()))
         else:
-            files = tokenizer_bundle.gguf_files(engine.tokenizer, engine.max_model_len)
+            files = tokenizer_bundle.gguf_files(tok, max_model_len)
         return tokenizer_bundle.build_zip(files)
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator:
-        bridge = await self.front.serving(context)  # UNAVAILABLE while loading or draining
+        door = self.door
+        await door.serving(context)  # UNAVAILABLE while loading or draining
         hub = self.hub
         if hub is None:
-            await context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
+            await abort(
+                context, grpc.StatusCode.UNIMPLEMENTED,
                 "KV cache events are off on this worker (--kv-events false or prefix caching "
                 "off); poll GetLoads for its load")
         await context.send_initial_metadata(())  # the subscriber's call resolves at once
@@ -337,15 +289,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         last_sent = loop.time()
         try:
             while True:
-                if self.front.draining or bridge.dead or bridge.closed:
+                if not door.health()[0]:
                     # Ends the stream, so that the router stops sending here at once (and the
                     # server's shutdown does not wait on an endless stream).
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        "the worker is draining or its engine stopped")
+                    await abort(context, grpc.StatusCode.UNAVAILABLE,
+                                "the worker is draining or its engine stopped")
                 try:
                     batch = await sub.next(_LOAD_CHECK_S)
                 except Overflowed as e:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                    await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
                 now = loop.time()
                 if batch is not None:
                     if first:  # a stream's first record carries the extras
@@ -368,17 +320,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     # ----- not offered -----
 
     async def Embed(self, request: vpb.EmbedRequest, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+        await abort(context, grpc.StatusCode.UNIMPLEMENTED,
                             "Embed is not supported: this worker serves a generative model")
 
     async def StartProfile(self, request: common_pb2.StartProfileRequest,
                            context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+        await abort(context, grpc.StatusCode.UNIMPLEMENTED,
                             "profiling is not supported by this worker (use its traces)")
 
     async def StopProfile(self, request: common_pb2.StopProfileRequest,
                           context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+        await abort(context, grpc.StatusCode.UNIMPLEMENTED,
                             "profiling is not supported by this worker (use its traces)")
 
 
