@@ -26,7 +26,7 @@ from ops import cpu_attention
 def _gather(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[n, max_blocks] tables -> [n, Hkv, num_blocks * block_size, D]."""
     # index_select copies whole blocks; advanced indexing (cache[tables]) copies element
-    # by element on the CPU and cost several times more (clients/bench_cpu_ops.py).
+    # by element on the CPU and cost several times more (benchmarks/cpu_ops.py).
     g = cache.index_select(0, tables[:, :num_blocks].reshape(-1))  # [n * nblk, bs, Hkv, D]
     return g.view(tables.shape[0], num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 

@@ -2,7 +2,7 @@
 
 The torch reference copies every decode's keys and values into a padded batch, then runs
 SDPA; the kernel reads each cached key and value once, where it lies, for all the query
-heads that share it (step times with and without it: `clients.bench_step`, BENCHMARKS.md). float32 only; `available()` is
+heads that share it (step times with and without it: `benchmarks.step`, BENCHMARKS.md). float32 only; `available()` is
 False where the kernel cannot be built, and attention keeps the reference path.
 """
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from clients.bench import dataset as ds
-from clients.bench.args import parse_args
-from clients.bench.environment import environment
+from clients.bench.args import needs_tokenizer, parse_args
+from clients.bench.environment import environment, recorded
 from clients.bench.knee import find_knee
 from clients.bench.lengths import LengthDist
 from clients.bench.record import Backend
@@ -49,7 +49,10 @@ def make_backend(args: argparse.Namespace) -> Backend:
                          model=args.model, api_key=args.api_key, timeout=args.timeout)
 
 
-def make_dataset(args: argparse.Namespace, vocab_size: int) -> list[ds.BenchRequest]:
+def make_dataset(args: argparse.Namespace, vocab_size: int,
+                 tokenizer: Any = None) -> list[ds.BenchRequest]:
+    """The requests; `tokenizer` (a `load_tokenizer` result) renders them as text where the
+    --chat-input / --ids-input modes ask for it."""
     n, seed = args.num_requests, args.seed
     if args.dataset == "random":
         reqs = ds.random_dataset(n, args.input_len, args.output_len, vocab_size, seed)
@@ -62,14 +65,22 @@ def make_dataset(args: argparse.Namespace, vocab_size: int) -> list[ds.BenchRequ
             vocab_size=vocab_size,
         )
     if "text" in (args.chat_input, args.ids_input):
-        from clients.bench.tokenizer import as_text, ids_as_text, load_tokenizer
+        from clients.bench.tokenizer import as_text, ids_as_text
 
-        tok = load_tokenizer(args.tokenizer)
+        assert tokenizer is not None, "text modes need the tokenizer"
         if args.chat_input == "text":
-            reqs = [as_text(r, tok) for r in reqs]
+            reqs = [as_text(r, tokenizer) for r in reqs]
         if args.ids_input == "text":
-            reqs = [ids_as_text(r, tok) for r in reqs]
+            reqs = [ids_as_text(r, tokenizer) for r in reqs]
     return reqs
+
+
+def client_tokenizer(args: argparse.Namespace) -> Any:
+    """The model's tokenizer: --tokenizer, else over the wire from the gRPC target."""
+    from clients.bench.tokenizer import load_tokenizer
+
+    return load_tokenizer(args.tokenizer, target=args.target or default_target(),
+                          token=args.token)
 
 
 def config_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,7 +89,7 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
         if isinstance(v, LengthDist):
             v = v.spec
         elif isinstance(v, Path):
-            v = str(v)
+            v = recorded(v)
         elif k == "request_rate":
             v = ["inf" if math.isinf(x) else x for x in v]
         elif k == "argv":
@@ -94,7 +105,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         server = await backend.describe()
         vocab = args.vocab_size or server.get("vocab_size") or 32000
-        reqs = make_dataset(args, vocab)
+        tok = await asyncio.to_thread(client_tokenizer, args) if needs_tokenizer(args) else None
+        reqs = make_dataset(args, vocab, tok)
         warm = await warm_up(backend, reqs, args.warmup)
         if bad := [r.error for r in warm if not r.success]:
             print(f"warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}",
@@ -109,7 +121,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await backend.close()
     return {"server": server, "dataset": {"kind": args.dataset, **ds.describe(reqs)},
-            "runs": runs, "_requests": reqs}
+            "runs": runs, "_requests": reqs, "_tokenizer": tok}
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -152,7 +164,7 @@ def run_command(args: argparse.Namespace) -> int:
     except Exception as e:  # the server is unreachable or refused describe(): say so, exit 1
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    reqs = measured.pop("_requests")
+    reqs, tok = measured.pop("_requests"), measured.pop("_tokenizer")
     result: dict[str, Any] = {
         "name": args.name or f"{args.backend} {args.dataset}",
         "config": config_of(args),
@@ -167,13 +179,13 @@ def run_command(args: argparse.Namespace) -> int:
         result["knee"] = find_knee(result["runs"], args.knee_factor)
         plot = args.plot or out.with_suffix(".png")
         title = f"{result['server'].get('model', '')} — {result['name']}"
-        result["plot"] = str(plot_sweep(result["runs"], result["knee"], plot, title))
+        result["plot"] = recorded(plot_sweep(result["runs"], result["knee"], plot, title))
     if args.peer:
         from clients.bench.peer import run_peer
 
         result["peer"] = run_peer(
             args.peer, reqs, batch_size=args.peer_batch_size, threads=args.peer_threads,
-            tokenizer_path=args.tokenizer,
+            tokenizer=tok,
             ours_output_throughput=result["runs"][0]["summary"]["output_throughput"],
             model=args.peer_model,
         )
