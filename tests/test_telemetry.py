@@ -602,6 +602,22 @@ def test_env_that_leaves_tracing_off(monkeypatch, env):
     assert telemetry._provider is None
 
 
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [({"OTEL_TRACES_EXPORTER": "zipkin,console"}, "unknown exporter 'zipkin'"),
+     ({"OTEL_TRACES_EXPORTER": "none,console"}, "tracing stays off"),
+     ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "exporting traces as http/protobuf"),
+     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"}, "exporting traces with grpc")],
+    ids=["unknown", "none-beside-others", "http-json", "bad-protocol"],
+)
+def test_what_is_not_honoured_is_said(monkeypatch, caplog, env, says):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level(logging.WARNING, logger="worker.telemetry"):
+        configure_tracing()
+    assert says in caplog.text
+
+
 def test_headers_and_timeout_reach_the_exporters(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "api-key=k1,x-tenant=t%201")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "3")
