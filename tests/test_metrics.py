@@ -272,6 +272,36 @@ def test_preemptions_count_when_made_and_preempted_requests_wait() -> None:
         w.close()
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_engine_tallies_preemptions_when_made_and_tokens_per_step(default_model, mode) -> None:
+    """The engine's tallies behind the two step figures, without a server: every preemption
+    the scheduler makes (a request's own count, summed), and one entry per model step of
+    the tokens it ran."""
+    from scheduler.request import SamplingParams
+    from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+    from worker.engine import Engine
+
+    per_block = 16 * 2 * 30 * 3 * 64 * 4
+    engine = Engine(WorkerConfig(
+        model=ModelConfig(max_model_len=192),
+        cache=CacheConfig(kv_cache_memory=12.5 * per_block / (1 << 30),
+                          swap_space=(20 * per_block / (1 << 30)) if mode == "swap" else 0),
+        scheduler=SchedulerConfig(preemption_mode=mode)), loaded=default_model)
+    reqs = [engine.make_request(list(range(100 + i, 110 + i)),
+                                SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+            for i in range(3)]
+    seen: list[int] = []  # the tally after each step that published something
+    engine.generate(reqs, on_output=lambda _: seen.append(engine.num_preemptions))
+    made = sum(r.num_preemptions for r in reqs)
+    assert made >= 1 and engine.num_preemptions == made
+    assert 0 < seen.index(made) < len(seen) - 1  # counted before the last request finished
+    assert sum(engine.step_tokens.values()) == engine.num_steps
+    # Every token a request holds at the end was run once, plus what recompute ran again.
+    ran = sum(n * c for n, c in engine.step_tokens.items())
+    held = sum(r.num_prompt_tokens + r.num_output_tokens - 1 for r in reqs)
+    assert ran == held if mode == "swap" else ran > held
+
+
 def _listening_ports(pid: int) -> set[int]:
     return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN}
