@@ -125,6 +125,10 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_failed_steps = 0  # in a row; reset by a step that succeeds
+        # For the metrics (read from the loop without a lock, like num_steps): preemptions
+        # counted when the scheduler makes them, and how many steps ran each token count.
+        self.num_preemptions = 0
+        self.step_tokens: dict[int, int] = {}  # tokens the model ran in a step -> steps
 
     # ----- sizing -----
 
@@ -246,6 +250,7 @@ class Engine:
         if not self.scheduler.has_unfinished_requests():
             return outputs
         sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted_ids)
         if sched.is_empty:
             return outputs
         try:
@@ -263,6 +268,8 @@ class Engine:
             return outputs + [self._output(r, [], finished=True, error=f"model step failed: {e}") for r in reqs]
         self.num_steps += 1
         self.num_failed_steps = 0
+        n = sched.num_batched_tokens
+        self.step_tokens[n] = self.step_tokens.get(n, 0) + 1
         updated = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
         stopped: list[str] = []
         for req in updated:
