@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ops.attention import paged_attention_ref
+from ops.attention import StepPlan, paged_attention_ref
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.rotary import apply_rotary_ref, rope_cos_sin_cache, rotary_kv_write_ref
 
@@ -73,9 +73,10 @@ def test_rotary_kv_write_rotates_and_scatters_by_slot() -> None:
     assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
 
 
-def test_paged_attention_plan_is_rebuilt_when_the_step_changes() -> None:
-    """Layers of one step share a plan (grouping, masks); a new step with the same shapes
-    but other lengths, offsets or blocks must not reuse it, even through the same tensors."""
+def test_paged_attention_step_plan_serves_one_step() -> None:
+    """Layers of one step share a StepPlan (grouping, masks), built by the first call; each
+    new step brings a new one, and a plan handed another step's tensors refuses (even the
+    same shapes: the reference keeps no state of its own between calls)."""
     g = torch.Generator().manual_seed(3)
     bs, hq, hkv, d = 16, 6, 2, 32
     k_cache, v_cache = torch.randn(2, 32, bs, hkv, d, generator=g)
@@ -83,10 +84,14 @@ def test_paged_attention_plan_is_rebuilt_when_the_step_changes() -> None:
     q = torch.randn(2, hq, d, generator=g)
     for seq_lens, qsl in (([40, 17], [0, 1, 2]), ([41, 17], [0, 1, 2]), ([40, 18], [0, 1, 2])):
         sl, starts = torch.tensor(seq_lens), torch.tensor(qsl)
-        got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, max(seq_lens), d**-0.5)
+        plan = StepPlan()
         want = _naive_attention(q, k_cache, v_cache, tables, sl, starts, d**-0.5)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    tables[1, 0] = 11  # the same tensor object, written in place: a different step
+        for _ in range(2):  # two layers of the step
+            got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, max(seq_lens), d**-0.5, plan)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        with pytest.raises(AssertionError, match="one step"):
+            paged_attention_ref(q, k_cache, v_cache, tables, sl.clone(), starts, 1, 41, d**-0.5, plan)
+    tables[1, 0] = 11  # the same tensor object, written in place: without a plan, no stale state
     sl, starts = torch.tensor([40, 18]), torch.tensor([0, 1, 2])
     got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, 40, d**-0.5)
     torch.testing.assert_close(got, _naive_attention(q, k_cache, v_cache, tables, sl, starts, d**-0.5),
