@@ -44,7 +44,7 @@ from ops.attention import StepPlan, paged_attention_ref
 from ops.block_copy import copy_blocks_ref, swap_blocks
 from ops.norm import rms_norm_ref
 from ops.rotary import RopeScaling, rope_cos_sin_cache, rotary_kv_write_ref
-from ops.sampling import SamplerOutput, SamplingTensors, sample_ref
+from ops.sampling import SAMPLING_EPS, SamplerOutput, SamplingTensors, sample_ref
 
 BACKENDS = ("auto", "torch", "c", "triton")
 KernelPath = Literal["torch", "c", "triton"]
@@ -150,6 +150,7 @@ copy_blocks = _op(copy_blocks_ref, ("ops.block_copy_triton", "copy_blocks_triton
 
 __all__ = [
     "BACKENDS",
+    "SAMPLING_EPS",
     "RopeScaling",
     "SamplerOutput",
     "SamplingTensors",
