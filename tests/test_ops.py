@@ -1,12 +1,14 @@
-"""Torch references of the ops against naive, obviously-correct loops."""
+"""Torch references of the ops against naive, obviously-correct loops and formulas."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ops.activation import silu_and_mul_ref
 from ops.attention import StepPlan, paged_attention_ref
 from ops.linear import PackedLinear, can_pack, pack_linears
+from ops.norm import rms_norm_ref
 from ops.rotary import apply_rotary_ref, rope_cos_sin_cache, rotary_kv_write_ref
 
 
@@ -96,6 +98,31 @@ def test_paged_attention_step_plan_serves_one_step() -> None:
     got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, 40, d**-0.5)
     torch.testing.assert_close(got, _naive_attention(q, k_cache, v_cache, tables, sl, starts, d**-0.5),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_ref_matches_its_formula(dtype: torch.dtype) -> None:
+    """x / sqrt(mean(x^2) + eps) * w in float64 (the residual sum first): float32 within
+    1e-6, float16 within 2 ulps (it normalises in float32 and rounds twice)."""
+    g = torch.Generator().manual_seed(9)
+    x, res = (torch.randn(7, 96, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(96, generator=g)).to(dtype)
+    for residual in (None, res):
+        s = x if residual is None else x + residual
+        xd = s.double()
+        want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+        out, res_out = rms_norm_ref(x, w, 1e-5, residual)
+        assert torch.equal(res_out, s)
+        tol = 1e-6 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_silu_and_mul_ref_matches_its_formula() -> None:
+    """[gate | up] -> gate * sigmoid(gate) * up, in float64: within 1e-6 (float32)."""
+    x = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4
+    gate, up = x.double().chunk(2, -1)
+    torch.testing.assert_close(silu_and_mul_ref(x).double(), gate / (1 + torch.exp(-gate)) * up,
+                               rtol=1e-6, atol=1e-6)
 
 
 needs_onednn = pytest.mark.skipif(

@@ -346,6 +346,33 @@ def test_swap_blocks_on_one_device_matches_reference(as_tensor: bool) -> None:
         swap_blocks(src_cache, dst_cache.half(), src, dst)
 
 
+# ----- the dispatch point -----
+
+
+def test_each_op_dispatches_to_its_backend(monkeypatch) -> None:
+    """ops.<op> under `triton` loads and runs the op's own Triton kernel (same result as
+    calling it directly), under `torch` and `c` the reference (or the C op for attention)."""
+    loaded: list[tuple[str, str]] = []
+    real_load = ops._load.__wrapped__
+    monkeypatch.setattr(ops, "_load", lambda m, n: loaded.append((m, n)) or real_load(m, n))
+    g = _gen(0, torch.device("cpu"))
+    x = torch.randn(3, 64, generator=g)
+    w = torch.randn(64, generator=g)
+    want_norm, _ = rms_norm_ref(x, w, 1e-6)
+    want_act = silu_and_mul_ref(x)
+    with ops.use_backend("triton"):
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6)[0], want_norm, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ops.silu_and_mul(x), want_act, rtol=1e-6, atol=1e-6)
+    assert loaded == [("ops.norm_triton", "rms_norm_triton"),
+                      ("ops.activation_triton", "silu_and_mul_triton")]
+    loaded.clear()
+    for name in ("torch", "c") if ops.c_kernels_available() else ("torch",):
+        with ops.use_backend(name):
+            assert torch.equal(ops.rms_norm(x, w, 1e-6)[0], want_norm)
+            assert torch.equal(ops.silu_and_mul(x), want_act)
+    assert loaded == []
+
+
 # ----- GPU: bf16, Llama-3-8B shapes -----
 
 
