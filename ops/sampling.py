@@ -166,6 +166,12 @@ def _draw(z: torch.Tensor, greedy_ids: torch.Tensor, st: SamplingTensors) -> tor
 
 def sample_ref(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] float32 -> one token per row."""
+    if st.all_greedy and st.prompt_mask is None and st.num_logprobs < 0:
+        # Greedy decode: the raw argmax, unless it landed on a NaN or +inf (argmax ranks NaN
+        # first); spares the copy below, a pass as costly as the argmax itself.
+        ids = logits.argmax(-1)
+        if bool(torch.isfinite(logits.gather(-1, ids[:, None])).all()):
+            return SamplerOutput(ids, None, None, None)
     z = apply_penalties(logits, st) if st.prompt_mask is not None else finite_logits(logits)
     greedy_ids = z.argmax(-1)
     token_ids = greedy_ids if st.all_greedy else _draw(z, greedy_ids, st)
