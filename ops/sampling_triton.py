@@ -50,8 +50,8 @@ from ops.sampling import (
     seed_key,
 )
 
-_FMAX: tl.constexpr = 3.4028234663852886e38
-_FMIN: tl.constexpr = 1.1754943508222875e-38  # the smallest normal float32
+_FMAX = tl.constexpr(3.4028234663852886e38)
+_FMIN = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float32
 # Search steps: value halving first (fast for ordinary logit ranges), then bit-pattern
 # halving, which needs at most 32 more steps to separate any two float32 values.
 _VALUE_STEPS = 24
