@@ -155,7 +155,7 @@ def _draw(z: torch.Tensor, greedy_ids: torch.Tensor, st: SamplingTensors) -> tor
     t = torch.where(greedy, torch.ones_like(temp), temp.clamp(max=_FMAX))
     y = z / t[:, None]
     # A row whose scaled logits overflow (or that has no finite logit) is greedy.
-    overflow = ~torch.isfinite(y.amax(-1)) & ~greedy
+    overflow = ~torch.isfinite(y.amax(-1))
     if bool(overflow.any()):
         greedy = greedy | overflow
         y = torch.where(greedy[:, None], 0.0, y)  # filled, so that no NaN is computed below
