@@ -155,3 +155,28 @@ def test_pack_linears_replaces_every_linear_once() -> None:
     assert pack_linears(model) == 0  # a model shared by two runners is packed once
     assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_table_and_refusals(monkeypatch) -> None:
+    """kernel_path per backend and device, as the table in ops/__init__.py states; unknown
+    names and a `c` that cannot build are refused at set_backend, naming why."""
+    import ops
+    from ops import cpu_attention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    triton = ops._HAS_TRITON
+    before = ops.backend()
+    want = {"auto": ("c", "triton" if triton else "torch"), "torch": ("torch", "torch"),
+            "c": ("c", "torch"), "triton": ("triton", "triton")}
+    for name, (on_cpu, on_cuda) in want.items():
+        if (name == "c" and not ops.c_kernels_available()) or (name == "triton" and not triton):
+            continue
+        with ops.use_backend(name):
+            assert (ops.kernel_path(cpu), ops.kernel_path(cuda)) == (on_cpu, on_cuda), name
+    assert ops.backend() == before
+    with pytest.raises(ValueError, match="auto, torch, c, triton"):
+        ops.set_backend("cpu")
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    with pytest.raises(ValueError, match="cannot be built"):
+        ops.set_backend("c")
+    assert ops.backend() == before
