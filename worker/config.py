@@ -30,8 +30,13 @@ class ModelConfig:
                      ("auto", "float32", "bfloat16", "float16"))
     max_model_len: int = opt(0, "longest prompt + output in tokens; 0 = the model's own limit")
     seed: int = opt(0, "seed for unseeded sampling and dummy weights")
-    kernels: str = opt("auto", "ops implementation: Triton kernels on CUDA and torch references "
-                       "on the CPU (auto), or one forced everywhere", ("auto", "torch", "triton"))
+    kernels: str = opt("auto", "implementation of attention, norm, rotary, activation, sampling "
+                       "and block copies (ops/__init__.py): auto = Triton on CUDA and the C kernels "
+                       "on the CPU where they build (else the torch references); torch = the pure "
+                       "torch references everywhere; c = the CPU C kernels (references on CUDA); "
+                       "triton = Triton everywhere (CPU: interpreter, tests only). Linear layers "
+                       "are chosen by --cpu-quantized-linear and --cpu-packed-linear, not here",
+                       ("auto", "torch", "c", "triton"))
     cuda_graphs: bool = opt(True, "replay decode steps from CUDA graphs captured at start-up "
                             "(CUDA with Triton kernels only); --no-cuda-graphs runs them eagerly")
     cpu_packed_linear: bool = opt(True, "on the CPU in float32, run linear layers through oneDNN "

@@ -22,7 +22,6 @@ from torch import nn
 
 import ops
 from ops import cpu_attention, quantized_linear
-from ops.block_copy import copy_blocks, swap_blocks
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
 from ops.sampling import SamplingTensors
@@ -105,17 +104,20 @@ class ModelRunner:
                                        block_size, device)
 
     def describe_kernels(self) -> str:
-        """Which implementation runs the linears, the embedding lookup and decode attention
-        (for the start-up log)."""
+        """The ops backend and which implementation runs the linears, the embedding lookup,
+        decode attention and the other ops (for the start-up log)."""
         kinds = Counter(type(m).__name__ for m in self.model.modules()
                         if isinstance(m, (nn.Linear, PackedLinear, quantized_linear.QuantLinear)))
         linears = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-        c_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
-                    and not ops.uses_triton(self.device) and cpu_attention.available())
-        attention = "C kernel" if c_kernel else ("Triton" if ops.uses_triton(self.device) else "torch")
+        path = ops.kernel_path(self.device)
+        others = "Triton" if path == "triton" else "torch"
+        c_kernel = path == "c" and self.dtype == torch.float32 and cpu_attention.available()
+        attention = "C kernel" if c_kernel else others
         quant_embed = isinstance(self.model.embed_tokens, quantized_linear.QuantEmbedding)
         embedding = "Q8_0 blocks" if quant_embed else "table"
-        return f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}"
+        return (f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}; "
+                f"prefill attention, norm, rotary, activation, sampling: {others} "
+                f"(--kernels {ops.backend()})")
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -124,7 +126,6 @@ class ModelRunner:
     def move_blocks(self, step: SchedulerOutput) -> None:
         """The step's KV moves, before its forward pass, in the order `kvcache.moves` argues
         is safe: swap out, swap in, copy. One batched gather/scatter per layer tensor each."""
-        copy_backend = "triton" if ops.uses_triton(self.device) else "torch"
         out_gpu, out_cpu = _unzip(step.blocks_to_swap_out)
         in_cpu, in_gpu = _unzip(step.blocks_to_swap_in)
         src, dst = _unzip(step.blocks_to_copy)
@@ -132,11 +133,11 @@ class ModelRunner:
         for layer, gpu_kv in enumerate(self.kv_caches):
             for i, g in enumerate(gpu_kv):  # the layer's K, then its V
                 if out_gpu:
-                    swap_blocks(g, self.cpu_caches[layer][i], out_gpu, out_cpu)
+                    ops.swap_blocks(g, self.cpu_caches[layer][i], out_gpu, out_cpu)
                 if in_cpu:
-                    swap_blocks(self.cpu_caches[layer][i], g, in_cpu, in_gpu)
+                    ops.swap_blocks(self.cpu_caches[layer][i], g, in_cpu, in_gpu)
                 if src:
-                    copy_blocks(g, src, dst, backend=copy_backend)
+                    ops.copy_blocks(g, src, dst)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, SampleResult]:
