@@ -26,6 +26,7 @@ from kvcache.budget import KVBudget, kv_bytes_per_token, num_blocks_for_budget
 from kvcache.manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import PrefixCacheReset, Scheduler
+from worker import memory
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.outputs import OutputState, RequestOutput
@@ -81,6 +82,7 @@ class Engine:
         if loaded is None:
             loaded = load_model(config.model.model, device, resolve_dtype(config.model.dtype, device))
         self.loaded = loaded
+        self.model_name = config.model.served_model_name or loaded.name  # the id clients see
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
         self.max_model_len = config.model.max_model_len or mcfg.max_position_embeddings
@@ -104,6 +106,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy,
             aging_s=sc.priority_aging_s or None, preemption_mode=sc.preemption_mode,
+            chunked_prefill=sc.enable_chunked_prefill,
         )
         ops.set_backend(config.model.kernels)
         self.runner = ModelRunner(
@@ -135,20 +138,15 @@ class Engine:
     def _kv_budget(self) -> KVBudget:
         m, dev = self.loaded.config, self.loaded.device
         per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.loaded.dtype.itemsize)
-        gib = self.config.cache.kv_cache_memory
-        if gib > 0:
-            budget = int(gib * GiB)
-        elif dev.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(dev)
-            budget = int(free * self.config.cache.gpu_memory_utilization)
-        else:
-            budget = GiB
+        activations = memory.activation_reserve(m, self.config.scheduler, self.max_model_len,
+                                                self.loaded.dtype.itemsize)
+        budget = memory.kv_cache_bytes(self.config.cache, memory.device_memory(dev), activations)
         bs = self.config.cache.block_size
         blocks = num_blocks_for_budget(budget, bs, per_token)
         if blocks * bs < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({blocks * bs} tokens) cannot hold one request of --max-model-len "
-                f"{self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+                f"{self.max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len"
             )
         return KVBudget(budget, bs, per_token, blocks, self.max_model_len)
 

@@ -345,7 +345,7 @@ class MetricsServer:
 
     def __init__(self, bridge: EngineBridge, host: str, port: int) -> None:
         engine = bridge.engine
-        labels = (engine.loaded.name, "0")
+        labels = (engine.model_name, "0")
         # No `*_created` series: vLLM publishes none, and they double the counters' lines.
         prometheus_client.disable_created_metrics()
         self.registry = CollectorRegistry()  # private: not the process-wide default

@@ -304,7 +304,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         p = req.sampling_params
         record = self.sc.trace_content
         gen = telemetry.GenerationTrace(
-            bridge.engine.loaded.name, rid, max_tokens=p.max_tokens, temperature=p.temperature,
+            bridge.engine.model_name, rid, max_tokens=p.max_tokens, temperature=p.temperature,
             top_p=p.top_p, top_k=p.top_k, seed=p.seed, priority=req.priority,
             prompt=prompt_text if record else None, record_content=record)
         arrival_wall = telemetry.monotonic_to_wall(req.arrival_time)
@@ -470,7 +470,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         engine = (await self._engine(context)).engine
         loaded = engine.loaded
         return pb.GetModelInfoResponse(
-            model_name=loaded.name,
+            model_name=engine.model_name,
             architecture=loaded.config.architecture,
             vocab_size=loaded.config.vocab_size,
             max_model_len=engine.max_model_len,

@@ -225,7 +225,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_context_length=engine.max_model_len,
             vocab_size=loaded.config.vocab_size,
             supports_vision=False,
-            served_model_name=loaded.name,
+            served_model_name=engine.model_name,
             tokenizer_path=self._model_path() if source == "safetensors" else "",
             model_type="llama",
             architectures=[loaded.config.architecture],

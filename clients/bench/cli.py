@@ -10,7 +10,10 @@
 
 ``run`` (the default subcommand) writes one JSON file (config, server, dataset, environment,
 each run's summary and per-request records, and for a sweep the knee and a PNG plot) and
-prints a summary. ``report`` renders result files as markdown tables for BENCHMARKS.md.
+prints a summary. The JSON is written as soon as the measurements end, before the optional
+parts (plot, peer), and rewritten as each one adds to it; what the install lacks for them
+(the ``bench`` extra: matplotlib, transformers) is said before the first request.
+``report`` renders result files as markdown tables for BENCHMARKS.md.
 Metrics are those of ``vllm bench serve``: see clients/bench/metrics.py. Exit status: 0;
 1 when the server cannot be reached or a request failed; 2 for usage errors.
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.bench import dataset as ds
+from clients.bench import extras
 from clients.bench.args import needs_tokenizer, parse_args
 from clients.bench.environment import environment, recorded
 from clients.bench.knee import find_knee
@@ -157,7 +161,21 @@ def print_summary(result: dict[str, Any]) -> None:
               f"ours / theirs = {peer['ratio']:.2f}x")
 
 
+def _write(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out)  # a reader never sees half a file
+
+
 def run_command(args: argparse.Namespace) -> int:
+    can = extras.check(args)
+    for line in can.errors:
+        print(f"error: {line}", file=sys.stderr)
+    if can.errors:
+        return 2
+    for line in can.notes:
+        print(f"note: {line}", file=sys.stderr, flush=True)
     env = environment(["llm-worker-bench", *args.argv])
     try:
         measured = asyncio.run(_measure(args))
@@ -174,12 +192,23 @@ def run_command(args: argparse.Namespace) -> int:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     out = args.output_json or Path("bench-results") / f"bench-{stamp}.json"
     if len(result["runs"]) > 1:
+        result["knee"] = find_knee(result["runs"], args.knee_factor)
+    _write(out, result)  # the measurements are safe before anything optional runs
+    print(f"wrote {out}", flush=True)
+    status = 1 if any(r["summary"]["failed"] for r in result["runs"]) else 0
+    if len(result["runs"]) > 1 and can.can_plot:
         from clients.bench.plot import plot_sweep
 
-        result["knee"] = find_knee(result["runs"], args.knee_factor)
         plot = args.plot or out.with_suffix(".png")
         title = f"{result['server'].get('model', '')} — {result['name']}"
-        result["plot"] = recorded(plot_sweep(result["runs"], result["knee"], plot, title))
+        try:
+            result["plot"] = recorded(plot_sweep(result["runs"], result["knee"], plot, title))
+        except Exception as e:  # a plot is optional: the figures are in the JSON already
+            print(f"warning: no plot ({type(e).__name__}: {e}); {out} has the results",
+                  file=sys.stderr)
+        else:
+            _write(out, result)
+            print(f"wrote {result['plot']}")
     if args.peer:
         from clients.bench.peer import run_peer
 
@@ -189,11 +218,9 @@ def run_command(args: argparse.Namespace) -> int:
             ours_output_throughput=result["runs"][0]["summary"]["output_throughput"],
             model=args.peer_model,
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+        _write(out, result)
     print_summary(result)
-    print(f"wrote {out}" + (f" and {result['plot']}" if "plot" in result else ""))
-    return 1 if any(r["summary"]["failed"] for r in result["runs"]) else 0
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
