@@ -16,6 +16,34 @@ def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: i
     return max(0, budget_bytes) // (block_size * bytes_per_token)
 
 
+# The KV cache on the CPU when --kv-cache-memory is 0.
+CPU_DEFAULT_BUDGET_BYTES = GIB
+
+
+def budget_bytes(kv_cache_memory_gib: float, device_type: str, free_device_bytes: int,
+                 gpu_memory_utilization: float) -> int:
+    """The KV cache's byte budget as the engine sizes it (and `llm-worker plan` predicts it):
+    --kv-cache-memory GiB when set; else on CUDA the --gpu-memory-utilization share of the
+    device memory free after the weights loaded; else 1 GiB (the CPU)."""
+    if kv_cache_memory_gib > 0:
+        return int(kv_cache_memory_gib * GIB)
+    if device_type == "cuda":
+        return int(free_device_bytes * gpu_memory_utilization)
+    return CPU_DEFAULT_BUDGET_BYTES
+
+
+def fit_budget(budget: int, block_size: int, bytes_per_token: int, max_model_len: int) -> "KVBudget":
+    """The blocks `budget` buys; ValueError when they cannot hold one request of
+    `max_model_len` tokens (the engine refuses to start then)."""
+    b = KVBudget.from_budget(budget, block_size, bytes_per_token, max_model_len)
+    if b.num_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache ({b.num_tokens} tokens) cannot hold one request of --max-model-len "
+            f"{max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+        )
+    return b
+
+
 @dataclass(frozen=True)
 class KVBudget:
     budget_bytes: int

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import ops
-from kvcache.budget import KVBudget, kv_bytes_per_token, num_blocks_for_budget
+from kvcache.budget import KVBudget, budget_bytes, fit_budget, kv_bytes_per_token
 from kvcache.manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import PrefixCacheReset, Scheduler
@@ -129,24 +129,11 @@ class Engine:
     # ----- sizing -----
 
     def _kv_budget(self) -> KVBudget:
-        m, dev = self.loaded.config, self.loaded.device
+        m, dev, cc = self.loaded.config, self.loaded.device, self.config.cache
         per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.loaded.dtype.itemsize)
-        gib = self.config.cache.kv_cache_memory
-        if gib > 0:
-            budget = int(gib * GiB)
-        elif dev.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(dev)
-            budget = int(free * self.config.cache.gpu_memory_utilization)
-        else:
-            budget = GiB
-        bs = self.config.cache.block_size
-        blocks = num_blocks_for_budget(budget, bs, per_token)
-        if blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({blocks * bs} tokens) cannot hold one request of --max-model-len "
-                f"{self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
-            )
-        return KVBudget(budget, bs, per_token, blocks, self.max_model_len)
+        free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+        budget = budget_bytes(cc.kv_cache_memory, dev.type, free, cc.gpu_memory_utilization)
+        return fit_budget(budget, cc.block_size, per_token, self.max_model_len)
 
     # ----- requests in -----
 
