@@ -424,7 +424,11 @@ def make_plan(model: ModelInfo, device: Device, req: Request, dtype: str = "auto
         replicas["replicas"] = None
     notes = []
     if kv_seqs < sched.max_num_seqs:
-        notes.append(f"the KV cache, not --max-num-seqs {sched.max_num_seqs}, limits the batch")
+        notes.append(f"the KV cache ({kv_seqs} sequences), not --max-num-seqs "
+                     f"{sched.max_num_seqs}, limits the batch")
+    elif kv_seqs > sched.max_num_seqs:
+        notes.append(f"--max-num-seqs {sched.max_num_seqs}, not the KV cache ({kv_seqs} "
+                     "sequences), limits the batch: raising it serves more per replica")
     return Plan(
         model={"name": model.name, "source": model.source, "layers": cfg.num_layers,
                "hidden": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
@@ -460,7 +464,8 @@ def _size(n: float) -> str:
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1000:.1f} ms" if s < 10 else f"{s:.1f} s"
+    ms = s * 1000
+    return f"{ms:.3f} ms" if ms < 1 else f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms" if s < 10 else f"{s:.1f} s"
 
 
 def _by_size(parts: dict[str, int]) -> str:
