@@ -299,7 +299,7 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
             hold(embed.dtype, embed.nbytes)
         else:
             hold(dtype, head * size)
-    how = (f"CPU {dtype}: Q4_1/Q8_0 linears kept quantized (C kernel), the rest {dtype}"
+    how = (f"CPU {dtype}: Q4_1/Q8_0 linears kept quantized for the C kernel, the rest {dtype}"
            if any(k in ("Q4_1", "Q8_0") for k in held) else f"every weight in {dtype}")
     return Weights(stored, held, read, matmul, head, how)
 
@@ -465,7 +465,7 @@ def _size(n: float) -> str:
 
 def _ms(s: float) -> str:
     ms = s * 1000
-    return f"{ms:.3f} ms" if ms < 1 else f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms" if s < 10 else f"{s:.1f} s"
+    return f"{ms:.3f} ms" if ms < 1 else f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def _by_size(parts: dict[str, int]) -> str:
