@@ -54,7 +54,7 @@ def test_predicted_kv_blocks_are_what_the_engine_allocates(
         default_model: LoadedModel, default_info: plan.ModelInfo, max_model_len: int,
         cache: CacheConfig) -> None:
     engine = _engine_budget(default_model, max_model_len, cache)
-    p = plan.make_plan(default_info, CPU, plan.Request(100, 24), "auto",
+    p = plan.make_plan(default_info, CPU, plan.Workload(100, 24), "auto",
                        max_model_len, cache)
     kv, b = p.kv_cache, engine.budget
     assert (kv["num_blocks"], kv["bytes_per_token"], kv["budget_bytes"], kv["max_model_len"]) == (
@@ -70,7 +70,7 @@ def test_too_small_a_cache_is_refused_alike(default_model: LoadedModel,
     with pytest.raises(ValueError) as engine_error:
         _engine_budget(default_model, 0, cache)
     with pytest.raises(ValueError) as plan_error:
-        plan.make_plan(default_info, CPU, plan.Request(100, 24), cache=cache)
+        plan.make_plan(default_info, CPU, plan.Workload(100, 24), cache=cache)
     assert str(plan_error.value) == str(engine_error.value)
 
 
@@ -79,7 +79,7 @@ def test_bfloat16_dummy_blocks_match_too() -> None:
     conf = WorkerConfig(model=ModelConfig(model="dummy:smollm2-135m", dtype="bfloat16",
                                           max_model_len=4096))
     engine = Engine(conf, loaded=loaded)
-    p = plan.make_plan(plan.read_model("dummy:smollm2-135m"), CPU, plan.Request(100, 24),
+    p = plan.make_plan(plan.read_model("dummy:smollm2-135m"), CPU, plan.Workload(100, 24),
                        "bfloat16", 4096)
     assert p.kv_cache["num_blocks"] == engine.budget.num_blocks
     assert p.kv_cache["bytes_per_token"] == engine.budget.bytes_per_token
@@ -138,7 +138,7 @@ def test_weights_on_a_gpu_are_the_real_modules_parameters(shape: str) -> None:
 
 def test_llama_3_8b_on_h100_arithmetic() -> None:
     p = plan.make_plan(plan.read_model("dummy:llama-3-8b"), plan.DEVICES["h100"],
-                       plan.Request(1024, 256, qps=10, ttft_slo=1.0, tpot_slo=0.05))
+                       plan.Workload(1024, 256, qps=10, ttft_slo=1.0, tpot_slo=0.05))
     kv, dev = p.kv_cache, plan.DEVICES["h100"]
     assert kv["bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, bf16
     free = dev.memory_bytes - p.weights["held_total_bytes"] - plan.CUDA_CONTEXT_BYTES
@@ -153,11 +153,11 @@ def test_llama_3_8b_on_h100_arithmetic() -> None:
 
 def test_slo_search_and_replicas_are_consistent(default_info: plan.ModelInfo) -> None:
     for tpot in (0.05, 0.2, 0.5):
-        p = plan.make_plan(default_info, CPU, plan.Request(200, 100, qps=3, tpot_slo=tpot, ttft_slo=2.0))
+        p = plan.make_plan(default_info, CPU, plan.Workload(200, 100, qps=3, tpot_slo=tpot, ttft_slo=2.0))
         s, r = p.slo, p.replicas
         roof = plan.Roofline(default_info.config, plan.weights(default_info, CPU, "float32"),
                              p.kv_cache["bytes_per_token"], CPU, "float32",
-                             plan.Request(200, 100), SchedulerConfig().max_num_batched_tokens)
+                             plan.Workload(200, 100), SchedulerConfig().max_num_batched_tokens)
         if not s["holds"]:
             assert roof.tpot(1) > tpot or roof.ttft(1) > 2.0
             assert r["replicas"] is None
@@ -169,7 +169,7 @@ def test_slo_search_and_replicas_are_consistent(default_info: plan.ModelInfo) ->
         assert r["replicas"] * op >= 3 * roof.latency(op) - 1e-9
         assert (r["replicas"] - 1) * op < 3 * roof.latency(op) or r["replicas"] == r["by_work"]
     # A tighter TPOT never allows a larger batch.
-    ops = [plan.make_plan(default_info, CPU, plan.Request(200, 100, tpot_slo=t)).slo["operating_batch"]
+    ops = [plan.make_plan(default_info, CPU, plan.Workload(200, 100, tpot_slo=t)).slo["operating_batch"]
            for t in (0.05, 0.1, 0.2, 0.5)]
     assert ops == sorted(ops)
 

@@ -307,7 +307,9 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
 # ----- the plan -----
 
 @dataclass(frozen=True)
-class Request:
+class Workload:
+    """One request's shape, the load to serve and its SLOs."""
+
     prompt_len: int
     output_len: int
     qps: float = 0.0
@@ -333,7 +335,7 @@ class Roofline:
     """Step times of one replica: the arithmetic of this module's docstring."""
 
     def __init__(self, cfg: LlamaConfig, w: Weights, kv_per_token: int, device: Device, dtype: str,
-                 req: Request, chunk: int) -> None:
+                 req: Workload, chunk: int) -> None:
         self.cfg, self.w, self.kv, self.req, self.chunk = cfg, w, kv_per_token, req, chunk
         self.bw, self.peak = device.bandwidth, device.flops.get(dtype) or device.flops["bfloat16"]
         self.context = req.prompt_len + req.output_len / 2
@@ -362,7 +364,7 @@ class Roofline:
         return self.ttft(batch) + self.req.output_len * self.tpot(batch)
 
 
-def make_plan(model: ModelInfo, device: Device, req: Request, dtype: str = "auto",
+def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "auto",
               max_model_len: int = 0, cache: CacheConfig | None = None,
               sched: SchedulerConfig | None = None) -> Plan:
     cache, sched, cfg = cache or CacheConfig(), sched or SchedulerConfig(), model.config
@@ -525,7 +527,7 @@ def _run(args: argparse.Namespace) -> int:
                         gpu_memory_utilization=args.gpu_memory_utilization)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens)
-    req = Request(args.prompt_len, args.output_len, args.qps, args.ttft_slo, args.tpot_slo)
+    req = Workload(args.prompt_len, args.output_len, args.qps, args.ttft_slo, args.tpot_slo)
     if min(req.qps, req.ttft_slo, req.tpot_slo) < 0:
         raise ValueError("--qps, --ttft-slo and --tpot-slo must be >= 0")
     plan = make_plan(model, device, req, dtype, args.max_model_len, cache, sched)
@@ -551,7 +553,7 @@ def compare_step(path: str, model: ModelInfo, device: Device, dtype: str, spec: 
     w = weights(model, device, dtype)
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, DTYPE_BYTES[dtype])
     context = bench["context"] + 2 + (bench["steps"] - 1) / 2
-    roof = Roofline(cfg, w, per_token, device, dtype, Request(bench["context"], 1), 1)
+    roof = Roofline(cfg, w, per_token, device, dtype, Workload(bench["context"], 1), 1)
     roof.context = context
     first = report["rows"][0]["variant"]  # the default variant, quantized, comes first
     out = []
