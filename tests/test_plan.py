@@ -230,3 +230,19 @@ def test_serve_allocates_the_planned_blocks() -> None:
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=240, check=True)
     kv = json.loads(out.stdout)["kv_cache"]
     assert (kv["num_blocks"], kv["block_size"]) == (int(match[1]), int(match[2]))
+
+
+def test_hf_folder_sizes_come_from_the_safetensors_headers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    info = plan.read_model(str(tmp_path))
+    assert info.source == "safetensors" and info.config.num_layers == 2
+    assert info.stored == {"BF16": sum(2 * t.numel() for t in hf.parameters())}
+    p = plan.make_plan(info, plan.DEVICES["l40s"], plan.Workload(100, 20), max_model_len=512)
+    assert p.kv_cache["bytes_per_token"] == 2 * 2 * 2 * 16 * 2  # K+V, 2 layers, 2 KV heads x 16, bf16
+    assert p.weights["held_bytes"] == {"bfloat16": sum(2 * t.numel() for t in hf.parameters())}
