@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import ops
-from kvcache.budget import KVBudget, kv_bytes_per_token, num_blocks_for_budget
+from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import PrefixCacheReset, Scheduler
@@ -136,19 +136,12 @@ class Engine:
     # ----- sizing -----
 
     def _kv_budget(self) -> KVBudget:
-        m, dev = self.loaded.config, self.loaded.device
+        m, dev, cc = self.loaded.config, self.loaded.device, self.config.cache
         per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.loaded.dtype.itemsize)
         activations = memory.activation_reserve(m, self.config.scheduler, self.max_model_len,
                                                 self.loaded.dtype.itemsize)
-        budget = memory.kv_cache_bytes(self.config.cache, memory.device_memory(dev), activations)
-        bs = self.config.cache.block_size
-        blocks = num_blocks_for_budget(budget, bs, per_token)
-        if blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({blocks * bs} tokens) cannot hold one request of --max-model-len "
-                f"{self.max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len"
-            )
-        return KVBudget(budget, bs, per_token, blocks, self.max_model_len)
+        budget = memory.kv_cache_bytes(cc, memory.device_memory(dev), activations)
+        return fit_budget(budget, cc.block_size, per_token, self.max_model_len)
 
     # ----- requests in -----
 
