@@ -197,12 +197,11 @@ static inline void micro_6(const float *x, size_t ldx, const float *w, float *y,
 
 static inline int qf_record(int qtype) { return qtype == QT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD; }
 
-/* Tile t (outputs 32t..32t+31) of y for rows 0..M-1: y[r * ldy + 32t + n], x[r * ldx + k]. */
+/* Tile t (outputs 32t..32t+31) for rows 0..M-1 into yt[r * ldy + n], from x[r * ldx + k]. */
 static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t ldx, int M,
-                    float *y, size_t ldy, int t) {
+                    float *yt, size_t ldy, int t) {
     const int nb = K / QBLOCK, record = qf_record(qtype);
     const uint8_t *rec = w + (size_t)t * nb * record;
-    float *yt = y + (size_t)t * TILE;
     /* One dequantized block, 32 x 32 floats: 4 KB, stays in L1. */
     float buf[QBLOCK * TILE] __attribute__((aligned(64)));
     for (int b = 0; b < nb; b++, rec += record) {
@@ -229,7 +228,7 @@ static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t l
 static void qf_tiles(const uint8_t *w, int qtype, int N, int K, const float *x, size_t ldx, int M,
                      float *y, size_t ldy) {
 #pragma omp for schedule(static)
-    for (int t = 0; t < N / TILE; t++) qf_tile(w, qtype, K, x, ldx, M, y, ldy, t);
+    for (int t = 0; t < N / TILE; t++) qf_tile(w, qtype, K, x, ldx, M, y + (size_t)t * TILE, ldy, t);
 }
 
 static int qf_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype) {

@@ -230,22 +230,22 @@ static inline __attribute__((always_inline)) void q8_0_i8_rows(const uint8_t *re
 }
 #endif
 
-/* Tile t of y for rows 0..M-1 from their quantized activations a (and xu: xq + 128 per
- * row, for Q8_0 where the build needs it; NULL otherwise). */
+/* Tile t for rows 0..M-1 into yt[r * ldy + n] from their quantized activations a (and xu:
+ * xq + 128 per row, for Q8_0 where the build needs it; NULL otherwise). */
 static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, const uint8_t *const *xu, int M,
-                    float *y, size_t ldy, int t) {
+                    float *yt, size_t ldy, int t) {
     const int nb = K / I8_QBLOCK;
     const int record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
     const uint8_t *rec = w + (size_t)t * nb * record;
     /* I8_R rows at a time, then one at a time (constant counts: the loops over rows unroll) */
     int r = 0;
     for (; r + I8_R <= M; r += I8_R) {
-        float *yr = y + (size_t)r * ldy + (size_t)t * I8_TILE;
+        float *yr = yt + (size_t)r * ldy;
         if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, a + r, I8_R, yr, ldy);
         else q8_0_i8_rows(rec, nb, a + r, xu ? xu + r : NULL, I8_R, yr, ldy);
     }
     for (; r < M; r++) {
-        float *yr = y + (size_t)r * ldy + (size_t)t * I8_TILE;
+        float *yr = yt + (size_t)r * ldy;
         if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, a + r, 1, yr, ldy);
         else q8_0_i8_rows(rec, nb, a + r, xu ? xu + r : NULL, 1, yr, ldy);
     }
@@ -277,7 +277,7 @@ static inline int qi_needs_unsigned(void) {
 static void qi_tiles(const uint8_t *w, int qtype, int N, int K, const qact *views, const uint8_t *const *xu,
                      int M, float *y, size_t ldy) {
 #pragma omp for schedule(static)
-    for (int t = 0; t < N / I8_TILE; t++) qi_tile(w, qtype, K, views, xu, M, y, ldy, t);
+    for (int t = 0; t < N / I8_TILE; t++) qi_tile(w, qtype, K, views, xu, M, y + (size_t)t * I8_TILE, ldy, t);
 }
 
 static int qi_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype) {

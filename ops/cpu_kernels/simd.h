@@ -21,9 +21,9 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* e^x to float rounding for x <= ~88 (Cephes' expf polynomial, 8 lanes); e^x -> 0 below -87. */
+/* e^x to float rounding (Cephes' expf polynomial, 8 lanes), x clamped to [-87.3, 88.3]. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
     __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
     fx = _mm256_floor_ps(fx);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
