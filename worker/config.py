@@ -43,6 +43,11 @@ class ModelConfig:
                                      "float32 (needs gcc and AVX2; the same weights, a fraction of "
                                      "the bytes a decode step reads); --no-cpu-quantized-linear "
                                      "dequantizes them at load")
+    cpu_int8_activations: bool = opt(False, "with --cpu-quantized-linear, multiply the quantized "
+                                     "layers with activations quantized to int8 per block of 32 "
+                                     "(integer dot products, as llama.cpp does: faster, but not the "
+                                     "float32 product; greedy tokens can differ from transformers, "
+                                     "see BENCHMARKS.md)")
 
 
 @dataclass(frozen=True)
