@@ -30,7 +30,7 @@ from torch import nn
 from ops import cpu_kernels
 from ops.quantized_linear import QuantEmbedding, QuantLinear
 
-# qtype codes in decoder.c (quant_matmul*.c)
+# qtype codes in decoder.c (quant_matmul*.c): by (type, integer layout)
 _QTYPE = {("Q4_1", False): 0, ("Q8_0", False): 1, ("Q4_1", True): 2, ("Q8_0", True): 3}
 _EMBED_TABLE, _EMBED_Q8_0, _EMBED_Q8_0_I8 = 0, 1, 2
 
@@ -38,7 +38,7 @@ _p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _QLinear(ctypes.Structure):
-    _fields_ = [("w", _p), ("qtype", _i32), ("N", _i32), ("K", _i32), ("bias", _p)]
+    _fields_ = [("w", _p), ("qtype", _i32), ("planes", _i32), ("N", _i32), ("K", _i32), ("bias", _p)]
 
 
 class _Layer(ctypes.Structure):
@@ -98,7 +98,8 @@ def unsupported(model: nn.Module) -> str | None:
 
 def _qlinear(lin: QuantLinear) -> _QLinear:
     bias = lin.bias.data_ptr() if lin.bias is not None else None
-    return _QLinear(lin.packed.data_ptr(), _QTYPE[lin.qtype, lin.int8], lin.out_features, lin.in_features, bias)
+    return _QLinear(lin.packed.data_ptr(), _QTYPE[lin.qtype, lin.integer_layout], lin.planes, lin.out_features,
+                    lin.in_features, bias)
 
 
 class CpuDecoder:
@@ -122,15 +123,14 @@ class CpuDecoder:
                                _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr())
         embed = model.embed_tokens
         if isinstance(embed, QuantEmbedding):
-            kind, table = (_EMBED_Q8_0_I8 if embed.int8 else _EMBED_Q8_0), embed.packed
+            kind, table = (_EMBED_Q8_0_I8 if embed.integer_layout else _EMBED_Q8_0), embed.packed
         else:
             kind, table = _EMBED_TABLE, embed.weight.detach().contiguous()
         final_norm = model.norm.detach().contiguous()
         cos_sin = model.cos_sin.contiguous()
         self._keep += [layers, table, final_norm, cos_sin]
-        self.int8 = any(lin.int8 for layer in model.layers
-                        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                    layer.mlp.down_proj))
+        self.activations = ", ".join(sorted({lin.activations for layer in model.layers for lin in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}))
         self._model = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                              cfg.head_dim, cfg.num_layers, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                              layers, final_norm.data_ptr(), cos_sin.data_ptr(), kind, table.data_ptr(),
@@ -138,8 +138,7 @@ class CpuDecoder:
         self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
 
     def describe(self) -> str:
-        arith = "int8" if self.int8 else "float32"
-        return f"fused C ({cpu_kernels.isa()}, {arith} activations)"
+        return f"fused C ({cpu_kernels.isa()}, {self.activations} activations)"
 
     def _cache_pointers(self, kv_caches: list) -> tuple[ctypes.Array, ctypes.Array]:
         if self._caches is None or self._caches[0] is not kv_caches:

@@ -2,17 +2,21 @@
 
 A decode step reads every weight once, so on the CPU its floor is the weights' bytes over
 memory bandwidth: 538 MB in float32 for the default model, 96 MB as the GGUF stores it.
-`QuantLinear` keeps the file's blocks, repacked into tiles, and computes on them one of two
-ways:
+`QuantLinear` keeps the file's blocks, repacked into tiles, and multiplies them with the
+activations in one of these `ACTIVATIONS`:
 
-- float32 (the default; `cpu_kernels/quant_matmul.c`): dequantized on the fly exactly as
+- "float32" (`cpu_kernels/quant_matmul.c`): the weights dequantized on the fly exactly as
   gguf-py does (the same float32 weights the model would otherwise hold), multiplied in
   float32 with one accumulator per output taken over K in order.
-- int8 activations (`int8=True`; `cpu_kernels/quant_matmul_int8.c`): x quantized per block
-  of 32 to int8 and multiplied with integer dot products (vpdpbusd, vpmaddubsw), as
-  llama.cpp does: several times less arithmetic, but not the float32 product.
+- "int8", "int16", "int24" (`cpu_kernels/quant_matmul_int8.c`): each row of x written per
+  block of 32 as integers of 1, 2 or 3 bytes (relative to the block's largest) and multiplied
+  with exact integer dot products (vpdpbusd, vpmaddubsw), as llama.cpp does with int8: a few
+  times less arithmetic than float32. int8 is llama.cpp's arithmetic and loses about 1/254 of
+  a block's largest value per element; int24 keeps 23 bits of it, about float32's precision.
 
-Either way a row's result does not depend on its batch, and the AVX2 and AVX-512 builds of
+"auto" is int24 where the CPU has AVX-512 VNNI (there it is faster than float32 at one row
+and at 64), float32 elsewhere (without VNNI the integer kernels take more instructions than
+float32 for many rows). Either way a row's result does not depend on its batch, and the AVX2 and AVX-512 builds of
 a kernel give the same bits. The kernels are C, built on first use for the CPU's ISA
 (`ops/cpu_kernels`); `available()` is False where there is no compiler or no AVX2, and the
 runner then falls back to float32 weights.
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +41,8 @@ QBLOCK = 32  # weights per quantization block (both types)
 _GGUF_BLOCK = {"Q4_1": 20, "Q8_0": 34}
 _RECORD = {"Q4_1": 640, "Q8_0": 1088}
 _RECORD_INT8 = {"Q4_1": 640, "Q8_0": 1152}
+# Activation arithmetic -> bytes per activation in the integer kernels (0: float32).
+ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2, "int24": 3}
 
 
 
@@ -72,7 +78,7 @@ def _library_int8() -> ctypes.CDLL | None:
         p, i32 = ctypes.c_void_p, ctypes.c_int
         for name in ("q4_1_i8_matmul", "q8_0_i8_matmul"):
             fn = getattr(lib, name)
-            fn.argtypes = [p, i32, i32, p, i32, p, i32]
+            fn.argtypes = [p, i32, i32, p, i32, p, i32, i32]
             fn.restype = ctypes.c_int
     return lib
 
@@ -139,7 +145,7 @@ def repack_int8(w: QuantizedWeight) -> torch.Tensor:
     """GGUF blocks -> the int8 kernel's tile records (layout in quant_matmul_int8.c), as
     uint8: chunks of 16 outputs x 4 consecutive k, one output's 4 quants to a 32-bit lane."""
     if not supports_int8(w):
-        raise ValueError(f"cannot repack a {w.qtype} weight of shape {w.shape} for int8 activations")
+        raise ValueError(f"cannot repack a {w.qtype} weight of shape {w.shape} for integer activations")
     d, m, q = _quants(w)
     t, nb = d.shape[:2]
     if w.qtype == "Q4_1":
@@ -159,21 +165,29 @@ def repack_int8(w: QuantizedWeight) -> torch.Tensor:
 class QuantLinear(nn.Module):
     """`y = x @ W.T + bias` for x: [rows, in_features] float32, W kept quantized."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, int8: bool = False) -> None:
-        """`int8`: multiply with activations quantized to int8 (see the top); `weight` must
-        then satisfy `supports_int8`."""
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 activations: str = "float32") -> None:
+        """`activations`: one of ACTIVATIONS (see the top); an integer one needs a weight
+        that satisfies `supports_int8`."""
         super().__init__()
-        lib = _library_int8() if int8 else _library()
+        self.planes = ACTIVATIONS[activations]
+        lib = _library_int8() if self.planes else _library()
         assert lib is not None, "QuantLinear needs the compiled kernel (see available())"
         self.out_features, self.in_features = weight.shape
         self.qtype = weight.qtype
-        self.int8 = int8
-        self.packed = repack_int8(weight) if int8 else repack(weight)
+        self.activations = activations
+        self.packed = repack_int8(weight) if self.planes else repack(weight)
         self.bias = None if bias is None else bias.detach().to(torch.float32).clone()
-        if int8:
-            self._fn = lib.q4_1_i8_matmul if weight.qtype == "Q4_1" else lib.q8_0_i8_matmul
+        if self.planes:
+            fn = lib.q4_1_i8_matmul if weight.qtype == "Q4_1" else lib.q8_0_i8_matmul
+            self._fn = functools.partial(_with_planes, fn, self.planes)
         else:
             self._fn = lib.q4_1_matmul if weight.qtype == "Q4_1" else lib.q8_0_matmul
+
+    @property
+    def integer_layout(self) -> bool:
+        """Whether `packed` is in the integer kernels' layout (`repack_int8`)."""
+        return self.planes > 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
@@ -190,8 +204,13 @@ class QuantLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        arith = "int8 activations" if self.int8 else "float32"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}, {arith}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}, "
+                f"{self.activations} activations")
+
+
+def _with_planes(fn: Callable[..., int], planes: int, *args: int) -> int:
+    """An integer kernel's call with the planes argument last."""
+    return fn(*args, planes)
 
 
 class QuantEmbedding(nn.Module):
@@ -203,21 +222,22 @@ class QuantEmbedding(nn.Module):
 
         float32 layout:  d[32 lanes] fp16 | q[32 k][32 lanes] int8
                          row r, block b: d[t, b, n] * q[t, b, :, n]
-        int8 layout:     d[32 lanes] fp16 | sums[32] int16 | q[2 h][8 p][16 n'][4 j] int8
+        integer layout:  d[32 lanes] fp16 | sums[32] int16 | q[2 h][8 p][16 n'][4 j] int8
                          row r, block b: d[t, b, n] * q[t, b, n // 16, :, n % 16, :]  (k = 4p + j)
     """
 
-    def __init__(self, weight: QuantizedWeight, packed: torch.Tensor | None = None, int8: bool = False) -> None:
+    def __init__(self, weight: QuantizedWeight, packed: torch.Tensor | None = None,
+                 integer_layout: bool = False) -> None:
         super().__init__()
         assert weight.qtype == "Q8_0", weight.qtype
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.int8 = int8
+        self.integer_layout = integer_layout
         if packed is None:
-            packed = repack_int8(weight) if int8 else repack(weight)
+            packed = repack_int8(weight) if integer_layout else repack(weight)
         self.packed = packed
         records = self.packed.view(self.num_embeddings // TILE, self.embedding_dim // QBLOCK, -1)
         self._d = records[:, :, : 2 * TILE].view(torch.float16)  # [T, nb, 32 lanes]
-        if int8:
+        if integer_layout:
             self._q = records[:, :, 4 * TILE :].view(torch.int8).unflatten(-1, (2, 8, 16, 4))
         else:
             self._q = records[:, :, 2 * TILE :].view(torch.int8).unflatten(-1, (QBLOCK, TILE))
@@ -226,12 +246,12 @@ class QuantEmbedding(nn.Module):
     def of_head(cls, head: QuantLinear, weight: QuantizedWeight) -> QuantEmbedding:
         """The lookup sharing a tied head's records."""
         assert head.qtype == weight.qtype and (head.out_features, head.in_features) == weight.shape
-        return cls(weight, head.packed, head.int8)
+        return cls(weight, head.packed, head.integer_layout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         tile, lane = flat // TILE, flat % TILE
-        if self.int8:
+        if self.integer_layout:
             q = self._q[tile, :, lane // 16, :, lane % 16, :].flatten(-2)  # [R, nb, 32 k]
         else:
             q = self._q[tile, :, :, lane]
@@ -242,20 +262,36 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, Q8_0"
 
 
-def quantize_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight], int8: bool = False) -> int:
+def quantize_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight],
+                     activations: str = "float32") -> int:
     """Replace every `nn.Linear` of `model` whose name has a weight in `quantized` by a
-    `QuantLinear` of it (with int8 activations where `int8` and the weight allows); returns
-    how many were replaced (0 when already done)."""
+    `QuantLinear` of it (with integer `activations` where the weight allows, else float32);
+    returns how many were replaced (0 when already done)."""
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name in quantized:
             qw = quantized[name]
             assert qw.shape == tuple(module.weight.shape), (name, qw.shape, module.weight.shape)
             parent, _, child = name.rpartition(".")
-            layer = QuantLinear(qw, module.bias, int8=int8 and supports_int8(qw))
+            layer = QuantLinear(qw, module.bias, activations_for(qw, activations))
             setattr(model.get_submodule(parent), child, layer)
             count += 1
     return count
+
+
+def resolve_activations(activations: str) -> str:
+    """One of ACTIVATIONS for a name of them or "auto" (see the top)."""
+    if activations == "auto":
+        return "int24" if cpu_kernels.isa() == "avx512-vnni" else "float32"
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be auto or one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+    return activations
+
+
+def activations_for(weight: QuantizedWeight, activations: str) -> str:
+    """`activations` resolved, or float32 where the integer kernels cannot take `weight`."""
+    activations = resolve_activations(activations)
+    return activations if ACTIVATIONS[activations] == 0 or supports_int8(weight) else "float32"
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:

@@ -1,16 +1,15 @@
 """The C kernels built per instruction set (ops/cpu_kernels): the best ISA the CPU has is
 taken, each ISA's build is its own cached file, and every build this CPU can run gives the
-same bits as the AVX2 one (float32 matmul, int8 matmul, decode attention)."""
+same bits as the AVX2 one (float32 and integer-activation matmuls, decode attention)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from ops import cpu_attention, cpu_kernels
 from ops import quantized_linear as ql
-from tests.test_quantized_linear import _random_blocks
+from tests.test_quantized_linear import _q8_0_without_minus_128, _random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supported_isas(), reason="no AVX2/FMA/F16C here")
 
@@ -52,22 +51,14 @@ def test_an_isa_the_cpu_lacks_is_refused(restore_isa, monkeypatch) -> None:
     assert cpu_kernels.isa() is None and cpu_kernels.load("quant_matmul") is None
 
 
-def _q8_0_without_minus_128(n: int, k: int, seed: int) -> ql.QuantizedWeight:
-    qw = _random_blocks("Q8_0", n, k, seed)
-    blocks = qw.blocks.reshape(n, k // 32, 34).copy()
-    q = blocks[..., 2:].view(np.int8)
-    q[q == -128] = -127
-    return ql.QuantizedWeight("Q8_0", blocks.reshape(n, -1), (n, k))
-
-
 def _outputs() -> list[torch.Tensor]:
     """Every kernel's output on fixed inputs, with the libraries of the current ISA."""
     g = torch.Generator().manual_seed(0)
     out = []
     for qw in (_random_blocks("Q4_1", 96, 576, seed=3), _q8_0_without_minus_128(64, 192, seed=4)):
         x = torch.randn(11, qw.shape[1], generator=g)
-        for int8 in (False, True):
-            out.append(ql.QuantLinear(qw, int8=int8)(x))
+        for activations in ql.ACTIVATIONS:
+            out.append(ql.QuantLinear(qw, activations=activations)(x))
     q = torch.randn(5, 9, 64, generator=g)
     k, v = torch.randn(2, 40, 16, 3, 64, generator=g)
     o = torch.empty_like(q)

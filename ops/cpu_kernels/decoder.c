@@ -13,8 +13,8 @@
  *              act = silu(g) * u, [g | u] = xn @ Wgu^T  per tile pair (t, t + I/32)
  *              r += act @ Wdown^T                       per tile, into r
  *
- * and after the last layer hidden = rms_norm(r) * w_final. With int8 activations
- * (quant_matmul_int8.c) each matmul's input is quantized per row first.
+ * and after the last layer hidden = rms_norm(r) * w_final. With integer activations
+ * (quant_matmul_int8.c) each matmul's input is written as integers per row first.
  *
  * `cpu_decoder_decode` runs the whole step, every token a decode, in one OpenMP parallel
  * region (the runner's batch-1 step is one call); the `cpu_decoder_*` stages run the same
@@ -34,7 +34,8 @@
 
 typedef struct {
     const uint8_t *w; /* tile records */
-    int qtype;        /* QT_Q4_1, QT_Q8_0 (float32) or QT_Q4_1_I8, QT_Q8_0_I8 (int8 activations) */
+    int qtype;        /* QT_Q4_1, QT_Q8_0 (float32) or QT_Q4_1_I8, QT_Q8_0_I8 (integer activations) */
+    int planes;       /* integer activations: bytes per activation (quant_matmul_int8.c) */
     int N, K;
     const float *bias; /* [N] or NULL */
 } qlinear;
@@ -72,23 +73,56 @@ typedef struct {
     int nthreads;
 } step_desc;
 
+/* A matmul's input as the kernels read it: float rows (a norm's output, when the input is
+ * one), and for the integer kernels the rows as integers (quant_matmul_int8.c). */
+#define MAX_PLANES 3
+typedef struct {
+    float *x;       /* [M, H] */
+    int8_t *xq;     /* [M, MAX_PLANES Kmax] */
+    uint8_t *xu;    /* [M, MAX_PLANES Kmax]: xq + 128 */
+    float *xd, *xs; /* [M, Kmax / 32] */
+    qact *views;    /* [M] */
+} input_buf;
+
+/* Up to this many rows, each thread prepares every row of a matmul's input itself (a norm
+ * and a quantization of a few rows cost less than the barrier that sharing them needs). */
+#define PRIVATE_ROWS 16
+
 /* A call's temporaries (one malloc). */
 typedef struct {
-    float *normed; /* [M, H] */
-    float *act;    /* [M, I] */
-    float *tmp;    /* [threads][M * 2 TILE]: a thread's tiles before their epilogue */
-    int8_t *xq;    /* int8 activations: [M, Kmax] */
-    float *xd, *xs;
-    qact *views;      /* [M] */
-    uint8_t *xu;      /* [M, Kmax] */
-    const uint8_t **xus; /* [M] */
-    float *attn;         /* [threads][attention_scratch] */
+    input_buf shared; /* rows shared among the team */
+    input_buf *priv;  /* [threads]: each thread's own, when private_inputs */
+    int private_inputs;
+    float *act;       /* [M, I] */
+    float *tmp;       /* [threads][M * 2 TILE]: a thread's tiles before their epilogue */
+    float *attn;      /* [threads][attn_floats] */
     size_t attn_floats;
     int64_t max_len;
     void *block;
 } temps;
 
 static inline int is_int8(int qtype) { return qtype == QT_Q4_1_I8 || qtype == QT_Q8_0_I8; }
+
+#define ALIGN64(n) (((n) + 63) & ~(size_t)63)
+
+static size_t input_bytes(size_t M, size_t H, size_t kmax) {
+    return ALIGN64(M * H * sizeof(float)) + 2 * ALIGN64(M * MAX_PLANES * kmax)
+           + 2 * ALIGN64(M * (kmax / QBLOCK) * sizeof(float)) + ALIGN64(M * sizeof(qact));
+}
+
+static char *input_carve(char *p, size_t M, size_t H, size_t kmax, input_buf *b) {
+#define CARVE(field, type, count)                                                           \
+    b->field = (type *)p;                                                                   \
+    p += ALIGN64((count) * sizeof(type));
+    CARVE(x, float, M * H)
+    CARVE(xq, int8_t, M * MAX_PLANES * kmax)
+    CARVE(xu, uint8_t, M * MAX_PLANES * kmax)
+    CARVE(xd, float, M * (kmax / QBLOCK))
+    CARVE(xs, float, M * (kmax / QBLOCK))
+    CARVE(views, qact, M)
+#undef CARVE
+    return p;
+}
 
 static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, temps *t) {
     const size_t M = (size_t)s->M, H = (size_t)m->hidden, I = (size_t)m->intermediate;
@@ -99,27 +133,24 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     t->max_len = 1;
     for (int i = 0; i < s->n_dec; i++)
         if (s->dec_lens[i] > t->max_len) t->max_len = s->dec_lens[i];
-    t->attn_floats = (attention_scratch(&probe, t->max_len) + 15) & ~(size_t)15;
-    const size_t floats = M * H + M * I + (size_t)nthreads * M * 2 * TILE + 2 * M * (kmax / QBLOCK)
-                          + (size_t)nthreads * t->attn_floats + 64;
-    const size_t bytes = floats * sizeof(float) + 2 * M * kmax + M * (sizeof(qact) + sizeof(void *)) + 256;
-    char *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    t->attn_floats = ALIGN64(attention_scratch(&probe, t->max_len));
+    t->private_inputs = s->M <= PRIVATE_ROWS;
+    const size_t copies = 1 + (t->private_inputs ? (size_t)nthreads : 0);
+    const size_t bytes = copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
+                         + ALIGN64(M * I * sizeof(float)) + (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float))
+                         + (size_t)nthreads * t->attn_floats * sizeof(float);
+    char *p = aligned_alloc(64, ALIGN64(bytes));
     if (!p) return -3;
     t->block = p;
-#define CARVE(field, type, count)                                                           \
-    t->field = (type *)p;                                                                   \
-    p += (((count) * sizeof(type)) + 63) & ~(size_t)63;
-    CARVE(normed, float, M * H)
-    CARVE(act, float, M * I)
-    CARVE(tmp, float, (size_t)nthreads * M * 2 * TILE)
-    CARVE(attn, float, (size_t)nthreads * t->attn_floats)
-    CARVE(xd, float, M * (kmax / QBLOCK))
-    CARVE(xs, float, M * (kmax / QBLOCK))
-    CARVE(xq, int8_t, M * kmax)
-    CARVE(xu, uint8_t, M * kmax)
-    CARVE(views, qact, M)
-    CARVE(xus, const uint8_t *, M)
-#undef CARVE
+    p = input_carve(p, M, H, kmax, &t->shared);
+    t->priv = (input_buf *)p;
+    p += ALIGN64(copies * sizeof(input_buf));
+    for (size_t i = 0; i + 1 < copies; i++) p = input_carve(p, M, H, kmax, &t->priv[i]);
+    t->act = (float *)p;
+    p += ALIGN64(M * I * sizeof(float));
+    t->tmp = (float *)p;
+    p += (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float));
+    t->attn = (float *)p;
     return 0;
 }
 
@@ -182,40 +213,55 @@ static void embed_row(const model_desc *m, int64_t id, float *y) {
 
 /* ---- team pieces ---- */
 
-/* Rows of x [M, K] (stride ldx) quantized for int8 matmuls into t's buffers. */
-static void quantize_team(const float *x, size_t ldx, int M, int K, temps *t) {
-    const int nb = K / QBLOCK, unsigned_x = qi_needs_unsigned();
+/* Row r of a matmul's input into b: normed by w (when w), written in `planes` integer
+ * planes (when planes > 0). */
+static void prepare_row(const float *src, size_t ld, int r, int K, const float *w, float eps, int planes,
+                        input_buf *b) {
+    const float *x = src + (size_t)r * ld;
+    if (w) {
+        rms_norm_row(x, w, K, eps, b->x + (size_t)r * K);
+        x = b->x + (size_t)r * K;
+    }
+    if (!planes) return;
+    b->views[r] = qa_view(b->xq, qi_needs_unsigned() ? b->xu : NULL, b->xd, b->xs, r, K, planes);
+    qa_row(x, K, planes, b->views[r]);
+}
+
+/* A matmul's input: rows of src [M, K] (stride ld), normed by w when w != NULL, in integer
+ * planes when planes > 0. Few rows: every thread prepares them all in its own buffer (no barrier);
+ * many: the rows are shared among the team. */
+typedef struct {
+    const float *x; /* the float rows */
+    size_t ldx;
+    const input_buf *b; /* their quantized form */
+} matmul_input;
+
+static matmul_input prepare(const float *src, size_t ld, int M, int K, const float *w, float eps, int planes,
+                            temps *t) {
+    input_buf *b = t->private_inputs ? &t->priv[omp_get_thread_num()] : &t->shared;
+    if (w || planes) {
+        if (t->private_inputs) {
+            for (int r = 0; r < M; r++) prepare_row(src, ld, r, K, w, eps, planes, b);
+        } else {
 #pragma omp for schedule(static)
-    for (int r = 0; r < M; r++) {
-        const qact v = {t->xq + (size_t)r * K, t->xd + (size_t)r * nb, t->xs + (size_t)r * nb};
-        t->views[r] = v;
-        qa_row(x + (size_t)r * ldx, K, v);
-        if (unsigned_x) {
-            uint8_t *u = t->xu + (size_t)r * K;
-            for (int k = 0; k < K; k++) u[k] = (uint8_t)(v.q[k] ^ 0x80);
-            t->xus[r] = u;
+            for (int r = 0; r < M; r++) prepare_row(src, ld, r, K, w, eps, planes, b);
         }
     }
+    const matmul_input in = {w ? b->x : src, w ? (size_t)K : ld, b};
+    return in;
 }
 
 /* Tiles t0..t1-1 of linear L for M rows into y (the first tile's columns, stride ldy):
- * from x (float32) or from t's quantized rows (int8), then the bias. */
-static void linear_tiles(const qlinear *L, const float *x, size_t ldx, const temps *t, int M, float *y,
-                         size_t ldy, int t0, int t1) {
+ * from the float rows or their quantized form, then the bias. */
+static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float *y, size_t ldy, int t0, int t1) {
     for (int tile = t0; tile < t1; tile++) {
         float *yt = y + (size_t)(tile - t0) * TILE;
-        if (is_int8(L->qtype)) qi_tile(L->w, L->qtype, L->K, t->views, qi_needs_unsigned() ? t->xus : NULL, M, yt, ldy, tile);
-        else qf_tile(L->w, L->qtype, L->K, x, ldx, M, yt, ldy, tile);
+        if (is_int8(L->qtype)) qi_tile(L->w, L->qtype, L->K, in->b->views, L->planes, M, yt, ldy, tile);
+        else qf_tile(L->w, L->qtype, L->K, in->x, in->ldx, M, yt, ldy, tile);
         if (L->bias)
             for (int r = 0; r < M; r++)
                 for (int n = 0; n < TILE; n++) yt[(size_t)r * ldy + n] += L->bias[tile * TILE + n];
     }
-}
-
-static void norm_team(const float *x, const float *w, int M, int H, float eps, float *y, temps *t, int quantize) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < M; r++) rms_norm_row(x + (size_t)r * H, w + 0, H, eps, y + (size_t)r * H);
-    if (quantize) quantize_team(y, (size_t)H, M, H, t);
 }
 
 static void embed_team(const model_desc *m, const step_desc *s) {
@@ -227,12 +273,12 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
     const layer_weights *L = m->layers + l;
     const int M = s->M, H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const size_t ld = (size_t)(Hq + 2 * Hkv) * D;
-    norm_team(s->residual, L->input_norm, M, H, m->eps, t->normed, t, is_int8(L->qkv.qtype));
+    const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, L->qkv.planes, t);
     /* one item per head: q heads 0..Hq-1, k heads, v heads (columns in that order) */
 #pragma omp for schedule(static)
     for (int h = 0; h < Hq + 2 * Hkv; h++) {
         float *y = s->qkv + (size_t)h * D;
-        linear_tiles(&L->qkv, t->normed, (size_t)H, t, M, y, ld, h * D / TILE, (h + 1) * D / TILE);
+        linear_tiles(&L->qkv, &in, M, y, ld, h * D / TILE, (h + 1) * D / TILE);
         const int is_k = h >= Hq && h < Hq + Hkv, is_v = h >= Hq + Hkv;
         for (int r = 0; r < M; r++) {
             float *row = y + (size_t)r * ld;
@@ -259,42 +305,46 @@ static void attention_decode_team(const model_desc *m, int l, const step_desc *s
     attention_team(&a, t->max_len, omp_get_num_threads(), t->attn + (size_t)omp_get_thread_num() * t->attn_floats);
 }
 
+/* r[:, tile] += tmp (M rows of one tile): the residual add, one rounding as torch's. */
+static void add_tile(float *r, size_t H, int tile, const float *tmp, int M) {
+    for (int i = 0; i < M; i++) {
+        float *dst = r + (size_t)i * H + (size_t)tile * TILE;
+        for (int n = 0; n < TILE; n++) dst[n] += tmp[i * TILE + n];
+    }
+}
+
 static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps *t) {
     const layer_weights *L = m->layers + l;
     const int M = s->M, H = m->hidden, I = m->intermediate, Dq = m->num_heads * m->head_dim;
-    float *tmp = t->tmp + (size_t)omp_get_thread_num() * (size_t)M * 2 * TILE;
-    if (is_int8(L->o.qtype)) quantize_team(s->att, (size_t)Dq, M, Dq, t);
+    float *tmp = t->tmp + (size_t)omp_get_thread_num() * ALIGN64((size_t)M * 2 * TILE * sizeof(float)) / sizeof(float);
+    const matmul_input att = prepare(s->att, (size_t)Dq, M, Dq, NULL, 0.0f, L->o.planes, t);
 #pragma omp for schedule(static)
     for (int tile = 0; tile < H / TILE; tile++) {
-        linear_tiles(&L->o, s->att, (size_t)Dq, t, M, tmp, TILE, tile, tile + 1);
-        for (int r = 0; r < M; r++) {
-            float *dst = s->residual + (size_t)r * H + (size_t)tile * TILE;
-            for (int n = 0; n < TILE; n++) dst[n] += tmp[r * TILE + n];
-        }
+        linear_tiles(&L->o, &att, M, tmp, TILE, tile, tile + 1);
+        add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
-    norm_team(s->residual, L->post_norm, M, H, m->eps, t->normed, t, is_int8(L->gate_up.qtype));
+    const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, L->gate_up.planes, t);
     /* gate tile g and up tile g + I/32 together, so that silu(gate) * up needs no barrier */
 #pragma omp for schedule(static)
     for (int g = 0; g < I / TILE; g++) {
-        linear_tiles(&L->gate_up, t->normed, (size_t)H, t, M, tmp, 2 * TILE, g, g + 1);
-        linear_tiles(&L->gate_up, t->normed, (size_t)H, t, M, tmp + TILE, 2 * TILE, g + I / TILE, g + I / TILE + 1);
+        linear_tiles(&L->gate_up, &xn, M, tmp, 2 * TILE, g, g + 1);
+        linear_tiles(&L->gate_up, &xn, M, tmp + TILE, 2 * TILE, g + I / TILE, g + I / TILE + 1);
         for (int r = 0; r < M; r++)
             silu_mul_row(tmp + (size_t)r * 2 * TILE, tmp + (size_t)r * 2 * TILE + TILE, TILE,
                          t->act + (size_t)r * I + (size_t)g * TILE);
     }
-    if (is_int8(L->down.qtype)) quantize_team(t->act, (size_t)I, M, I, t);
+    const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, L->down.planes, t);
 #pragma omp for schedule(static)
     for (int tile = 0; tile < H / TILE; tile++) {
-        linear_tiles(&L->down, t->act, (size_t)I, t, M, tmp, TILE, tile, tile + 1);
-        for (int r = 0; r < M; r++) {
-            float *dst = s->residual + (size_t)r * H + (size_t)tile * TILE;
-            for (int n = 0; n < TILE; n++) dst[n] += tmp[r * TILE + n];
-        }
+        linear_tiles(&L->down, &act, M, tmp, TILE, tile, tile + 1);
+        add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
 }
 
-static void final_team(const model_desc *m, const step_desc *s, temps *t) {
-    norm_team(s->residual, m->final_norm, s->M, m->hidden, m->eps, s->out, t, 0);
+static void final_team(const model_desc *m, const step_desc *s) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < s->M; r++)
+        rms_norm_row(s->residual + (size_t)r * m->hidden, m->final_norm, m->hidden, m->eps, s->out + (size_t)r * m->hidden);
 }
 
 /* ---- entry points: each one parallel region ---- */
@@ -316,7 +366,7 @@ static int run(const model_desc *m, const step_desc *s, int stage, int l) {
         case STAGE_ATTN_IN: attn_in_team(m, l, s, &t); break;
         case STAGE_ATTENTION: attention_decode_team(m, l, s, &t); break;
         case STAGE_ATTN_OUT: attn_out_team(m, l, s, &t); break;
-        case STAGE_FINAL: final_team(m, s, &t); break;
+        case STAGE_FINAL: final_team(m, s); break;
         default: /* STAGE_DECODE: the whole step */
             embed_team(m, s);
             for (int i = 0; i < m->num_layers; i++) {
@@ -324,7 +374,7 @@ static int run(const model_desc *m, const step_desc *s, int stage, int l) {
                 attention_decode_team(m, i, s, &t);
                 attn_out_team(m, i, s, &t);
             }
-            final_team(m, s, &t);
+            final_team(m, s);
         }
     }
     free(t.block);

@@ -1,16 +1,17 @@
-/* y[M, N] = x[M, K] @ W[N, K]^T with integer dot products, as llama.cpp computes it: x is
- * quantized per row and block of 32 to int8 (`qa_rows`: scale dx = max|x| / 127,
- * xq = round(x / dx), and the block's float sum sx), and each block's dot product of int8
- * x with the weights' small integers is exact in int32:
+/* y[M, N] = x[M, K] @ W[N, K]^T with integer dot products. Each row of x is written per block
+ * of 32 as integers m = round(x / dx) in P signed bytes ("planes": m = sum_p digit_p 256^(P-1-p),
+ * digits in -128..127; `qa_row`), dx = max|x| / (127 * 256^(P-1)), and each block's dot product
+ * of those bytes with the weights' small integers is exact in int32:
  *
- *   Q4_1 (w = d q + m, q in 0..15):  y += float(sum xq q) * (d dx), then y += m sx
- *   Q8_0 (w = d q, q in -127..127):  y += float(sum xq q) * (d dx)
+ *   Q4_1 (w = d q + m, q in 0..15):  y += float(sum m q) * (d dx), then y += m sx
+ *   Q8_0 (w = d q, q in -127..127):  y += float(sum m q) * (d dx)
  *
- * (one fma each, over blocks b = 0, 1, ... in order). This is not the float32 product: x
- * loses about 1/254 of its block's largest value per element, so it is a flag, off by
- * default (ops/quantized_linear.py). A row's result depends only on the row: the int8
- * sums are exact, whatever instruction makes them, so every build (AVX-512 VNNI vpdpbusd,
- * AVX-VNNI, AVX2 vpmaddubsw) gives the same bits.
+ * (one fma each, over blocks b = 0, 1, ... in order; sx is the block's float sum of x).
+ * P = 1 is llama.cpp's arithmetic (int8 activations: each x loses up to 1/254 of its block's
+ * largest); P = 3 keeps 23 bits of the block's largest, about float32's precision, at three
+ * times the integer work. A row's result depends only on the row: the sums are exact,
+ * whatever instruction makes them, so every build (AVX-512 VNNI vpdpbusd, AVX-VNNI, AVX2
+ * vpmaddubsw) gives the same bits.
  *
  * Layout (ops/quantized_linear.py `repack_int8`): tiles of 32 outputs, blocks of 32 k, one
  * record per (tile, block), tiles outermost; the quants in chunks of 64 bytes, each holding
@@ -22,7 +23,7 @@
  *       (h 0..1, p 0..7): byte 4n + j = q(16h + n, 4p + j)
  *
  * vpdpbusd takes unsigned x signed bytes: Q4_1's quants are the unsigned side; for Q8_0 the
- * activations go unsigned as xq + 128, and 128 s takes the offset back out.
+ * digits go unsigned as digit + 128, and 128 s takes the offset back out.
  */
 #ifndef LLMWORKER_QUANT_MATMUL_INT8_C
 #define LLMWORKER_QUANT_MATMUL_INT8_C
@@ -36,86 +37,114 @@
 
 enum { QT_Q4_1_I8 = 2, QT_Q8_0_I8 = 3 };
 
-/* One row's activations quantized: xq[K] int8, dx[K / 32] scales, sx[K / 32] block sums. */
+/* One row's activations as integers: planes q[P][K] (most significant first), per block
+ * the scale d and float sum s, and (where the build's Q8_0 kernel needs it) u = q ^ 0x80,
+ * the digits + 128 as unsigned bytes. */
 typedef struct {
     int8_t *q;
     float *d;
     float *s;
+    uint8_t *u; /* NULL where not needed */
 } qact;
 
-/* Quantize row x[K] (K a multiple of 32) into a: AVX2 code in every build, so one rounding. */
-static void qa_row(const float *x, int K, qact a) {
+/* Bytes of one row's planes (q, and u where needed). */
+static inline size_t qa_bytes(int K, int P) { return (size_t)K * (size_t)P; }
+
+static inline __m256i low_digit(__m256i m) { return _mm256_srai_epi32(_mm256_slli_epi32(m, 24), 24); }
+
+/* 32 int32 (four vectors) -> 32 int8 in order, stored at p (values already in range). */
+static inline void store_bytes(int8_t *p, __m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    const __m256i p16 = _mm256_packs_epi32(i0, i1), q16 = _mm256_packs_epi32(i2, i3);
+    const __m256i p8 = _mm256_packs_epi16(p16, q16); /* packs interleave 128-bit lanes */
+    _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* Row x[K] (K a multiple of 32) into a, in P planes: AVX2 code in every build, one rounding. */
+static void qa_row(const float *x, int K, int P, qact a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    const float lim = P == 1 ? 127.0f : P == 2 ? 127.0f * 256.0f : 127.0f * 65536.0f;
     for (int b = 0; b < K / I8_QBLOCK; b++) {
         const float *xb = x + (size_t)b * I8_QBLOCK;
-        const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-        const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                  _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         const float amax = _mm_cvtss_f32(m4);
-        a.d[b] = amax / 127.0f;
-        const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        /* round to nearest even (the default MXCSR mode); |x| id <= 127 up to rounding */
-        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));
-        const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
-        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id));
-        const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
-        /* pack 32 int32 -> 32 int8 in order (packs interleave 128-bit lanes; permute back) */
-        const __m256i p16 = _mm256_packs_epi32(i0, i1), q16 = _mm256_packs_epi32(i2, i3);
-        __m256i p8 = _mm256_packs_epi16(p16, q16);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(a.q + (size_t)b * I8_QBLOCK), p8);
-        a.s[b] = hsum8(_mm256_add_ps(_mm256_add_ps(v0, v2), _mm256_add_ps(v1, v3)));
+        a.d[b] = amax / lim;
+        const __m256 id = _mm256_set1_ps(amax > 0.0f ? lim / amax : 0.0f);
+        /* round to nearest even (the default MXCSR mode); |m| <= lim up to rounding */
+        __m256i m[4];
+        for (int i = 0; i < 4; i++) m[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+        /* balanced base-256 digits, least significant first: digit = m's low byte as signed,
+         * m = (m - digit) / 256 (exact) */
+        for (int p = P - 1; p >= 0; p--) {
+            __m256i dgt[4];
+            for (int i = 0; i < 4; i++) {
+                dgt[i] = p ? low_digit(m[i]) : m[i];
+                m[i] = _mm256_srai_epi32(_mm256_sub_epi32(m[i], dgt[i]), 8);
+            }
+            int8_t *dst = a.q + (size_t)p * K + (size_t)b * I8_QBLOCK;
+            store_bytes(dst, dgt[0], dgt[1], dgt[2], dgt[3]);
+            if (a.u) {
+                const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)dst), _mm256_set1_epi8((char)0x80));
+                _mm256_storeu_si256((__m256i *)(a.u + (size_t)p * K + (size_t)b * I8_QBLOCK), u);
+            }
+        }
+        a.s[b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3])));
     }
 }
 
-/* Rows 0..M-1 of x (stride ldx) into a[r] = (q + r K, d + r K/32, s + r K/32), shared
- * among the team. */
-static void qa_rows(const float *x, size_t ldx, int M, int K, qact a) {
-    const int nb = K / I8_QBLOCK;
-#pragma omp for schedule(static)
-    for (int r = 0; r < M; r++) {
-        qact ar = {a.q + (size_t)r * K, a.d + (size_t)r * nb, a.s + (size_t)r * nb};
-        qa_row(x + (size_t)r * ldx, K, ar);
-    }
-}
-
-static inline int32_t load_i32(const int8_t *p) {
+static inline int32_t load_i32(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
 }
 
 #if defined(__AVX512VNNI__)
-/* ---- AVX-512 VNNI: 16 outputs per zmm, R rows at once sharing each unpacked chunk ---- */
-#define I8_R 4
+/* ---- AVX-512 VNNI: 16 outputs per zmm; rows in groups that share each unpacked chunk
+ * and each broadcast activation group (R rows x P planes x 2 halves accumulators) ---- */
+#define I8_R(P) ((P) == 1 ? 4 : 2)
+#define INLINE static inline __attribute__((always_inline))
 
-static inline __attribute__((always_inline)) void q4_1_i8_rows(const uint8_t *rec0, int nb, const qact *a, int R, float *y, size_t ldy) {
-    __m512 acc[I8_R][2];
+/* The P planes' int32 sums of one (row, 16 outputs) -> float sum m q (see the top). */
+INLINE __m512 combine16(__m512i s0, __m512i s1, __m512i s2, int P) {
+    if (P == 1) return _mm512_cvtepi32_ps(s0);
+    const __m512i lo = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(s0, 8), s1)
+                              : _mm512_add_epi32(_mm512_slli_epi32(s1, 8), s2);
+    if (P == 2) return _mm512_cvtepi32_ps(lo);
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f)), _mm512_cvtepi32_ps(lo));
+}
+
+INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+    __m512 acc[4][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
-        for (int h = 0; h < 2; h++) {
-            __m512i s[I8_R];
-            for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++) {
-                const __m512i v = _mm512_loadu_si512(rec + 128 + (h * 4 + p) * 64);
-                const __m512i lo = _mm512_and_si512(v, low);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *xq = a[r].q + b * I8_QBLOCK + 8 * p;
-                    s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(load_i32(xq)));
-                    s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
+        __m512i s[4][3][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m512i v0 = _mm512_loadu_si512(rec + 128 + c * 64), v1 = _mm512_loadu_si512(rec + 128 + (4 + c) * 64);
+            const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+            const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) {
+                    const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                    const __m512i xl = _mm512_set1_epi32(load_i32(xq)), xh = _mm512_set1_epi32(load_i32(xq + 4));
+                    s[r][p][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][0], lo0, xl), hi0, xh);
+                    s[r][p][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][1], lo1, xl), hi1, xh);
                 }
-            }
+        }
+        for (int h = 0; h < 2; h++) {
             const __m512 d = load_half16(rec + 32 * h), m = load_half16(rec + 64 + 32 * h);
             for (int r = 0; r < R; r++) {
                 const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
-                acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), dd, acc[r][h]);
+                const __m512 tot = combine16(s[r][0][h], s[r][P > 1 ? 1 : 0][h], s[r][P > 2 ? 2 : 0][h], P);
+                acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
                 acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r].s[b]), acc[r][h]);
             }
         }
@@ -126,27 +155,34 @@ static inline __attribute__((always_inline)) void q4_1_i8_rows(const uint8_t *re
     }
 }
 
-/* xu: the rows' xq + 128 (as unsigned bytes), for vpdpbusd's unsigned side. */
-static inline __attribute__((always_inline)) void q8_0_i8_rows(const uint8_t *rec0, int nb, const qact *a, const uint8_t *const *xu, int R,
-                                float *y, size_t ldy) {
-    __m512 acc[I8_R][2];
+/* Q8_0: the digits + 128 (a[r].u) are vpdpbusd's unsigned side; 128 sum q comes back out. */
+INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+    __m512 acc[4][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
+        __m512i s[4][3][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            const __m512i q0 = _mm512_loadu_si512(rec + 128 + c * 64), q1 = _mm512_loadu_si512(rec + 128 + (8 + c) * 64);
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) {
+                    const __m512i xu = _mm512_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                    s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], xu, q0);
+                    s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], xu, q1);
+                }
+        }
         for (int h = 0; h < 2; h++) {
-            __m512i s[I8_R];
-            for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
-            for (int p = 0; p < 8; p++) {
-                const __m512i q = _mm512_loadu_si512(rec + 128 + (h * 8 + p) * 64);
-                for (int r = 0; r < R; r++)
-                    s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(load_i32((const int8_t *)xu[r] + b * I8_QBLOCK + 4 * p)), q);
-            }
             const __m512i off = _mm512_slli_epi32(
                 _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h))), 7);
             const __m512 d = load_half16(rec + 32 * h);
             for (int r = 0; r < R; r++) {
                 const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
-                acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], off)), dd, acc[r][h]);
+                const __m512 tot = combine16(_mm512_sub_epi32(s[r][0][h], off),
+                                             _mm512_sub_epi32(s[r][P > 1 ? 1 : 0][h], off),
+                                             _mm512_sub_epi32(s[r][P > 2 ? 2 : 0][h], off), P);
+                acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
             }
         }
     }
@@ -157,114 +193,92 @@ static inline __attribute__((always_inline)) void q8_0_i8_rows(const uint8_t *re
 }
 #else
 /* ---- AVX2 (with or without AVX-VNNI): 8 outputs per ymm, one row at a time ---- */
-#define I8_R 1
+#define I8_R(P) 1
+#define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVXVNNI__)
-#define DOT_INIT() _mm256_setzero_si256()
 #define DOT_ADD(s, u, x) s = _mm256_dpbusd_avx_epi32(s, u, x)
 #define DOT_DONE(s) (s)
 #else
-/* int16 partial sums: 8 products of at most 15 x 127 per pair stay below 2^15 */
-#define DOT_INIT() _mm256_setzero_si256()
+/* int16 partial sums: 8 pair sums of at most 2 x 15 x 128 stay below 2^15 */
 #define DOT_ADD(s, u, x) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x))
 #define DOT_DONE(s) _mm256_madd_epi16(s, _mm256_set1_epi16(1))
 #endif
 
-static inline __attribute__((always_inline)) void q4_1_i8_rows(const uint8_t *rec0, int nb, const qact *a, int R, float *y, size_t ldy) {
+INLINE __m256 combine8(const __m256i *s, int P) {
+    if (P == 1) return _mm256_cvtepi32_ps(s[0]);
+    const __m256i lo = _mm256_add_epi32(_mm256_slli_epi32(s[P - 2], 8), s[P - 1]); /* the two last */
+    if (P == 2) return _mm256_cvtepi32_ps(lo);
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_set1_ps(65536.0f)), _mm256_cvtepi32_ps(lo));
+}
+
+INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
     (void)R;
     (void)ldy;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
-        const int8_t *xq = a[0].q + b * I8_QBLOCK;
         const __m256 dx = _mm256_set1_ps(a[0].d[b]), sx = _mm256_set1_ps(a[0].s[b]);
         for (int e = 0; e < 4; e++) { /* outputs 8e..8e+7: half h = e / 2, bytes 32 (e % 2) */
-            __m256i s = DOT_INIT();
-            for (int p = 0; p < 4; p++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 4 + p) * 64 + 32 * (e % 2)));
-                DOT_ADD(s, _mm256_and_si256(v, low), _mm256_set1_epi32(load_i32(xq + 8 * p)));
-                DOT_ADD(s, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_set1_epi32(load_i32(xq + 8 * p + 4)));
+            __m256i s[3];
+            for (int p = 0; p < P; p++) s[p] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 4 + c) * 64 + 32 * (e % 2)));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int p = 0; p < P; p++) {
+                    const int8_t *xq = a[0].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                    DOT_ADD(s[p], lo, _mm256_set1_epi32(load_i32(xq)));
+                    DOT_ADD(s[p], hi, _mm256_set1_epi32(load_i32(xq + 4)));
+                }
             }
+            for (int p = 0; p < P; p++) s[p] = DOT_DONE(s[p]);
             const __m256 dd = _mm256_mul_ps(load_half8(rec + 16 * e), dx);
-            acc[e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_DONE(s)), dd, acc[e]);
+            acc[e] = _mm256_fmadd_ps(combine8(s, P), dd, acc[e]);
             acc[e] = _mm256_fmadd_ps(load_half8(rec + 64 + 16 * e), sx, acc[e]);
         }
     }
     for (int e = 0; e < 4; e++) _mm256_storeu_ps(y + 8 * e, acc[e]);
 }
 
-static inline __attribute__((always_inline)) void q8_0_i8_rows(const uint8_t *rec0, int nb, const qact *a, const uint8_t *const *xu, int R,
-                                float *y, size_t ldy) {
+INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
     (void)R;
-    (void)xu;
+    (void)ldy;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
-        const int8_t *xq = a[0].q + b * I8_QBLOCK;
         const __m256 dx = _mm256_set1_ps(a[0].d[b]);
         for (int e = 0; e < 4; e++) {
-            __m256i s = _mm256_setzero_si256();
-            for (int p = 0; p < 8; p++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 8 + p) * 64 + 32 * (e % 2)));
-                const __m256i x4 = _mm256_set1_epi32(load_i32(xq + 4 * p));
+            __m256i s[3];
+            for (int p = 0; p < P; p++) s[p] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 8 + c) * 64 + 32 * (e % 2)));
+                for (int p = 0; p < P; p++) {
 #if defined(__AVXVNNI__)
-                s = _mm256_dpbusd_avx_epi32(s, _mm256_xor_si256(x4, _mm256_set1_epi8((char)0x80)), q);
+                    const __m256i u4 = _mm256_set1_epi32(load_i32(a[0].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                    s[p] = _mm256_dpbusd_avx_epi32(s[p], u4, q);
 #else
-                /* |x| (unsigned) times q with x's sign: products below 2^15 in pairs, as
-                 * long as no q is -128 (repack_int8 refuses those) */
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(x4, x4), _mm256_sign_epi8(q, x4)), _mm256_set1_epi16(1)));
+                    /* |digit| (unsigned) times q with the digit's sign: pair sums below 2^15
+                     * as long as no q is -128 (repack_int8 refuses those) */
+                    const __m256i x4 = _mm256_set1_epi32(load_i32(a[0].q + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                    s[p] = _mm256_add_epi32(s[p], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(x4, x4), _mm256_sign_epi8(q, x4)), _mm256_set1_epi16(1)));
 #endif
+                }
             }
 #if defined(__AVXVNNI__)
-            s = _mm256_sub_epi32(s, _mm256_slli_epi32(
-                _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(rec + 64 + 16 * e))), 7));
+            const __m256i off = _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(rec + 64 + 16 * e))), 7);
+            for (int p = 0; p < P; p++) s[p] = _mm256_sub_epi32(s[p], off);
 #endif
             const __m256 dd = _mm256_mul_ps(load_half8(rec + 16 * e), dx);
-            acc[e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[e]);
+            acc[e] = _mm256_fmadd_ps(combine8(s, P), dd, acc[e]);
         }
     }
     for (int e = 0; e < 4; e++) _mm256_storeu_ps(y + 8 * e, acc[e]);
-    (void)ldy;
 }
 #endif
 
-/* Tile t for rows 0..M-1 into yt[r * ldy + n] from their quantized activations a (and xu:
- * xq + 128 per row, for Q8_0 where the build needs it; NULL otherwise). */
-static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, const uint8_t *const *xu, int M,
-                    float *yt, size_t ldy, int t) {
-    const int nb = K / I8_QBLOCK;
-    const int record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
-    const uint8_t *rec = w + (size_t)t * nb * record;
-    /* I8_R rows at a time, then one at a time (constant counts: the loops over rows unroll) */
-    int r = 0;
-    for (; r + I8_R <= M; r += I8_R) {
-        float *yr = yt + (size_t)r * ldy;
-        if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, a + r, I8_R, yr, ldy);
-        else q8_0_i8_rows(rec, nb, a + r, xu ? xu + r : NULL, I8_R, yr, ldy);
-    }
-    for (; r < M; r++) {
-        float *yr = yt + (size_t)r * ldy;
-        if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, a + r, 1, yr, ldy);
-        else q8_0_i8_rows(rec, nb, a + r, xu ? xu + r : NULL, 1, yr, ldy);
-    }
-}
-
-/* Per-row views of quantized activations laid out as qa_rows writes them. */
-static void qa_views(qact a, int M, int K, qact *rows) {
-    const int nb = K / I8_QBLOCK;
-    for (int r = 0; r < M; r++) rows[r] = (qact){a.q + (size_t)r * K, a.d + (size_t)r * nb, a.s + (size_t)r * nb};
-}
-
-/* xu[r] = xq[r] + 128 for rows 0..M-1 (unsigned bytes), shared among the team. */
-static void qa_unsigned(const int8_t *xq, int M, int K, uint8_t *xu) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < M; r++)
-        for (int k = 0; k < K; k++) xu[(size_t)r * K + k] = (uint8_t)(xq[(size_t)r * K + k] ^ 0x80);
-}
-
-/* Whether this build's Q8_0 kernel reads xq + 128. */
+/* Whether this build's Q8_0 kernel reads the digits + 128 (qact.u). */
 static inline int qi_needs_unsigned(void) {
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
     return 1;
@@ -273,51 +287,76 @@ static inline int qi_needs_unsigned(void) {
 #endif
 }
 
-/* Every tile, shared among the team; `views` are qa_views of the activations. */
-static void qi_tiles(const uint8_t *w, int qtype, int N, int K, const qact *views, const uint8_t *const *xu,
-                     int M, float *y, size_t ldy) {
-#pragma omp for schedule(static)
-    for (int t = 0; t < N / I8_TILE; t++) qi_tile(w, qtype, K, views, xu, M, y + (size_t)t * I8_TILE, ldy, t);
+/* R rows (a constant after inlining: the loops over rows and planes unroll) of one tile. */
+INLINE void qi_rows(const uint8_t *rec, int qtype, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+    if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, K, a, R, P, y, ldy);
+    else q8_0_i8_rows(rec, nb, K, a, R, P, y, ldy);
 }
 
-static int qi_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype) {
-    if (K % I8_QBLOCK || N % I8_TILE || M < 1) return -1;
+/* Tile t for rows 0..M-1 into yt[r * ldy + n] from their activations a in P planes. */
+static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, int M, float *yt, size_t ldy, int t) {
+    const int nb = K / I8_QBLOCK;
+    const int record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
+    const uint8_t *rec = w + (size_t)t * nb * record;
+    /* groups of I8_R(P) rows, then one at a time; every count a constant after inlining */
+#define ROWS(P)                                                                              \
+    {                                                                                        \
+        int r = 0;                                                                           \
+        for (; r + I8_R(P) <= M; r += I8_R(P))                                              \
+            qi_rows(rec, qtype, nb, K, a + r, I8_R(P), P, yt + (size_t)r * ldy, ldy);       \
+        for (; r < M; r++) qi_rows(rec, qtype, nb, K, a + r, 1, P, yt + (size_t)r * ldy, ldy); \
+    }
+    if (P == 1) ROWS(1)
+    else if (P == 2) ROWS(2)
+    else ROWS(3)
+#undef ROWS
+}
+
+/* Row r's view into buffers for M rows: planes q [M][P K], u likewise, d and s [M][K / 32]. */
+static inline qact qa_view(int8_t *q, uint8_t *u, float *d, float *s, int r, int K, int P) {
+    const size_t nb = (size_t)K / I8_QBLOCK;
+    const qact v = {q + (size_t)r * qa_bytes(K, P), d + (size_t)r * nb, s + (size_t)r * nb,
+                    u ? u + (size_t)r * qa_bytes(K, P) : NULL};
+    return v;
+}
+
+static int qi_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype, int P) {
+    if (K % I8_QBLOCK || N % I8_TILE || M < 1 || P < 1 || P > 3) return -1;
     const int nb = K / I8_QBLOCK;
     const int unsigned_x = qtype == QT_Q8_0_I8 && qi_needs_unsigned();
-    int8_t *q = malloc((size_t)M * K);
+    int8_t *q = malloc((size_t)M * qa_bytes(K, P));
+    uint8_t *u = unsigned_x ? malloc((size_t)M * qa_bytes(K, P)) : NULL;
     float *ds = malloc(sizeof(float) * 2 * (size_t)M * nb);
     qact *views = malloc(sizeof(qact) * (size_t)M);
-    uint8_t *xu = unsigned_x ? malloc((size_t)M * K) : NULL;
-    const uint8_t **xus = unsigned_x ? malloc(sizeof(uint8_t *) * (size_t)M) : NULL;
     int rc = 0;
-    if (!q || !ds || !views || (unsigned_x && (!xu || !xus))) {
+    if (!q || !ds || !views || (unsigned_x && !u)) {
         rc = -3;
     } else {
-        const qact a = {q, ds, ds + (size_t)M * nb};
-        qa_views(a, M, K, views);
-        if (unsigned_x)
-            for (int r = 0; r < M; r++) xus[r] = xu + (size_t)r * K;
 #pragma omp parallel num_threads(nthreads)
         {
-            qa_rows(x, (size_t)K, M, K, a);
-            if (unsigned_x) qa_unsigned(q, M, K, xu);
-            qi_tiles(w, qtype, N, K, views, xus, M, y, (size_t)N);
+#pragma omp for schedule(static)
+            for (int r = 0; r < M; r++) {
+                views[r] = qa_view(q, u, ds, ds + (size_t)M * nb, r, K, P);
+                qa_row(x + (size_t)r * K, K, P, views[r]);
+            }
+#pragma omp for schedule(static)
+            for (int t = 0; t < N / I8_TILE; t++) qi_tile(w, qtype, K, views, P, M, y + (size_t)t * I8_TILE, (size_t)N, t);
         }
     }
     free(q);
+    free(u);
     free(ds);
     free(views);
-    free(xu);
-    free(xus);
     return rc;
 }
 
-int q4_1_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
-    return qi_matmul(x, M, K, w, N, y, nthreads, QT_Q4_1_I8);
+/* `planes`: P above (1 = int8 activations, 3 = about float32's precision). */
+int q4_1_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int planes) {
+    return qi_matmul(x, M, K, w, N, y, nthreads, QT_Q4_1_I8, planes);
 }
 
-int q8_0_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
-    return qi_matmul(x, M, K, w, N, y, nthreads, QT_Q8_0_I8);
+int q8_0_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int planes) {
+    return qi_matmul(x, M, K, w, N, y, nthreads, QT_Q8_0_I8, planes);
 }
 
 #endif
