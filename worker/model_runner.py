@@ -53,7 +53,7 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         cpu_packed_linear: bool = False,
         quantized: Mapping[str, QuantizedWeight] | None = None,
-        cpu_int8_activations: bool = False,
+        cpu_activations: str = "auto",
     ) -> None:
         """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
         replay graphs captured here, over contexts up to `max_model_len`. `num_cpu_blocks`
@@ -62,15 +62,15 @@ class ModelRunner:
         (ops/linear.py), in place: a model shared by several runners is packed once.
         `quantized` (CPU, float32, where the kernel compiles) runs the linears it names on
         their GGUF blocks instead (ops/quantized_linear.py), also in place; it goes first;
-        `cpu_int8_activations` multiplies them with int8 activations. A model whose layers
+        `cpu_activations` is the arithmetic they multiply in. A model whose layers
         are all quantized then runs as a few native calls per step (ops/cpu_decoder.py)."""
         cfg = model.config
         if quantized and device.type == "cpu" and dtype == torch.float32 and quantized_linear.available():
-            int8 = cpu_int8_activations
-            quantized_linear.quantize_linears(model, quantized, int8)
+            quantized_linear.quantize_linears(model, quantized, cpu_activations)
             embed = quantized.get("embed_tokens")
             if model.lm_head is None and model.tied_head is None and embed is not None:
-                model.tied_head = quantized_linear.QuantLinear(embed, int8=int8 and quantized_linear.supports_int8(embed))
+                model.tied_head = quantized_linear.QuantLinear(
+                    embed, activations=quantized_linear.activations_for(embed, cpu_activations))
             if embed is not None and embed.qtype == "Q8_0" and isinstance(model.embed_tokens, nn.Embedding):
                 # The lookup reads the head's records (or its own); the float32 table goes.
                 head = model.tied_head
