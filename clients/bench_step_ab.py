@@ -9,8 +9,8 @@ PYTHONPATH: the other checkout (named `before`), then each `--variant` of this o
 and ModelConfig fields, e.g. `int8=cpu_int8_activations=true`). A side loads the model, then
 per batch size submits that many requests of `--context` prompt tokens, takes two warm-up
 steps and times `--steps` decode steps one by one. A table row gives, per side, the median
-over every timed step of every round (and the best round's median), so that a machine
-shared with other work skews it as little as it can.
+over every timed step of every round and the fastest step: on a machine shared with other
+work the fastest step is the one nothing interrupted.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def render_breakdown(report: dict) -> str:
 def render_markdown(report: dict) -> str:
     sides = report["sides"]
     base = sides[0]
-    head = ["decode batch"] + [f"{s} ms/step: median (best round)" for s in sides]
+    head = ["decode batch"] + [f"{s} ms/step: median (fastest step)" for s in sides]
     head += [f"{base} / {s}" for s in sides[1:]]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in report["batch_sizes"]:
@@ -158,8 +158,7 @@ def render_markdown(report: dict) -> str:
         for s in sides:
             rounds = [r[s]["steps_ms"][str(b)] for r in report["rounds"]]
             med[s] = statistics.median(t for r in rounds for t in r)
-            best = min(statistics.median(r) for r in rounds)
-            cells.append(f"{med[s]:.1f} ({best:.1f})")
+            cells.append(f"{med[s]:.1f} ({min(t for r in rounds for t in r):.1f})")
         cells += [f"**{med[base] / med[s]:.2f}x**" for s in sides[1:]]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -192,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     sides: list[tuple[str, Path, dict]] = [("before", Path(args.against).resolve(), {})] if args.against else []
     sides += [(name, here, fields) for name, fields in variants]
     batches = [int(x) for x in args.batch_sizes.split(",")]
-    report = {"info": {**environment(), "args": vars(args)}, "sides": [s[0] for s in sides],
+    recorded = {**vars(args), "against": os.path.relpath(args.against, here) if args.against else None}
+    report = {"info": {**environment(), "args": recorded}, "sides": [s[0] for s in sides],
               "batch_sizes": batches, "kernels": {}, "rounds": []}
     for r in range(args.rounds):
         results = {}

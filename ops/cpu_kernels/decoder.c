@@ -101,7 +101,7 @@ typedef struct {
     void *block;
 } temps;
 
-static inline int is_int8(int qtype) { return qtype == QT_Q4_1_I8 || qtype == QT_Q8_0_I8; }
+static inline int is_integer(int qtype) { return qtype == QT_Q4_1_I8 || qtype == QT_Q8_0_I8; }
 
 #define ALIGN64(n) (((n) + 63) & ~(size_t)63)
 
@@ -256,7 +256,7 @@ static matmul_input prepare(const float *src, size_t ld, int M, int K, const flo
 static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float *y, size_t ldy, int t0, int t1) {
     for (int tile = t0; tile < t1; tile++) {
         float *yt = y + (size_t)(tile - t0) * TILE;
-        if (is_int8(L->qtype)) qi_tile(L->w, L->qtype, L->K, in->b->views, L->planes, M, yt, ldy, tile);
+        if (is_integer(L->qtype)) qi_tile(L->w, L->qtype, L->K, in->b->views, L->planes, M, yt, ldy, tile);
         else qf_tile(L->w, L->qtype, L->K, in->x, in->ldx, M, yt, ldy, tile);
         if (L->bias)
             for (int r = 0; r < M; r++)
