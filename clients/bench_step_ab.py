@@ -35,6 +35,8 @@ from worker.engine import Engine
 from worker.weights import load_model
 
 args = json.loads(sys.argv[1])
+if args["threads"]:
+    torch.set_num_threads(args["threads"])
 loaded = load_model(args["model"])
 out = {"kernels": None, "steps_ms": {}}
 for b in args["batches"]:
@@ -116,7 +118,8 @@ def _parse_variant(text: str) -> tuple[str, dict[str, object]]:
 def _run_side(root: Path, batches: list[int], args: argparse.Namespace, fields: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root)}
     payload = json.dumps({"model": args.model, "batches": batches, "context": args.context,
-                          "steps": args.steps, "fields": fields, "breakdown": args.breakdown})
+                          "steps": args.steps, "fields": fields, "breakdown": args.breakdown,
+                          "threads": args.threads})
     proc = subprocess.run([sys.executable, "-c", _MEASURE, payload], cwd=root, env=env, capture_output=True,
                           text=True, timeout=3600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size and round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the parts of a batch-1 step (forward, head, sampling, the rest) and "
                          "count its torch ops, per side and round")
