@@ -101,6 +101,16 @@ if args["breakdown"]:
         for _ in range(5):
             engine.step()
     out["breakdown"]["torch ops per step"] = sum(e.count for e in prof.key_averages()) / 5
+    # The memory floor: every weight is read once a step.
+    weights = {id(m.packed): m.packed.numel() for m in runner.model.modules() if isinstance(m, QuantLinear)}
+    out["breakdown"]["weight MB per step"] = sum(weights.values()) / 1e6
+    big = torch.ones(128 * 1024 * 1024)  # 512 MB, read by a sum (best of 10)
+    sums = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        big.sum()
+        sums.append(time.perf_counter() - t0)
+    out["breakdown"]["read GB/s"] = big.numel() * 4 / min(sums) / 1e9
 print("RESULT " + json.dumps(out))
 """
 
@@ -134,7 +144,8 @@ def render_breakdown(report: dict) -> str:
     if not sides:
         return ""
     parts = list(dict.fromkeys(k for s in sides for k in report["rounds"][0][s]["breakdown"]
-                               if k not in ("calls per step", "torch ops per step")))
+                               if k not in ("calls per step", "torch ops per step", "weight MB per step",
+                                            "read GB/s")))
     out = ["| part of a batch-1 step | " + " | ".join(f"{s} ms (calls per step)" for s in sides) + " |",
            "|" + "---|" * (len(sides) + 1)]
     for part in parts:
@@ -144,8 +155,9 @@ def render_breakdown(report: dict) -> str:
             calls = report["rounds"][0][s]["breakdown"]["calls per step"].get(part)
             cells.append(f"{statistics.median(values):.2f}" + (f" ({calls:g})" if calls else "") if values else "-")
         out.append(f"| {part} | " + " | ".join(cells) + " |")
-    ops = [statistics.median(r[s]["breakdown"]["torch ops per step"] for r in report["rounds"]) for s in sides]
-    out.append("| torch ops per step | " + " | ".join(f"{n:.0f}" for n in ops) + " |")
+    for key, fmt in (("torch ops per step", "{:.0f}"), ("weight MB per step", "{:.1f}"), ("read GB/s", "{:.1f}")):
+        values = [[r[s]["breakdown"][key] for r in report["rounds"] if key in r[s]["breakdown"]] for s in sides]
+        out.append(f"| {key} | " + " | ".join(fmt.format(statistics.median(v)) if v else "-" for v in values) + " |")
     return "\n".join(out)
 
 
