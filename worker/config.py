@@ -129,6 +129,14 @@ class ModelConfig:
                                      "float32 (needs gcc and AVX2; the same weights, a fraction of "
                                      "the bytes a decode step reads); --no-cpu-quantized-linear "
                                      "dequantizes them at load")
+    cpu_activations: str = opt("auto", "with --cpu-quantized-linear, the arithmetic of the "
+                               "quantized layers: float32 (the weights dequantized exactly), or the "
+                               "activations written per block of 32 as 3, 2 or 1-byte integers and "
+                               "multiplied with exact integer dot products (int24: about float32's "
+                               "precision; int8: llama.cpp's arithmetic, fastest, but greedy tokens "
+                               "can differ from transformers; see BENCHMARKS.md); auto = int24 where "
+                               "the CPU has AVX-512 VNNI, float32 elsewhere",
+                               ("auto", "float32", "int24", "int16", "int8"))
 
     def __post_init__(self) -> None:
         if _dtype(self.dtype) not in DTYPES:  # torch reads half and float too (resolve_dtype)

@@ -117,6 +117,7 @@ class Engine:
             num_cpu_blocks=num_cpu_blocks,
             cpu_packed_linear=config.model.cpu_packed_linear,
             quantized=loaded.quantized if config.model.cpu_quantized_linear else None,
+            cpu_activations=config.model.cpu_activations,
         )
         log.info(self.runner.describe_kernels())
         torch.manual_seed(config.model.seed)
