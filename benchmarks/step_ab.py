@@ -1,7 +1,7 @@
 """Decode step time of this checkout against another (e.g. main's code in a second worktree),
 alternating in one run, so that both see the same machine:
 
-    python -m clients.bench_step_ab --against ../main --batch-sizes 1,64 --rounds 5 \\
+    python -m benchmarks.step_ab --against ../main --batch-sizes 1,64 --rounds 5 \\
         --variant default --variant int8=cpu_int8_activations=true
 
 Each round runs every side once, in a fresh process with that side's code first on
