@@ -16,9 +16,10 @@ own, with its environment and command line):
    torch threads: on a machine with fewer cores than replicas x threads they share them,
    and the ratio says so.
 
-A summary JSON (``gateway-summary.json``) holds the figures and ratios; `llm-worker-bench
-report` renders the runs. Unlike the rest of `clients/`, this imports the reliability
-package's worker-process helper (it starts workers) but never the worker itself.
+A summary JSON (``gateway-summary.json``) holds the figures and ratios, each worker's
+configuration as its GetServerStatus gives it (the flags it ran with), the commit and the
+command; `llm-worker-bench report` renders the runs. It starts workers as processes (the
+reliability package's helper) and speaks to them over the wire only.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from clients.bench.environment import command
+from clients.client import WorkerClient
 from clients.reliability.process import WorkerProcess
 
 
@@ -84,10 +87,18 @@ def smg(workers: list[WorkerProcess], policy: str) -> Iterator[str]:
         proc.wait(30)
 
 
+def worker_config(w: WorkerProcess) -> dict:
+    """The worker's flags and versions, from its own GetServerStatus."""
+    with WorkerClient(w.address, timeout=30) as c:
+        status = c.status()
+    return {"flags": list(w.cmd[w.cmd.index("--port"):]),
+            "config": json.loads(status.config_json), "versions": dict(status.versions)}
+
+
 def bench(out: Path, name: str, *args: str) -> dict:
     cmd = [sys.executable, "-m", "clients.bench.cli", "run", "--name", name,
            "--output-json", str(out), "--no-progress", *args]
-    print("$", " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    print("$", command(["llm-worker-bench", *cmd[4:]]), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
@@ -144,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     load = [*chat, "--num-requests", str(args.num_requests), "--request-rate", "inf",
             "--output-len", args.output_len, "--ignore-eos", "--warmup", "4"]
     res: dict[str, dict] = {}
+    workers: list[dict] = []
     with WorkerProcess(*args.worker_flag) as a:
+        workers.append(worker_config(a))
         res["direct-ttft"] = bench(out / "direct-ttft.json", "direct gRPC, one at a time",
                                    "--target", a.address, *ttft)
         with smg([a], "round_robin") as base:
@@ -153,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             res["smg1"] = bench(out / "smg1.json", "SMG + 1 replica, all at once",
                                 "--backend", "openai", "--base-url", base, *load)
         with WorkerProcess(*args.worker_flag) as b, smg([a, b], "round_robin") as base:
+            workers.append(worker_config(b))
             res["smg2"] = bench(out / "smg2.json", "SMG + 2 replicas, all at once",
                                 "--backend", "openai", "--base-url", base, *load)
     s = {k: _summary(v) for k, v in res.items()}
@@ -166,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                                             - s["direct-ttft"]["ttft_ms"]["median"]),
         "cpus": os.cpu_count(),
         "environment": res["smg2"].get("environment", {}),
-        "command": " ".join(["python", "-m", "clients.bench_gateway", *sys.argv[1:]]),
+        "workers": workers,
+        "command": command(["python", "-m", "clients.bench_gateway", *sys.argv[1:]]),
     }
     (out / "gateway-summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))

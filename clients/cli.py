@@ -21,7 +21,10 @@ included (grpcurl's ``-emit-defaults``), so ``numRunning: 0`` is there to read.
 Global options (before or after the subcommand): ``--target HOST:PORT`` (default
 ``$LLMWORKER_TARGET`` or 127.0.0.1:50051), ``--timeout SECONDS`` (the call's deadline),
 ``--token`` (``$LLMWORKER_TOKEN``; sent as ``authorization: Bearer ...``), ``--tls`` and
-``--root-cert PEM``.
+``--root-cert PEM``, ``--no-retry`` (a refused Generate is otherwise retried by gRPC as the
+client's service config says: RESOURCE_EXHAUSTED or UNAVAILABLE before any output, after
+the worker's ``grpc-retry-pushback-ms``). ``generate`` and ``chat`` take ``--traceparent``
+(default ``$TRACEPARENT``, OpenTelemetry's environment carrier) to join a caller's trace.
 
 Exit status: 0 on success; 1 when the call fails (``error: <CODE>: <details>`` on
 stderr, e.g. ``error: INVALID_ARGUMENT: ...``) or a generation ends with finish reason
@@ -64,6 +67,7 @@ def _client(args: argparse.Namespace) -> WorkerClient:
         root_certificates=args.root_cert,
         token=args.token,
         timeout=args.timeout,
+        retry=not args.no_retry,
     )
 
 
@@ -90,6 +94,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "request_id": args.request_id,
         "cache_salt": args.cache_salt,
         "include_special_tokens": args.include_special_tokens,
+        "traceparent": args.traceparent,
     }
 
 
@@ -234,6 +239,13 @@ def _global_options(parser: argparse.ArgumentParser, *, suppress: bool) -> None:
     g.add_argument(
         "--root-cert", default=d(None), metavar="PEM", help="CA certificate file (implies --tls)"
     )
+    g.add_argument(
+        "--no-retry",
+        action="store_true",
+        default=d(False),
+        help="do not retry a Generate refused before any output (RESOURCE_EXHAUSTED, "
+        "UNAVAILABLE); by default gRPC retries it after the worker's grpc-retry-pushback-ms",
+    )
 
 
 def _generation_options(parser: argparse.ArgumentParser) -> None:
@@ -264,6 +276,12 @@ def _generation_options(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--request-id", default=None)
     s.add_argument("--cache-salt", default=None)
     s.add_argument("--include-special-tokens", action="store_true")
+    parser.add_argument(
+        "--traceparent",
+        default=os.environ.get("TRACEPARENT") or None,
+        metavar="00-TRACEID-SPANID-FLAGS",
+        help="W3C trace context to join (default: $TRACEPARENT)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,13 +20,32 @@ Two clients with the same method names: `WorkerClient` (blocking, ``grpc``) and
 The target defaults to ``$LLMWORKER_TARGET`` or ``127.0.0.1:50051``. Errors are the
 ``grpc.RpcError`` the call failed with (``err.code()``, ``err.details()``); nothing is
 wrapped. Like everything in `clients/` (benchmarks aside), this module imports only the
-generated stubs, grpc and the standard library, never the worker itself.
+generated stubs, grpc and the standard library, never the worker itself (and
+``opentelemetry-api`` when it is installed, to propagate the current trace).
+
+Retries. Both clients' channels carry `RETRY_SERVICE_CONFIG` (``retry=False`` leaves it
+out): gRPC itself retries ``Generate`` on ``RESOURCE_EXHAUSTED`` (the worker's queue is
+full) and ``UNAVAILABLE`` (loading, draining, unreachable) as long as nothing of the
+response has arrived (gRPC commits a call at its first response message or header), with
+exponential backoff, at most 5 attempts, and throttled per channel when most calls fail.
+When the refusal carries gRPC's ``grpc-retry-pushback-ms`` trailer (gRFC A6; the worker
+sends it beside ``retry-after-ms``), the next attempt waits exactly that long instead of
+the backoff, and a negative value stops retrying. Any stock gRPC channel can do the same::
+
+    channel = grpc.insecure_channel(target, options=retry_channel_options())
+
+Tracing. Each call carries the W3C ``traceparent`` (and ``tracestate``, ``baggage``) of the
+OpenTelemetry context current at the call, through the globally configured propagators,
+when ``opentelemetry-api`` is installed and a span is active; or the ``traceparent``
+given to ``generate``/``complete`` explicitly, which wins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +56,8 @@ from llmworker.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = [
     "DEFAULT_TARGET",
+    "GENERATE_RETRY_CODES",
+    "RETRY_SERVICE_CONFIG",
     "AsyncWorkerClient",
     "Completion",
     "CompletionBuilder",
@@ -45,12 +66,100 @@ __all__ = [
     "build_generate_request",
     "default_target",
     "finish_reason_name",
+    "retry_channel_options",
+    "retry_service_config",
+    "trace_context_metadata",
 ]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 Metadata = Sequence[tuple[str, str]]
 MessageLike = Mapping[str, str] | tuple[str, str] | worker_pb2.ChatMessage
+
+
+SERVICE = "llmworker.v1.WorkerService"
+# Both mean "not now, nothing was done": a full waiting queue, or a worker loading, draining
+# or unreachable. Nothing else is retried: the other codes would fail again the same way.
+GENERATE_RETRY_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as a protobuf JSON Duration: ``0.1`` -> ``"0.1s"`` (no exponent form)."""
+    return f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"
+
+
+def retry_service_config(
+    *,
+    max_attempts: int = 5,
+    initial_backoff_s: float = 0.1,
+    max_backoff_s: float = 5.0,
+    backoff_multiplier: float = 2.0,
+    throttle: bool = True,
+) -> dict[str, Any]:
+    """The gRPC service config (as a dict; ``json.dumps`` it for the channel option) that
+    retries ``Generate`` on `GENERATE_RETRY_CODES` before its first response (gRPC retries
+    only uncommitted calls). ``max_attempts`` counts the first one; gRPC caps it at 5. The
+    n-th retry waits a random time up to ``min(initial * multiplier**(n-1), max)`` seconds,
+    or exactly ``grpc-retry-pushback-ms`` when the refusal's trailers carry it.
+    ``throttle``: gRPC's retry throttling (10 tokens, 0.1 back per success): once more than
+    half the recent calls on the channel failed, refusals are returned instead of retried,
+    so that clients do not multiply the load on a saturated worker."""
+    if not 2 <= max_attempts <= 5:
+        raise ValueError(f"max_attempts must be 2..5 (gRPC's limit), got {max_attempts}")
+    if not 0 < initial_backoff_s <= max_backoff_s or backoff_multiplier <= 0:
+        raise ValueError("backoffs must be 0 < initial_backoff_s <= max_backoff_s, "
+                         "with backoff_multiplier > 0")
+    config: dict[str, Any] = {
+        "methodConfig": [{
+            "name": [{"service": SERVICE, "method": "Generate"}],
+            "retryPolicy": {
+                "maxAttempts": max_attempts,
+                "initialBackoff": _duration(initial_backoff_s),
+                "maxBackoff": _duration(max_backoff_s),
+                "backoffMultiplier": backoff_multiplier,
+                "retryableStatusCodes": list(GENERATE_RETRY_CODES),
+            },
+        }],
+    }
+    if throttle:
+        config["retryThrottling"] = {"maxTokens": 10, "tokenRatio": 0.1}
+    return config
+
+
+RETRY_SERVICE_CONFIG: str = json.dumps(retry_service_config())
+
+
+def retry_channel_options(service_config: str = RETRY_SERVICE_CONFIG) -> list[tuple[str, Any]]:
+    """Channel options for any ``grpc``/``grpc.aio`` channel: retries on (gRPC's default
+    too, said explicitly) and the service config (`RETRY_SERVICE_CONFIG` by default).
+    A service config from the name resolver (DNS TXT records) would win over it; pass
+    ``("grpc.service_config_disable_resolution", 1)`` as well to rule that out."""
+    return [("grpc.enable_retries", 1), ("grpc.service_config", service_config)]
+
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+try:  # optional: a client install need not have OpenTelemetry
+    from opentelemetry import propagate as _propagate
+except ImportError:  # pragma: no cover - opentelemetry-api is a worker dependency
+    _propagate = None  # type: ignore[assignment]
+
+
+def trace_context_metadata(traceparent: str | None = None) -> list[tuple[str, str]]:
+    """The trace context to send with a call: ``[("traceparent", traceparent)]`` when given
+    (ValueError unless it is W3C's ``version-traceid-spanid-flags`` in lowercase hex), else
+    what OpenTelemetry's global propagators inject for the current context (nothing when no
+    span is active or opentelemetry-api is not installed)."""
+    if traceparent is not None:
+        if not _TRACEPARENT.match(traceparent):
+            raise ValueError("traceparent must be W3C's 00-<32 hex>-<16 hex>-<2 hex>, got "
+                             f"{traceparent[:80]!r}")
+        return [("traceparent", traceparent)]
+    if _propagate is None:
+        return []
+    carrier: dict[str, str] = {}
+    _propagate.inject(carrier)
+    return [(k.lower(), v) for k, v in carrier.items()]
 
 
 def default_target() -> str:
@@ -260,6 +369,7 @@ class _Base:
         metadata: Metadata | None,
         timeout: float | None,
         options: Sequence[tuple[str, Any]] | None,
+        retry: bool,
     ) -> None:
         self.target = target or default_target()
         self.timeout = timeout
@@ -271,11 +381,16 @@ class _Base:
             else None
         )
         self._options = list(options or ())
+        if retry and not any(k == "grpc.service_config" for k, _ in self._options):
+            self._options += retry_channel_options()
 
     def _call_kwargs(
-        self, timeout: float | None, metadata: Metadata | None = None
+        self, timeout: float | None, metadata: Metadata | None = None,
+        traceparent: str | None = None,
     ) -> dict[str, Any]:
         md = self._metadata + tuple((k.lower(), v) for k, v in metadata or ())
+        given = {k for k, _ in md}
+        md += tuple(kv for kv in trace_context_metadata(traceparent) if kv[0] not in given)
         return {
             "timeout": self.timeout if timeout is None else timeout,
             "metadata": md or None,
@@ -287,6 +402,8 @@ class WorkerClient(_Base):
 
     ``secure=True`` (or ``root_certificates``, PEM bytes or a path) uses TLS; ``token``
     adds ``authorization: Bearer <token>``; ``metadata`` is sent with every call.
+    ``retry`` (default on) puts `RETRY_SERVICE_CONFIG` on the channel, unless ``options``
+    bring a ``grpc.service_config`` of their own.
     """
 
     def __init__(
@@ -299,6 +416,7 @@ class WorkerClient(_Base):
         metadata: Metadata | None = None,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] | None = None,
+        retry: bool = True,
     ) -> None:
         super().__init__(
             target,
@@ -308,6 +426,7 @@ class WorkerClient(_Base):
             metadata=metadata,
             timeout=timeout,
             options=options,
+            retry=retry,
         )
         if self._credentials is not None:
             self.channel = grpc.secure_channel(self.target, self._credentials, self._options)
@@ -344,6 +463,7 @@ class WorkerClient(_Base):
         include_special_tokens: bool = False,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        traceparent: str | None = None,
     ) -> Iterator[worker_pb2.GenerateResponse]:
         """Stream one generation: chunks, then one ``complete``.
 
@@ -352,6 +472,8 @@ class WorkerClient(_Base):
         (ValueError otherwise, raised here, before anything is sent). ``max_tokens``
         None or 0 is the worker's default. The returned iterator is the gRPC call:
         ``.cancel()`` aborts the request; a failed call raises ``grpc.RpcError``.
+        ``traceparent`` (W3C) joins that trace; by default the current OpenTelemetry
+        span's, if any, is sent.
         """
         req = build_generate_request(
             prompt,
@@ -376,7 +498,8 @@ class WorkerClient(_Base):
             cache_salt=cache_salt,
             include_special_tokens=include_special_tokens,
         )
-        return self.generate_request(req, timeout=timeout, metadata=metadata)
+        return self.generate_request(req, timeout=timeout, metadata=metadata,
+                                     traceparent=traceparent)
 
     def generate_request(
         self,
@@ -384,9 +507,10 @@ class WorkerClient(_Base):
         *,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        traceparent: str | None = None,
     ) -> Iterator[worker_pb2.GenerateResponse]:
-        """Stream a ready-made `GenerateRequest`."""
-        return self.stub.Generate(request, **self._call_kwargs(timeout, metadata))
+        """Stream a ready-made `GenerateRequest` (``traceparent``: as in ``generate``)."""
+        return self.stub.Generate(request, **self._call_kwargs(timeout, metadata, traceparent))
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """`generate` with the same arguments, gathered into a `Completion`.
@@ -470,6 +594,7 @@ class AsyncWorkerClient(_Base):
         metadata: Metadata | None = None,
         timeout: float | None = None,
         options: Sequence[tuple[str, Any]] | None = None,
+        retry: bool = True,
     ) -> None:
         super().__init__(
             target,
@@ -479,6 +604,7 @@ class AsyncWorkerClient(_Base):
             metadata=metadata,
             timeout=timeout,
             options=options,
+            retry=retry,
         )
         if self._credentials is not None:
             self.channel = grpc.aio.secure_channel(self.target, self._credentials, self._options)
@@ -515,6 +641,7 @@ class AsyncWorkerClient(_Base):
         include_special_tokens: bool = False,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        traceparent: str | None = None,
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """As `WorkerClient.generate`, as an async iterator: ``async for r in ...``."""
         req = build_generate_request(
@@ -540,7 +667,8 @@ class AsyncWorkerClient(_Base):
             cache_salt=cache_salt,
             include_special_tokens=include_special_tokens,
         )
-        return self.generate_request(req, timeout=timeout, metadata=metadata)
+        return self.generate_request(req, timeout=timeout, metadata=metadata,
+                                     traceparent=traceparent)
 
     def generate_request(
         self,
@@ -548,9 +676,10 @@ class AsyncWorkerClient(_Base):
         *,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        traceparent: str | None = None,
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        """Stream a ready-made `GenerateRequest`."""
-        return self.stub.Generate(request, **self._call_kwargs(timeout, metadata))
+        """Stream a ready-made `GenerateRequest` (``traceparent``: as in ``generate``)."""
+        return self.stub.Generate(request, **self._call_kwargs(timeout, metadata, traceparent))
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """As `WorkerClient.complete`."""

@@ -16,6 +16,18 @@ def num_blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: i
     return max(0, budget_bytes) // (block_size * bytes_per_token)
 
 
+def fit_budget(budget: int, block_size: int, bytes_per_token: int, max_model_len: int) -> "KVBudget":
+    """The blocks `budget` buys; ValueError when they cannot hold one request of
+    `max_model_len` tokens (the engine refuses to start then)."""
+    b = KVBudget.from_budget(budget, block_size, bytes_per_token, max_model_len)
+    if b.num_tokens < max_model_len:
+        raise ValueError(
+            f"the KV cache ({b.num_tokens} tokens) cannot hold one request of --max-model-len "
+            f"{max_model_len}; raise --kv-cache-memory-bytes or lower --max-model-len"
+        )
+    return b
+
+
 @dataclass(frozen=True)
 class KVBudget:
     budget_bytes: int

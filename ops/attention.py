@@ -11,22 +11,30 @@ Layout of one step (three requests: a decode, a prefill chunk, a decode)::
     block_tables[r, p // block_size] at offset p % block_size.
 
 Each query token attends causally to every cached key at a position <= its own.
+
+`paged_attention_ref` is the torch reference (pure torch, no state between calls): decodes
+run as batched SDPA calls over their keys gathered by block table, grouped by context
+length; each prefill chunk runs alone with its causal mask offset by the context before it.
+The grouping, gather tables and masks (an `AttentionPlan`) depend only on the step's
+metadata, which every layer of the step passes: given a `StepPlan` (one per step, held by
+the step's `AttentionMetadata`), the first layer builds the plan and the others reuse it;
+without one, each call builds its own. The C backend (`paged_attention_c`,
+ops/cpu_attention.py) shares the plan and the prefill path.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ops import cpu_attention
-
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[n, max_blocks] tables -> [n, Hkv, num_blocks * block_size, D]."""
     # index_select copies whole blocks; advanced indexing (cache[tables]) copies element
-    # by element on the CPU and cost several times more (clients/bench_cpu_ops.py).
+    # by element on the CPU and cost several times more (benchmarks/cpu_ops.py).
     g = cache.index_select(0, tables[:, :num_blocks].reshape(-1))  # [n * nblk, bs, Hkv, D]
     return g.view(tables.shape[0], num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
@@ -49,62 +57,115 @@ class _DecodeGroup:
 
 
 @dataclass
-class _Plan:
-    """What every layer of one step shares: the grouping, gather tables and masks. Built
-    by the step's first layer, reused by the others: the key is the metadata's content
-    (a few hundred integers), so a plan can never outlive the step it was built for."""
+class DecodeBatch:
+    """Every decode of the step at once, for the C kernel: int64, contiguous."""
 
-    seq_lens: list[int]
-    starts: list[int]
-    block_tables: torch.Tensor  # a copy
-    prefills: list[_Prefill]
-    decodes: list[_DecodeGroup]
-    # Every decode at once, for the CPU kernel: query rows, block tables, lengths (int64).
-    decode_rows: torch.Tensor
-    decode_tables: torch.Tensor
-    decode_lens: torch.Tensor
-
-    def matches(self, lens: list[int], starts: list[int], block_tables: torch.Tensor) -> bool:
-        return (lens == self.seq_lens and starts == self.starts
-                and block_tables.shape == self.block_tables.shape
-                and block_tables.dtype == self.block_tables.dtype
-                and block_tables.device == self.block_tables.device
-                and torch.equal(block_tables, self.block_tables))
+    rows: torch.Tensor  # [n] query rows
+    tables: torch.Tensor  # [n, max_blocks]
+    lens: torch.Tensor  # [n] context lengths
 
 
-_last_plan: _Plan | None = None
+class AttentionPlan:
+    """What the torch and C paths need to know of one step's batch, built from its metadata
+    with one host read of the lengths: each prefill chunk's table and causal mask, and the
+    decodes, grouped by context length (for SDPA) or all at once (for the C kernel; each
+    form built on first use). Keeps the metadata tensors it was built from, to check that
+    later calls pass the same ones."""
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, block_size: int) -> None:
+        self.block_tables, self.seq_lens, self.query_start_loc = block_tables, seq_lens, query_start_loc
+        self.block_size = block_size
+        device = block_tables.device
+        lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+        self.lens = lens
+        self.prefills: list[_Prefill] = []
+        # log2 bucket of context length -> decode request indices: within a bucket, padding
+        # to the longest at most doubles the keys read.
+        self.buckets: dict[int, list[int]] = {}
+        for r, n in enumerate(lens):
+            q_len = starts[r + 1] - starts[r]
+            if q_len == 1:
+                self.buckets.setdefault((n - 1).bit_length(), []).append(r)
+                continue
+            nblk = -(-n // block_size)
+            # query row i sits at position n - q_len + i and sees keys 0..that position
+            q_pos = torch.arange(n - q_len, n, device=device)
+            mask = torch.arange(nblk * block_size, device=device)[None, :] <= q_pos[:, None]
+            self.prefills.append(_Prefill(starts[r], starts[r + 1], block_tables[r : r + 1], nblk, mask))
+
+    def matches(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                query_start_loc: torch.Tensor, block_size: int) -> bool:
+        return (block_tables is self.block_tables and seq_lens is self.seq_lens
+                and query_start_loc is self.query_start_loc and block_size == self.block_size)
+
+    @functools.cached_property
+    def decode_groups(self) -> list[_DecodeGroup]:
+        groups = []
+        for reqs in self.buckets.values():
+            idx = torch.tensor(reqs, device=self.block_tables.device)
+            nblk = -(-max(self.lens[r] for r in reqs) // self.block_size)
+            keys = torch.arange(nblk * self.block_size, device=idx.device)
+            mask = keys[None, :] < self.seq_lens[idx].long()[:, None]
+            groups.append(_DecodeGroup(self.query_start_loc[idx].long(),
+                                       self.block_tables.index_select(0, idx), nblk, mask[:, None, None, :]))
+        return groups
+
+    @functools.cached_property
+    def decodes(self) -> DecodeBatch | None:
+        if not self.buckets:
+            return None
+        all_decodes = sorted(r for reqs in self.buckets.values() for r in reqs)
+        idx = torch.tensor(all_decodes, dtype=torch.long, device=self.block_tables.device)
+        return DecodeBatch(self.query_start_loc.index_select(0, idx).long().contiguous(),
+                           self.block_tables.index_select(0, idx).long().contiguous(),
+                           self.seq_lens.index_select(0, idx).long().contiguous())
 
 
-def _make_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-               lens: list[int], starts: list[int], block_size: int) -> _Plan:
-    device = block_tables.device
-    prefills: list[_Prefill] = []
-    buckets: dict[int, list[int]] = {}  # log2 bucket of context length -> request indices
-    for r, n in enumerate(lens):
-        q_len = starts[r + 1] - starts[r]
-        if q_len == 1:
-            # Grouped by context length so that padding at most doubles the keys read.
-            buckets.setdefault((n - 1).bit_length(), []).append(r)
-            continue
-        nblk = -(-n // block_size)
-        # query row i sits at position n - q_len + i and sees keys 0..that position
-        q_pos = torch.arange(n - q_len, n, device=device)
-        mask = torch.arange(nblk * block_size, device=device)[None, :] <= q_pos[:, None]
-        prefills.append(_Prefill(starts[r], starts[r + 1], block_tables[r : r + 1], nblk, mask))
-    decodes = []
-    all_decodes = sorted(r for reqs in buckets.values() for r in reqs)
-    idx = torch.tensor(all_decodes, dtype=torch.long, device=device)
-    decode_rows = query_start_loc.index_select(0, idx).long().contiguous()
-    decode_tables = block_tables.index_select(0, idx).long().contiguous()
-    decode_lens = seq_lens.index_select(0, idx).long().contiguous()
-    for reqs in buckets.values():
-        idx = torch.tensor(reqs, device=device)
-        nblk = -(-max(lens[r] for r in reqs) // block_size)
-        mask = torch.arange(nblk * block_size, device=device)[None, :] < seq_lens[idx].long()[:, None]
-        decodes.append(_DecodeGroup(query_start_loc[idx].long(), block_tables.index_select(0, idx),
-                                    nblk, mask[:, None, None, :]))
-    return _Plan(lens, starts, block_tables.clone(), prefills, decodes,
-                 decode_rows, decode_tables, decode_lens)
+class StepPlan:
+    """One step's `AttentionPlan`, built by the first layer that runs the torch or C path
+    and reused by the rest. One per step: the runner puts a new one in each step's
+    `AttentionMetadata`, so a plan never outlives its step (later calls must pass the very
+    tensors it was built from: asserted). The Triton kernel never builds one: it reads the
+    metadata on the device (a plan reads lengths on the host, which a CUDA graph cannot)."""
+
+    __slots__ = ("_plan",)
+
+    def __init__(self) -> None:
+        self._plan: AttentionPlan | None = None
+
+    def get(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+            block_size: int) -> AttentionPlan:
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = AttentionPlan(block_tables, seq_lens, query_start_loc, block_size)
+        assert plan.matches(block_tables, seq_lens, query_start_loc, block_size), (
+            "a StepPlan serves one step: every call must pass that step's metadata tensors")
+        return plan
+
+    @property
+    def built(self) -> bool:
+        return self._plan is not None
+
+
+def plan_for(step: StepPlan | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+             query_start_loc: torch.Tensor, block_size: int) -> AttentionPlan:
+    """The step's shared plan, or a plan of this call's own."""
+    if step is None:
+        return AttentionPlan(block_tables, seq_lens, query_start_loc, block_size)
+    return step.get(block_tables, seq_lens, query_start_loc, block_size)
+
+
+def attend_prefills(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """out[chunk] for every prefill chunk of the plan, one SDPA call each."""
+    gqa = q.shape[1] != k_cache.shape[2]
+    for p in plan.prefills:
+        k = _gather(k_cache, p.table, p.num_blocks).to(q.dtype)
+        v = _gather(v_cache, p.table, p.num_blocks).to(q.dtype)
+        chunk = q[p.start : p.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        o = F.scaled_dot_product_attention(chunk, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
+        out[p.start : p.end] = o[0].transpose(0, 1)
 
 
 def paged_attention_ref(
@@ -117,36 +178,19 @@ def paged_attention_ref(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    plan: StepPlan | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
     int32/64; seq_lens: [B]; query_start_loc: [B + 1]. Returns [T, Hq, D].
 
-    The torch reference. Decodes (one query each) run as batched SDPA calls over
-    their keys gathered by block table, grouped by context length (on the CPU in float32,
-    one call of the C kernel instead, reading the cache in place); each prefill chunk
-    runs alone with its causal mask offset by the context before it. Every layer of a
-    step passes the same metadata tensors, so the grouping and masks are built by the
-    first call and reused by the rest.
+    The torch reference. `plan`: the step's shared plan (see the module docstring); None
+    builds one for this call. max_query_len and max_seq_len are not needed here.
     """
-    global _last_plan
-    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
-    plan = _last_plan
-    if plan is None or not plan.matches(lens, starts, block_tables):
-        plan = _make_plan(block_tables, seq_lens, query_start_loc, lens, starts, k_cache.shape[1])
-        _last_plan = plan
+    p = plan_for(plan, block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
+    attend_prefills(p, q, k_cache, v_cache, scale, out)
     gqa = q.shape[1] != k_cache.shape[2]
-    for p in plan.prefills:
-        k = _gather(k_cache, p.table, p.num_blocks).to(q.dtype)
-        v = _gather(v_cache, p.table, p.num_blocks).to(q.dtype)
-        chunk = q[p.start : p.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        o = F.scaled_dot_product_attention(chunk, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
-        out[p.start : p.end] = o[0].transpose(0, 1)
-    if plan.decodes and cpu_attention.usable(q, k_cache):
-        cpu_attention.decode(q, k_cache, v_cache, plan.decode_rows, plan.decode_tables,
-                             plan.decode_lens, scale, out)
-        return out
-    for g in plan.decodes:
+    for g in p.decode_groups:
         k = _gather(k_cache, g.tables, g.num_blocks).to(q.dtype)
         v = _gather(v_cache, g.tables, g.num_blocks).to(q.dtype)
         o = F.scaled_dot_product_attention(q.index_select(0, g.rows)[:, :, None], k, v,

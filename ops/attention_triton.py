@@ -45,10 +45,14 @@ max_query_len = 1 and max_seq_len = max_model_len.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from ops.attention import StepPlan
 
 _LOG2E = 1.4426950408889634
 
@@ -283,6 +287,7 @@ def paged_attention_triton(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    plan: StepPlan | None = None,
     *,
     block_n: int | None = None,
     block_m: int = 64,
@@ -295,7 +300,9 @@ def paged_attention_triton(
     [B + 1] (int32/64). Returns a new contiguous [T, Hq, D] in q's dtype.
 
     max_query_len and max_seq_len must bound the batch (they pick the tile
-    shape and the split count; they are never checked on the device).
+    shape and the split count; they are never checked on the device). `plan`
+    (the torch and C paths' per-step plan) is not used: the kernel reads the
+    metadata on the device.
 
     Tunables (defaults measured on an H100, Llama-3-8B heads, bf16):
     - block_n: keys per inner step, several pages gathered through the table;

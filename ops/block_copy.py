@@ -1,7 +1,8 @@
 """Whole-block copies in the paged KV cache.
 
-- `copy_blocks`: within one cache tensor (copy-on-write of a shared prefix block);
-  one Triton launch per call on CUDA, `copy_blocks_ref` (a loop) elsewhere.
+- `copy_blocks_ref`: within one cache tensor (copy-on-write of a shared prefix block),
+  one block at a time. Its Triton kernel (one launch per call) is `copy_blocks_triton`
+  in ops/block_copy_triton.py; `ops.copy_blocks` picks one by the backend.
 - `swap_blocks`: between two cache tensors, usually GPU <-> pinned host memory
   (preemption by swapping); one gather, one transfer and one scatter per call,
   whatever the number of blocks. `swap_blocks_ref` is the per-block loop.
@@ -16,21 +17,13 @@ the host costs a synchronisation, so prefer ints or CPU tensors).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
-import triton
-import triton.language as tl
 
 BlockIds = Sequence[int] | torch.Tensor
 
-# Same-sized integer views: a block copy is bit-exact whatever the cache dtype
-# (fp8 included), and the interpreter need not know the float type.
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_BLOCK = 2048
 
-
-def _index(ids: BlockIds, device: torch.device) -> torch.Tensor:
+def block_index(ids: BlockIds, device: torch.device) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         return ids.to(device=device, dtype=torch.int64).reshape(-1)
     return torch.tensor(list(ids), dtype=torch.int64, device=device)
@@ -40,7 +33,7 @@ def _as_list(ids: BlockIds) -> list[int]:
     return [int(i) for i in (ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)]
 
 
-def _check_pairs(src_ids: BlockIds, dst_ids: BlockIds) -> int:
+def check_pairs(src_ids: BlockIds, dst_ids: BlockIds) -> int:
     n, m = len(src_ids), len(dst_ids)
     if n != m:
         raise ValueError(f"{n} source blocks but {m} destination blocks")
@@ -52,65 +45,9 @@ def _check_pairs(src_ids: BlockIds, dst_ids: BlockIds) -> int:
 
 def copy_blocks_ref(cache: torch.Tensor, src_ids: BlockIds, dst_ids: BlockIds) -> None:
     """cache[dst_ids[i]] = cache[src_ids[i]], one block at a time, in order."""
-    _check_pairs(src_ids, dst_ids)
+    check_pairs(src_ids, dst_ids)
     for s, d in zip(_as_list(src_ids), _as_list(dst_ids), strict=True):
         cache[d].copy_(cache[s])
-
-
-@triton.jit
-def _copy_blocks_kernel(
-    cache_ptr, src_ptr, dst_ptr, block_stride, block_numel, BLOCK: tl.constexpr
-):
-    pair = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < block_numel
-    # int64: num_blocks * block_stride can pass 2**31 elements in a large cache.
-    src = tl.load(src_ptr + pair).to(tl.int64)
-    dst = tl.load(dst_ptr + pair).to(tl.int64)
-    vals = tl.load(cache_ptr + src * block_stride + offs, mask=mask)
-    tl.store(cache_ptr + dst * block_stride + offs, vals, mask=mask)
-
-
-def copy_blocks_triton(cache: torch.Tensor, src_ids: BlockIds, dst_ids: BlockIds) -> None:
-    """cache[dst_ids[i]] = cache[src_ids[i]] for all i, in one launch.
-
-    Pairs run in parallel, so no destination may also be a source in the same
-    call, nor appear twice (copy-on-write always copies into fresh blocks). Each
-    block (dims 1..3) must be contiguous. Grid (pairs, ceil(block_numel / 2048)).
-    """
-    n = _check_pairs(src_ids, dst_ids)
-    if n == 0:
-        return
-    inner = cache[0]
-    if not inner.is_contiguous():
-        raise ValueError("copy_blocks needs each cache block to be contiguous")
-    flat = cache.view(_INT_OF_SIZE[cache.element_size()])
-    src = _index(src_ids, cache.device)
-    dst = _index(dst_ids, cache.device)
-    numel = inner.numel()
-    block = min(_BLOCK, triton.next_power_of_2(numel))
-    grid = (n, triton.cdiv(numel, block))
-    _copy_blocks_kernel[grid](flat, src, dst, cache.stride(0), numel, BLOCK=block, num_warps=4)
-
-
-def copy_blocks(
-    cache: torch.Tensor,
-    src_ids: BlockIds,
-    dst_ids: BlockIds,
-    *,
-    backend: Literal["auto", "torch", "triton"] = "auto",
-) -> None:
-    """Copy blocks within one cache: the Triton kernel on CUDA ("auto"), else the loop.
-
-    backend="triton" forces the kernel (on the CPU it then needs TRITON_INTERPRET=1),
-    backend="torch" the reference.
-    """
-    if backend == "triton" or (backend == "auto" and cache.is_cuda):
-        copy_blocks_triton(cache, src_ids, dst_ids)
-    elif backend in ("auto", "torch"):
-        copy_blocks_ref(cache, src_ids, dst_ids)
-    else:
-        raise ValueError(f"backend must be auto, torch or triton, not {backend!r}")
 
 
 # ----- between caches (swap) -----
@@ -120,7 +57,7 @@ def swap_blocks_ref(
     src_cache: torch.Tensor, dst_cache: torch.Tensor, src_ids: BlockIds, dst_ids: BlockIds
 ) -> None:
     """dst_cache[dst_ids[i]] = src_cache[src_ids[i]], one blocking copy per block."""
-    _check_pairs(src_ids, dst_ids)
+    check_pairs(src_ids, dst_ids)
     for s, d in zip(_as_list(src_ids), _as_list(dst_ids), strict=True):
         dst_cache[d].copy_(src_cache[s])
 
@@ -147,7 +84,7 @@ def swap_blocks(
     Destinations must be distinct; src and dst caches must agree in dtype and
     block shape.
     """
-    n = _check_pairs(src_ids, dst_ids)
+    n = check_pairs(src_ids, dst_ids)
     if src_cache.dtype != dst_cache.dtype or src_cache.shape[1:] != dst_cache.shape[1:]:
         raise ValueError(
             f"cannot swap {src_cache.dtype}{tuple(src_cache.shape)} into "
@@ -156,8 +93,8 @@ def swap_blocks(
     if n == 0:
         return
     src_dev, dst_dev = src_cache.device, dst_cache.device
-    src_idx = _index(src_ids, src_dev)
-    dst_idx = _index(dst_ids, dst_dev)
+    src_idx = block_index(src_ids, src_dev)
+    dst_idx = block_index(dst_ids, dst_dev)
     if src_dev == dst_dev:
         dst_cache.index_copy_(0, dst_idx, src_cache.index_select(0, src_idx))
         return

@@ -1,9 +1,11 @@
-"""Decode attention on the CPU straight from the paged cache (`cpu_kernels/paged_attention.c`).
+"""Paged attention on the CPU with the C kernel for decodes (`cpu_kernels/paged_attention.c`):
+the C backend's `paged_attention_c`.
 
 The torch reference copies every decode's keys and values into a padded batch, then runs
 SDPA; the kernel reads each cached key and value once, where it lies, for all the query
-heads that share it (step times with and without it: `clients.bench_step`, BENCHMARKS.md). float32 only; `available()` is
-False where the kernel cannot be built, and attention keeps the reference path.
+heads that share it (step times with and without it: `benchmarks.step`, BENCHMARKS.md).
+Prefill chunks run the reference's path. float32 only; `available()` is False where the
+kernel cannot be built, and `paged_attention_c` then runs the reference.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import torch
 
 from ops import cpu_kernels
+from ops.attention import StepPlan, attend_prefills, paged_attention_ref, plan_for
 
 
 @functools.cache
@@ -53,3 +56,30 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
         scale, out.data_ptr(), torch.get_num_threads())
     if rc:
         raise RuntimeError(f"paged decode attention failed ({rc}): bad shapes or lengths")
+
+
+def paged_attention_c(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    plan: StepPlan | None = None,
+) -> torch.Tensor:
+    """`paged_attention_ref`'s contract: prefill chunks as the reference runs them, every
+    decode in one call of the C kernel; the reference itself where the kernel is not
+    `usable` (not float32, not built here)."""
+    if not usable(q, k_cache):
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   max_query_len, max_seq_len, scale, plan)
+    p = plan_for(plan, block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    out = torch.empty_like(q)
+    attend_prefills(p, q, k_cache, v_cache, scale, out)
+    d = p.decodes
+    if d is not None:
+        decode(q, k_cache, v_cache, d.rows, d.tables, d.lens, scale, out)
+    return out

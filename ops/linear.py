@@ -5,7 +5,7 @@ step (on the project's AVX2 machine a 2-row product took about twice as long as 
 one) and whose result for a row depends on how many rows share the call. oneDNN's matmul
 over a weight reordered into its blocked layout was 1.3-3.2x faster from 1 to 64 rows,
 and gives a row the same bits whatever the batch, so batching cannot change a row's
-result at the matmul level. Figures: `python -m clients.bench_cpu_ops`, BENCHMARKS.md.
+result at the matmul level. Figures: `python -m benchmarks.cpu_ops`, BENCHMARKS.md.
 
 The packed weight is an opaque `torch._mkldnn` tensor; the plain one is dropped.
 """

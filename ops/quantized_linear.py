@@ -1,22 +1,32 @@
-"""Linear layers on the CPU over GGUF-quantized weights (Q4_1, Q8_0), computed in float32.
+"""Linear layers on the CPU over GGUF-quantized weights (Q4_1, Q8_0).
 
 A decode step reads every weight once, so on the CPU its floor is the weights' bytes over
 memory bandwidth: 538 MB in float32 for the default model, 96 MB as the GGUF stores it.
-`QuantLinear` keeps the file's blocks (repacked into tiles, `cpu_kernels/quant_matmul.c`)
-and dequantizes them on the fly exactly as gguf-py does (the same float32 weights the
-model would otherwise hold), then multiplies in float32 with one accumulator per output
-taken over K in order: a row's result does not depend on its batch.
+`QuantLinear` keeps the file's blocks, repacked into tiles, and multiplies them with the
+activations in one of these `ACTIVATIONS`:
 
-The kernel is C (AVX2, FMA, F16C; built on first use, `ops/cpu_kernels`); `available()`
-is False where there is no compiler or no AVX2, and the runner then falls back to float32
-weights.
+- "float32" (`cpu_kernels/quant_matmul.c`): the weights dequantized on the fly exactly as
+  gguf-py does (the same float32 weights the model would otherwise hold), multiplied in
+  float32 with one accumulator per output taken over K in order.
+- "int8", "int16", "int24" (`cpu_kernels/quant_matmul_int8.c`): each row of x written per
+  block of 32 as integers of 1, 2 or 3 bytes (relative to the block's largest) and multiplied
+  with exact integer dot products (vpdpbusd, vpmaddubsw), as llama.cpp does with int8: a few
+  times less arithmetic than float32. int8 is llama.cpp's arithmetic and loses about 1/254 of
+  a block's largest value per element; int24 keeps 23 bits of it, about float32's precision.
+
+"auto" is int24 where the CPU has AVX-512 VNNI (there it is faster than float32 at one row
+and at 64), float32 elsewhere (without VNNI the integer kernels take more instructions than
+float32 for many rows). Either way a row's result does not depend on its batch, and the AVX2 and AVX-512 builds of
+a kernel give the same bits. The kernels are C, built on first use for the CPU's ISA
+(`ops/cpu_kernels`); `available()` is False where there is no compiler or no AVX2, and the
+runner then falls back to float32 weights.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +40,9 @@ QBLOCK = 32  # weights per quantization block (both types)
 # Bytes of one GGUF block, and of one repacked (tile, block) record.
 _GGUF_BLOCK = {"Q4_1": 20, "Q8_0": 34}
 _RECORD = {"Q4_1": 640, "Q8_0": 1088}
+_RECORD_INT8 = {"Q4_1": 640, "Q8_0": 1152}
+# Activation arithmetic -> bytes per activation in the integer kernels (0: float32).
+ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2, "int24": 3}
 
 
 
@@ -54,6 +67,18 @@ def _library() -> ctypes.CDLL | None:
         for name in ("q4_1_matmul", "q8_0_matmul"):
             fn = getattr(lib, name)
             fn.argtypes = [p, i32, i32, p, i32, p, i32]
+            fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def _library_int8() -> ctypes.CDLL | None:
+    lib = cpu_kernels.load("quant_matmul_int8")
+    if lib is not None:
+        p, i32 = ctypes.c_void_p, ctypes.c_int
+        for name in ("q4_1_i8_matmul", "q8_0_i8_matmul"):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i32, i32, p, i32, p, i32, i32]
             fn.restype = ctypes.c_int
     return lib
 
@@ -91,18 +116,78 @@ def repack(w: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
 
 
+def _quants(w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Block scales d [T, nb, 32 n] fp16, offsets m (Q4_1) and quants [T, nb, 32 n, 32 k]."""
+    n, k = w.shape
+    nb, size = k // QBLOCK, _GGUF_BLOCK[w.qtype]
+    blocks = np.ascontiguousarray(w.blocks).reshape(n // TILE, TILE, nb, size).transpose(0, 2, 1, 3)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if w.qtype == "Q4_1":
+        qs = blocks[..., 4:20]  # byte j holds k = j (low nibble) and k = j + 16 (high)
+        return d, blocks[..., 2:4].copy().view(np.float16)[..., 0], np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return d, None, blocks[..., 2:34].view(np.int8)
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of `a` in its index order: [..., last] -> [..., last * itemsize] uint8."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def supports_int8(w: QuantizedWeight) -> bool:
+    """Whether `repack_int8` takes `w` (AVX2's sign trick cannot take a Q8_0 quant of -128,
+    which gguf's own quantizer never writes)."""
+    if not supports(w.qtype, w.shape):
+        return False
+    return w.qtype == "Q4_1" or not (_quants(w)[2] == -128).any()
+
+
+def repack_int8(w: QuantizedWeight) -> torch.Tensor:
+    """GGUF blocks -> the int8 kernel's tile records (layout in quant_matmul_int8.c), as
+    uint8: chunks of 16 outputs x 4 consecutive k, one output's 4 quants to a 32-bit lane."""
+    if not supports_int8(w):
+        raise ValueError(f"cannot repack a {w.qtype} weight of shape {w.shape} for integer activations")
+    d, m, q = _quants(w)
+    t, nb = d.shape[:2]
+    if w.qtype == "Q4_1":
+        # k = 8p + 4s + j: s = 0 goes to the low nibble, s = 1 to the high one.
+        q = q.reshape(t, nb, 2, 16, 4, 2, 4).transpose(0, 1, 2, 4, 3, 6, 5)  # [t, nb, h, p, n, j, s]
+        chunks = (q[..., 0] | (q[..., 1] << 4)).astype(np.uint8)
+        parts = [_bytes(d), _bytes(m), chunks]
+    else:
+        sums = q.astype(np.int16).sum(-1, dtype=np.int16)  # |sum| <= 32 * 127 fits
+        q = q.reshape(t, nb, 2, 16, 8, 4).transpose(0, 1, 2, 4, 3, 5)  # [t, nb, h, p, n, j], k = 4p + j
+        parts = [_bytes(d), _bytes(sums), _bytes(q)]
+    out = np.concatenate([np.ascontiguousarray(p).reshape(t, nb, -1) for p in parts], axis=-1)
+    assert out.shape[-1] == _RECORD_INT8[w.qtype], out.shape
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
+
+
 class QuantLinear(nn.Module):
     """`y = x @ W.T + bias` for x: [rows, in_features] float32, W kept quantized."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 activations: str = "float32") -> None:
+        """`activations`: one of ACTIVATIONS (see the top); an integer one needs a weight
+        that satisfies `supports_int8`."""
         super().__init__()
-        lib = _library()
+        self.planes = ACTIVATIONS[activations]
+        lib = _library_int8() if self.planes else _library()
         assert lib is not None, "QuantLinear needs the compiled kernel (see available())"
         self.out_features, self.in_features = weight.shape
         self.qtype = weight.qtype
-        self.packed = repack(weight)
+        self.activations = activations
+        self.packed = repack_int8(weight) if self.planes else repack(weight)
         self.bias = None if bias is None else bias.detach().to(torch.float32).clone()
-        self._fn = lib.q4_1_matmul if weight.qtype == "Q4_1" else lib.q8_0_matmul
+        if self.planes:
+            fn = lib.q4_1_i8_matmul if weight.qtype == "Q4_1" else lib.q8_0_i8_matmul
+            self._fn = functools.partial(_with_planes, fn, self.planes)
+        else:
+            self._fn = lib.q4_1_matmul if weight.qtype == "Q4_1" else lib.q8_0_matmul
+
+    @property
+    def integer_layout(self) -> bool:
+        """Whether `packed` is in the integer kernels' layout (`repack_int8`)."""
+        return self.planes > 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == torch.float32 and x.device.type == "cpu", (x.dtype, x.device)
@@ -119,56 +204,94 @@ class QuantLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.qtype}, "
+                f"{self.activations} activations")
+
+
+def _with_planes(fn: Callable[..., int], planes: int, *args: int) -> int:
+    """An integer kernel's call with the planes argument last."""
+    return fn(*args, planes)
 
 
 class QuantEmbedding(nn.Module):
-    """`nn.Embedding` over a Q8_0 weight's tile records (`repack`), the same records a tied
-    head's `QuantLinear` multiplies with, so a tied model holds its table once. A looked-up
-    row is dequantized as gguf-py does (`d*q`, exact in float32): the float32 table's row bit
-    for bit. Row r lives in tile r // 32, lane r % 32 of every block's record::
+    """`nn.Embedding` over a Q8_0 weight's tile records (`repack` or `repack_int8`), the same
+    records a tied head's `QuantLinear` multiplies with, so a tied model holds its table once.
+    A looked-up row is dequantized as gguf-py does (`d*q`, exact in float32): the float32
+    table's row bit for bit. Row r lives in tile r // 32, lane n = r % 32 of every block's
+    record::
 
-        record (tile t, block b): d[32 lanes] fp16 | q[32 k][32 lanes] int8
-        row r, block b:           d[t, b, r % 32] * q[t, b, :, r % 32]
+        float32 layout:  d[32 lanes] fp16 | q[32 k][32 lanes] int8
+                         row r, block b: d[t, b, n] * q[t, b, :, n]
+        integer layout:  d[32 lanes] fp16 | sums[32] int16 | q[2 h][8 p][16 n'][4 j] int8
+                         row r, block b: d[t, b, n] * q[t, b, n // 16, :, n % 16, :]  (k = 4p + j)
     """
 
-    def __init__(self, weight: QuantizedWeight, packed: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: QuantizedWeight, packed: torch.Tensor | None = None,
+                 integer_layout: bool = False) -> None:
         super().__init__()
         assert weight.qtype == "Q8_0", weight.qtype
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.packed = repack(weight) if packed is None else packed
+        self.integer_layout = integer_layout
+        if packed is None:
+            packed = repack_int8(weight) if integer_layout else repack(weight)
+        self.packed = packed
         records = self.packed.view(self.num_embeddings // TILE, self.embedding_dim // QBLOCK, -1)
         self._d = records[:, :, : 2 * TILE].view(torch.float16)  # [T, nb, 32 lanes]
-        self._q = records[:, :, 2 * TILE :].view(torch.int8).unflatten(-1, (QBLOCK, TILE))
+        if integer_layout:
+            self._q = records[:, :, 4 * TILE :].view(torch.int8).unflatten(-1, (2, 8, 16, 4))
+        else:
+            self._q = records[:, :, 2 * TILE :].view(torch.int8).unflatten(-1, (QBLOCK, TILE))
 
     @classmethod
     def of_head(cls, head: QuantLinear, weight: QuantizedWeight) -> QuantEmbedding:
         """The lookup sharing a tied head's records."""
         assert head.qtype == weight.qtype and (head.out_features, head.in_features) == weight.shape
-        return cls(weight, head.packed)
+        return cls(weight, head.packed, head.integer_layout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         tile, lane = flat // TILE, flat % TILE
-        rows = self._d[tile, :, lane].float().unsqueeze(-1) * self._q[tile, :, :, lane].float()
+        if self.integer_layout:
+            q = self._q[tile, :, lane // 16, :, lane % 16, :].flatten(-2)  # [R, nb, 32 k]
+        else:
+            q = self._q[tile, :, :, lane]
+        rows = self._d[tile, :, lane].float().unsqueeze(-1) * q.float()
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, Q8_0"
 
 
-def quantize_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight]) -> int:
+def quantize_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight],
+                     activations: str = "float32") -> int:
     """Replace every `nn.Linear` of `model` whose name has a weight in `quantized` by a
-    `QuantLinear` of it; returns how many were replaced (0 when already done)."""
+    `QuantLinear` of it (with integer `activations` where the weight allows, else float32);
+    returns how many were replaced (0 when already done)."""
     count = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name in quantized:
             qw = quantized[name]
             assert qw.shape == tuple(module.weight.shape), (name, qw.shape, module.weight.shape)
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, QuantLinear(qw, module.bias))
+            layer = QuantLinear(qw, module.bias, activations_for(qw, activations))
+            setattr(model.get_submodule(parent), child, layer)
             count += 1
     return count
+
+
+def resolve_activations(activations: str) -> str:
+    """One of ACTIVATIONS for a name of them or "auto" (see the top)."""
+    if activations == "auto":
+        return "int24" if cpu_kernels.isa() == "avx512-vnni" else "float32"
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be auto or one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+    return activations
+
+
+def activations_for(weight: QuantizedWeight, activations: str) -> str:
+    """`activations` resolved, or float32 where the integer kernels cannot take `weight`."""
+    activations = resolve_activations(activations)
+    return activations if ACTIVATIONS[activations] == 0 or supports_int8(weight) else "float32"
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:

@@ -2,9 +2,21 @@
 
 Order (as vLLM): penalties -> temperature -> min-p -> top-k -> top-p -> draw.
 A draw is argmax(probs / E) with E ~ Exp(1) (equivalent to a multinomial draw).
-A seeded request draws E from its own generator seeded by (seed, output index),
-so its tokens do not depend on which batch it ran in. Logprobs are of the raw
-model distribution (before penalties and temperature), as OpenAI reports them.
+A seeded request draws E from its own generator seeded by a 64-bit mix of (seed, output
+index) (`seed_key`), so its tokens do not depend on which batch it ran in. Logprobs are of
+the raw model distribution (before penalties and temperature), as OpenAI reports them.
+
+Hostile values. Whatever the logits and SamplingTensors hold, no NaN (and no inf - inf)
+reaches a draw, and the token drawn has a finite logit (a row with none cannot have one; it
+gets its argmax, and -inf logprobs):
+- a non-finite logit (NaN, +inf, -inf) is never drawn: it counts as -inf, logprobs too;
+- penalized logits saturate at +-FLT_MAX instead of overflowing; the penalty values are
+  clamped to finite ranges first (repetition penalty to [FLT_MIN, FLT_MAX], NaN = off);
+- a temperature below SAMPLING_EPS (or NaN) is greedy, as in vLLM; a row whose logits /
+  temperature overflow float32 is greedy over its penalized logits (at such a temperature
+  the draw is the argmax anyway);
+- min_p is clamped to at most 1 and the top token always survives the filters (top_p <= 0
+  and top_p = 1e-45 included).
 """
 
 from __future__ import annotations
@@ -14,6 +26,28 @@ from dataclasses import dataclass
 import torch
 
 _MASK = float("-inf")
+# Temperatures below this are greedy (vLLM's value): 1 / SAMPLING_EPS is a factor no
+# logit range survives in float32 without a scale of its own.
+SAMPLING_EPS = 1e-5
+_FMAX = torch.finfo(torch.float32).max
+_FMIN = torch.finfo(torch.float32).tiny  # the smallest normal float32
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: every input bit flips about half the output bits."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def seed_key(seed: int, step: int) -> int:
+    """The 64-bit key of a seeded row's draw for output index `step`: all 64 bits of the
+    seed (two's complement for a negative one) and of the step count. The CPU generator
+    (mt19937) keeps 32 bits of it, so two (seed, step) pairs share a stream with
+    probability 2**-32 there; CUDA's Philox keeps all 64."""
+    return _mix64(_mix64(seed & _M64) ^ (step & _M64))
 
 
 @dataclass
@@ -41,21 +75,46 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, n]
 
 
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN and +-inf -> -inf: tokens that are never drawn."""
+    inf = float("inf")
+    return logits.nan_to_num(nan=-inf, posinf=-inf, neginf=-inf)
+
+
+def penalty_values(st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(repetition, presence, frequency) [B, 1], clamped so that the penalties' arithmetic
+    can overflow but never give NaN: repetition in [FLT_MIN, FLT_MAX] (NaN: 1), presence
+    and frequency finite (NaN: 0)."""
+    rep = st.repetition_penalty.float().nan_to_num(1.0).clamp(_FMIN, _FMAX)
+    pres = st.presence_penalty.float().nan_to_num(0.0).clamp(-_FMAX, _FMAX)
+    freq = st.frequency_penalty.float().nan_to_num(0.0).clamp(-_FMAX, _FMAX)
+    return rep[:, None], pres[:, None], freq[:, None]
+
+
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Penalized logits: finite where the logit is (saturating at +-FLT_MAX), -inf elsewhere."""
     assert st.output_counts is not None and st.prompt_mask is not None
+    alive = torch.isfinite(logits)
+    all_alive = bool(alive.all())
+    x = logits if all_alive else logits.masked_fill(~alive, 0.0)
+    rep, pres, freq = penalty_values(st)
     seen = st.prompt_mask | (st.output_counts > 0)
-    rep = st.repetition_penalty[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - st.frequency_penalty[:, None] * st.output_counts
-    return logits - st.presence_penalty[:, None] * (st.output_counts > 0).to(logits.dtype)
+    penalized = torch.where(x > 0, x / rep, x * rep).clamp_(-_FMAX, _FMAX)
+    z = torch.where(seen, penalized, x)
+    z = z - freq * st.output_counts
+    z = z - pres * (st.output_counts > 0).to(z.dtype)
+    z = z.nan_to_num_(nan=-_FMAX, posinf=_FMAX, neginf=-_FMAX)  # NaN only from NaN counts
+    return z if all_alive else z.masked_fill_(~alive, _MASK)
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Filtered logits: -inf for the tokens the filters drop. The row's top token always
+    stays (min_p is clamped to <= 1; top_p <= 0 keeps just it)."""
     vocab = logits.shape[-1]
-    if bool((st.min_p > 0).any()):
+    min_p = st.min_p.float().nan_to_num(0.0).clamp(0.0, 1.0)
+    if bool((min_p > 0).any()):
         probs = logits.softmax(-1)
-        limit = st.min_p[:, None] * probs.amax(-1, keepdim=True)
+        limit = min_p[:, None] * probs.amax(-1, keepdim=True)
         logits = logits.masked_fill(probs < limit, _MASK)
     need_k = bool((st.top_k > 0).any())
     need_p = bool((st.top_p < 1).any())
@@ -73,39 +132,54 @@ def _top_k_top_p_min_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tenso
         # can reach 1.0 before the tail, which would drop tail tokens of such rows.
         before = probs.cumsum(-1) - probs
         drop = (before >= st.top_p[:, None]) & (st.top_p < 1)[:, None]
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, _MASK)
     return torch.full_like(logits, _MASK).scatter(-1, order, sorted_logits)
 
 
 def _exponential_noise(shape: tuple[int, int], st: SamplingTensors, device: torch.device) -> torch.Tensor:
+    """E ~ Exp(1), at least FLT_MIN: probs / E is never 0 / 0."""
     noise = torch.empty(shape, device=device).exponential_()
     for row, seed in enumerate(st.seeds):
         if seed is not None:
             gen = torch.Generator(device=device)
-            # A fixed odd multiplier spreads (seed, step) pairs over the seed space.
-            gen.manual_seed((seed * 1_000_003 + st.steps[row]) & 0x7FFF_FFFF_FFFF_FFFF)
+            gen.manual_seed(seed_key(seed, st.steps[row]))
             noise[row].exponential_(generator=gen)
-    return noise
+    return noise.clamp_min_(_FMIN)
+
+
+def _draw(z: torch.Tensor, greedy_ids: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """One token per row from the penalized logits z (finite, or -inf where never drawn)."""
+    temp = st.temperature.float()
+    greedy = ~(temp >= SAMPLING_EPS)  # NaN too
+    t = torch.where(greedy, torch.ones_like(temp), temp.clamp(max=_FMAX))
+    y = z / t[:, None]
+    # A row whose scaled logits overflow (or that has no finite logit) is greedy.
+    overflow = ~torch.isfinite(y.amax(-1))
+    if bool(overflow.any()):
+        greedy = greedy | overflow
+        y = torch.where(greedy[:, None], 0.0, y)  # filled, so that no NaN is computed below
+    probs = _top_k_top_p_min_p(y, st).softmax(-1)
+    drawn = (probs / _exponential_noise(tuple(probs.shape), st, probs.device)).argmax(-1)
+    return torch.where(greedy, greedy_ids, drawn)
 
 
 def sample_ref(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] float32 -> one token per row."""
-    raw = logits
-    if st.prompt_mask is not None:
-        logits = apply_penalties(logits, st)
-    greedy_ids = logits.argmax(-1)
-    if st.all_greedy:
-        token_ids = greedy_ids
-    else:
-        greedy = st.temperature <= 0
-        temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-        scaled = _top_k_top_p_min_p(logits / temp[:, None], st)
-        probs = scaled.softmax(-1)
-        drawn = (probs / _exponential_noise(tuple(probs.shape), st, probs.device)).argmax(-1)
-        token_ids = torch.where(greedy, greedy_ids, drawn)
+    if st.all_greedy and st.prompt_mask is None and st.num_logprobs < 0:
+        # Greedy decode: the raw argmax, unless it landed on a NaN or +inf (argmax ranks NaN
+        # first); spares the copy below, a pass as costly as the argmax itself.
+        ids = logits.argmax(-1)
+        if bool(torch.isfinite(logits.gather(-1, ids[:, None])).all()):
+            return SamplerOutput(ids, None, None, None)
+    z = apply_penalties(logits, st) if st.prompt_mask is not None else finite_logits(logits)
+    greedy_ids = z.argmax(-1)
+    token_ids = greedy_ids if st.all_greedy else _draw(z, greedy_ids, st)
     if st.num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None)
-    lp = raw.log_softmax(-1)
+    clean = finite_logits(logits) if st.prompt_mask is not None else z
+    lp = clean.log_softmax(-1)
+    lp = lp.masked_fill_(lp.isnan(), _MASK)  # a row with no finite logit
     chosen = lp.gather(-1, token_ids[:, None]).squeeze(-1)
     top_lp, top_ids = lp.topk(st.num_logprobs, dim=-1) if st.num_logprobs > 0 else (None, None)
     return SamplerOutput(token_ids, chosen, top_ids, top_lp)

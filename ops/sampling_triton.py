@@ -16,10 +16,16 @@ distribution). Each program walks its row in tiles of BLOCK tokens:
    threshold is then an actual logit of the row and the kept set is exact. Probes halve
    the value range first and the float32 bit pattern later, which bounds the steps.
 3. The draw: argmax over kept tokens of y - log(E), E ~ Exp(1) (the exponential race, so
-   no normalisation is needed). E comes from Philox (tl.randint4x) keyed by a per-row key,
-   with the token index as counter: a row with a request seed uses a key made of
-   (seed, step), so its token does not depend on the batch or on the tile size. Other rows
-   use one key drawn per call from the host's torch generator, plus the row index.
+   no normalisation is needed). E comes from Philox (tl.randint4x) keyed by a per-row
+   64-bit key, with the token index as counter: a row with a request seed uses
+   `seed_key(seed, step)` (all 64 bits of both), so its token does not depend on the batch
+   or on the tile size. Other rows use one key drawn per call from the host's torch
+   generator, plus the row index.
+
+Hostile values are handled as the reference does (see ops/sampling.py): non-finite logits
+are never drawn, penalties saturate at +-FLT_MAX, temperatures below SAMPLING_EPS are
+greedy and so is a row whose y overflows, min_p <= 1, and top_p at least FLT_MIN (so
+its mass target never flushes to zero); the top token always stays.
 
 Host side, nothing waits on the device: the only decisions taken there (all greedy, any
 penalties, logprobs wanted) are host flags already in SamplingTensors; per-row choices
@@ -35,11 +41,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ops.sampling import SamplerOutput, SamplingTensors, sample_ref
+from ops.sampling import (
+    SAMPLING_EPS,
+    SamplerOutput,
+    SamplingTensors,
+    finite_logits,
+    sample_ref,
+    seed_key,
+)
 
-# Same (seed, step) mixing as the reference, so a seeded request's key space is the same.
-_SEED_MIX = 1_000_003
-_KEY_MASK = 0x7FFF_FFFF_FFFF_FFFF
+_FMAX = tl.constexpr(3.4028234663852886e38)
+_FMIN = tl.constexpr(1.1754943508222875e-38)  # the smallest normal float32
 # Search steps: value halving first (fast for ordinary logit ranges), then bit-pattern
 # halving, which needs at most 32 more steps to separate any two float32 values.
 _VALUE_STEPS = 24
@@ -180,7 +192,7 @@ def _sample_kernel(
     token_ptr, chosen_ptr, kept_ptr, V,
     HAS_PENALTIES: tl.constexpr, DO_SAMPLE: tl.constexpr, WANT_LOGPROBS: tl.constexpr,
     WRITE_KEPT: tl.constexpr, BLOCK: tl.constexpr,
-    VALUE_STEPS: tl.constexpr, MAX_STEPS: tl.constexpr,
+    VALUE_STEPS: tl.constexpr, MAX_STEPS: tl.constexpr, EPS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     # Tiles are [BLOCK // 4, 4]: token start + 4 * i + j, so four tokens share a Philox call.
@@ -190,21 +202,27 @@ def _sample_kernel(
     work_row = work_ptr + row * V
 
     temp = tl.load(temp_ptr + row)
-    sampling = temp > 0
+    sampling = temp >= EPS  # NaN: greedy
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
     min_p = tl.load(min_p_ptr + row)
+    min_p = tl.minimum(tl.where(min_p == min_p, min_p, 0.0), 1.0)  # the top token stays
     use_k = (top_k > 0) & (top_k < V)
-    use_p = top_p < 1.0
+    use_p = top_p < 1.0  # NaN: off
+    top_p = tl.maximum(top_p, _FMIN)
     use_min_p = min_p > 0.0
     filtered = sampling & (use_k | use_p | use_min_p)
     plain = sampling & (filtered == 0)  # draws during the first pass
-    safe_temp = tl.where(sampling, temp, 1.0)
+    safe_temp = tl.where(sampling, tl.minimum(temp, _FMAX), 1.0)
     key = tl.load(key_ptr + row)
     if HAS_PENALTIES:
+        # As penalty_values: finite, so that the arithmetic below can overflow but not NaN.
         rep = tl.load(rep_ptr + row)
+        rep = tl.minimum(tl.maximum(tl.where(rep == rep, rep, 1.0), _FMIN), _FMAX)
         pres = tl.load(pres_ptr + row)
+        pres = tl.minimum(tl.maximum(tl.where(pres == pres, pres, 0.0), -_FMAX), _FMAX)
         freq = tl.load(freq_ptr + row)
+        freq = tl.minimum(tl.maximum(tl.where(freq == freq, freq, 0.0), -_FMAX), _FMAX)
 
     # ---- pass 1: penalties, greedy argmax, raw log-sum-exp, y (stored or raced)
     best = tl.full([R, 4], float("-inf"), tl.float32)
@@ -218,6 +236,7 @@ def _sample_kernel(
         idx = start + offs
         in_row = idx < V
         x = tl.load(logits_row + idx, mask=in_row, other=float("-inf")).to(tl.float32)
+        x = tl.where(x < float("inf"), x, float("-inf"))  # NaN and +inf are never drawn
         if WANT_LOGPROBS:
             new_m = tl.maximum(lane_m, x)
             lane_s = lane_s * tl.exp(lane_m - new_m) + tl.exp(x - new_m)
@@ -228,12 +247,16 @@ def _sample_kernel(
             seen = tl.load(prompt_ptr + base, mask=in_row, other=0) != 0
             cnt = tl.load(counts_ptr + base, mask=in_row, other=0.0)
             occurred = cnt > 0
+            alive = x > float("-inf")
+            x0 = tl.where(alive, x, 0.0)
             # Same operations, in the same order, as apply_penalties (IEEE division too).
-            pen = tl.where(z > 0, tl.math.div_rn(z, rep), z * rep)
-            z = tl.where(seen | occurred, pen, z)
+            pen = tl.where(x0 > 0, tl.math.div_rn(x0, rep), x0 * rep)
+            pen = tl.minimum(tl.maximum(pen, -_FMAX), _FMAX)
+            z = tl.where(seen | occurred, pen, x0)
             z = z - freq * cnt
             z = z - pres * occurred.to(tl.float32)
-            z = tl.where(in_row, z, float("-inf"))
+            z = tl.minimum(tl.maximum(tl.where(z == z, z, -_FMAX), -_FMAX), _FMAX)
+            z = tl.where(in_row & alive, z, float("-inf"))
         upd = z > best  # strict: torch's argmax returns the first maximal index
         best = tl.where(upd, z, best)
         best_i = tl.where(upd, idx, best_i)
@@ -252,11 +275,14 @@ def _sample_kernel(
     # measures the row's minimum, so pass 1 need not.)
     thr = tl.full([], float("-inf"), tl.float32)
     if DO_SAMPLE:
-        if plain:
+        # y's maximum, exactly (division by t > 0 keeps the order). Not finite: y overflowed
+        # (or no logit is finite), and the row stays greedy.
+        ymax = tl.math.div_rn(zmax, safe_temp)
+        finite = tl.abs(ymax) < float("inf")
+        if plain & finite:
             drawn, top = _argmax_2d(race, race_i, V)
             token = tl.where(top > float("-inf"), drawn, token)
-        if filtered:
-            ymax = tl.math.div_rn(zmax, safe_temp)
+        if filtered & finite:
             if use_min_p:
                 # probs < min_p * max(probs)  <=>  y < ymax + log(min_p)
                 thr = tl.maximum(thr, ymax + tl.log(min_p))
@@ -273,7 +299,9 @@ def _sample_kernel(
     if WANT_LOGPROBS:
         big = tl.max(tl.max(lane_m, axis=1), axis=0)
         lse = big + tl.log(tl.sum(tl.sum(lane_s * tl.exp(lane_m - big), axis=1), axis=0))
-        chosen = tl.load(logits_row + token).to(tl.float32) - lse
+        x_tok = tl.load(logits_row + token).to(tl.float32)
+        chosen = tl.where(x_tok < float("inf"), x_tok, float("-inf")) - lse
+        chosen = tl.where(chosen == chosen, chosen, float("-inf"))  # a row with no finite logit
         tl.store(chosen_ptr + row * 2, chosen)
         tl.store(chosen_ptr + row * 2 + 1, lse)
 
@@ -283,22 +311,22 @@ def _sample_kernel(
             in_row = idx < V
             keep = idx == token
             if DO_SAMPLE:
-                if plain:
+                if plain & finite:
                     keep = in_row
-                if filtered:
+                if filtered & finite:
                     y = tl.load(work_row + idx, mask=in_row, other=float("-inf"))
                     keep = in_row & (y >= thr)
             tl.store(kept_ptr + row * V + idx, keep.to(tl.int8), mask=in_row)
 
 
 def _row_keys(st: SamplingTensors, device: torch.device) -> torch.Tensor:
-    """Philox key per row: (seed, step) for seeded rows, else one host draw per call + row."""
+    """Philox key per row (64 bits, as int64): seed_key(seed, step) for seeded rows, else one
+    host draw per call + the row index."""
     base = int(torch.randint(0, 1 << 62, (1,)))  # host generator: no device work, no sync
-    keys = [
-        (seed * _SEED_MIX + step) & _KEY_MASK if seed is not None else (base + i) & _KEY_MASK
-        for i, (seed, step) in enumerate(zip(st.seeds, st.steps, strict=True))
-    ]
-    return torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True)
+    keys = [seed_key(seed, step) if seed is not None else base + i
+            for i, (seed, step) in enumerate(zip(st.seeds, st.steps, strict=True))]
+    signed = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]  # the same 64 bits
+    return torch.tensor(signed, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _config(vocab: int) -> tuple[int, int]:
@@ -344,7 +372,7 @@ def _launch(
         _row_keys(st, dev) if do_sample else tokens, tokens, chosen, kept, vocab,
         HAS_PENALTIES=has_pen, DO_SAMPLE=do_sample, WANT_LOGPROBS=want_lp,
         WRITE_KEPT=debug, BLOCK=block, VALUE_STEPS=_VALUE_STEPS, MAX_STEPS=_MAX_STEPS,
-        num_warps=num_warps,
+        EPS=SAMPLING_EPS, num_warps=num_warps,
         # No mul+add contraction: the penalties must round exactly as apply_penalties does.
         enable_fp_fusion=False,
     )
@@ -357,15 +385,16 @@ def sample_triton(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         return sample_ref(logits, st)  # nothing to launch; the reference handles empty shapes
     if st.all_greedy and st.prompt_mask is None and st.num_logprobs < 0:
         # Plain argmax: torch spreads a row over many blocks, faster than one program per row.
-        return SamplerOutput(logits.argmax(-1), None, None, None)
+        return SamplerOutput(finite_logits(logits).argmax(-1), None, None, None)
     tokens, chosen, _, _ = _launch(logits, st)
     if chosen is None:
         return SamplerOutput(tokens, None, None, None)
     top_ids = top_lp = None
     if st.num_logprobs > 0:
         # log_softmax is monotone: the top raw logits are the top logprobs.
-        values, top_ids = logits.topk(st.num_logprobs, dim=-1)
+        values, top_ids = finite_logits(logits).topk(st.num_logprobs, dim=-1)
         top_lp = values.float() - chosen[:, 1:2]
+        top_lp = top_lp.masked_fill_(top_lp.isnan(), float("-inf"))  # a row with no finite logit
     return SamplerOutput(tokens, chosen[:, 0].contiguous(), top_ids, top_lp)
 
 

@@ -4,7 +4,10 @@ One rule for everything: each request's `num_computed_tokens` catches up with it
 `num_tokens` (prompt + output). A fresh prompt is far behind, a decode is one token behind,
 a preempted request is all the way behind again. Running requests are served first, then
 waiting ones, all under `max_num_batched_tokens` and `max_num_seqs`; a prompt longer than
-the budget left is chunked, so prefill chunks and decodes share one batch.
+the budget left is chunked, so prefill chunks and decodes share one batch. Without chunked
+prefill (`chunked_prefill=False`, vLLM's ``--no-enable-chunked-prefill``) a prompt is
+prefilled in one step: it waits for a step with room for all of it, and the budget is at
+least `max_model_len` so that every prompt fits one.
 
     step:  running (in order)                 waiting (front first)
            [A: 1 decode][B: 1][C: 40 chunk] | [D: first chunk of its prompt] ... budget
@@ -97,6 +100,7 @@ class Scheduler:
         policy: str = "continuous",
         aging_s: float | None = 30.0,
         preemption_mode: str = "auto",
+        chunked_prefill: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -111,7 +115,10 @@ class Scheduler:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
         self.kv = kv
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        # Unchunked, a prompt of max_model_len - 1 tokens must fit one step (vLLM's rule).
+        self.chunked_prefill = chunked_prefill
+        self.max_num_batched_tokens = (max_num_batched_tokens if chunked_prefill
+                                       else max(max_num_batched_tokens, max_model_len))
         self.max_model_len = max_model_len
         self.policy = policy
         self.aging_s = aging_s
@@ -235,6 +242,9 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, f"{req.request_id}: nothing to compute (no update_from_output?)"
+            if not self.chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
+                i += 1  # unchunked (a static batch's member not yet started): a later step
+                continue
             victim = None
             while victim is not req and not self.kv.allocate_slots(
                 req.request_id, req.num_computed_tokens + num_new
@@ -319,6 +329,8 @@ class Scheduler:
                 hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
             start = req.num_computed_tokens if hit is None else hit.num_tokens
             num_new = min(req.num_tokens - start, budget)
+            if not self.chunked_prefill and 0 < num_new < req.num_tokens - start:
+                break  # unchunked: it waits for a step with room for its whole prompt
             # Static moves the whole batch in at once; members past the budget wait as
             # running, without blocks (a swapped one cannot: it waits for the next batch).
             if num_new == 0 and (swapped or not static):

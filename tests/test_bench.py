@@ -143,7 +143,7 @@ def test_random_dataset_lengths_and_determinism() -> None:
 def test_chat_and_mixed_datasets() -> None:
     lt = parse_lengths("longtail")
     chats = ds.chat_dataset(64, lt, seed=0)
-    assert [r.output_len for r in chats] == output_lengths(64, 0)  # bench_offline's workload
+    assert [r.output_len for r in chats] == output_lengths(64, 0)  # benchmarks.offline's workload
     assert all(r.messages and r.messages[0]["role"] == "user" for r in chats)
     assert len({r.messages[0]["content"] for r in chats if r.messages}) > 32
     mixed = ds.mixed_dataset(40, lt, 0, long_fraction=0.25, long_input_len=2000,
@@ -155,20 +155,6 @@ def test_chat_and_mixed_datasets() -> None:
                              long_output_len=16, vocab_size=49152)
     assert [r.index for r in longs] == [r.index for r in again if r.kind == "long"]
     assert ds.describe(mixed)["kinds"] == {"chat": 30, "long": 10}
-
-
-def test_client_side_text_for_servers_that_take_none_of_ids_or_messages() -> None:
-    from clients.bench.tokenizer import as_text, ids_as_text, load_tokenizer, prompt_ids
-
-    tok = load_tokenizer()
-    [rnd] = ds.random_dataset(1, parse_lengths("300"), parse_lengths("4"), 49152, seed=0)
-    t = ids_as_text(rnd, tok)
-    assert t.token_ids is None and t.text and 250 <= len(tok.encode(t.text)) <= 300
-    [chat] = ds.chat_dataset(1, parse_lengths("4"), seed=0)
-    rendered = as_text(chat, tok)
-    assert rendered.text and chat.messages and chat.messages[0]["content"] in rendered.text
-    # The peer's ids for a chat are what the worker computes: template, then encode.
-    assert prompt_ids(chat, tok) == tok.encode(rendered.text)
 
 
 # ----- arrivals ----------------------------------------------------------------------------
@@ -391,6 +377,13 @@ def test_sweep_against_a_real_worker(worker: Worker, tmp_path: Path) -> None:
     for key in ("date", "machine", "cpu", "torch", "git_commit", "command"):
         assert env[key], key
     assert result["server"]["model"] and result["server"]["vocab_size"] > 1000
+    # The worker's flags beside the figures, as its GetServerStatus gives them.
+    assert result["server"]["config"]["scheduler"]["max_num_seqs"] == 8  # --max-num-seqs 8
+    assert result["server"]["versions"]["torch"]
+    # Commands and paths relative to the repo root (a tmp path is named by its file alone).
+    assert env["command"].startswith("llm-worker-bench run --target ")
+    assert env["command"].endswith("--output-json sweep.json --no-progress --seed 3")
+    assert result["config"]["output_json"] == "sweep.json" and result["plot"] == "sweep.png"
     assert [r["request_rate"] for r in result["runs"]] == [20.0, "inf"]
     want = [r.output_len for r in ds.random_dataset(
         6, parse_lengths("uniform:8:24"), parse_lengths("uniform:3:6"),
@@ -411,7 +404,7 @@ def test_sweep_against_a_real_worker(worker: Worker, tmp_path: Path) -> None:
             assert sum(r["chunk_tokens"]) == r["output_tokens"]
     assert result["runs"][1]["summary"]["max_in_flight"] == 6  # burst: all at once
     assert result["knee"]["request_rate"] in (20.0, "inf")
-    png = Path(result["plot"])
+    png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
@@ -423,6 +416,56 @@ def test_sweep_against_a_real_worker(worker: Worker, tmp_path: Path) -> None:
     assert env["git_commit"][:12] in text and env["command"] in text
     tput = result["runs"][0]["summary"]["output_throughput"]
     assert f"{tput:,.1f}" in text and "Knee" in text
+
+
+def test_client_side_text_with_the_workers_tokenizer_over_the_wire(
+    worker: Worker, tmp_path: Path
+) -> None:
+    """The tokenizer comes over the vLLM protocol's GetTokenizer (or from a path), never from
+    worker/; what it renders and encodes equals the worker's own tokenizer (the reference)."""
+    from clients.bench.tokenizer import (
+        as_text,
+        fetch_tokenizer_zip,
+        ids_as_text,
+        load_tokenizer,
+        pad_id,
+        prompt_ids,
+    )
+    from worker.tokenizer import Tokenizer
+    from worker.weights import default_model_path
+
+    ref = Tokenizer.from_gguf(default_model_path())
+    tok = load_tokenizer(None, target=worker.address)
+    [rnd] = ds.random_dataset(1, parse_lengths("300"), parse_lengths("4"), 49152, seed=0)
+    t = ids_as_text(rnd, tok)
+    assert t.token_ids is None and t.text and 250 <= len(ref.encode(t.text)) <= 300
+    chats = ds.chat_dataset(8, parse_lengths("4"), seed=0)
+    for chat in chats:
+        assert chat.messages
+        rendered = as_text(chat, tok)
+        assert rendered.text == ref.apply_chat_template(chat.messages, add_generation_prompt=True)
+        # The peer's ids for a chat are what the worker computes: template, then encode.
+        assert prompt_ids(chat, tok) == ref.encode(rendered.text)
+    text = ds.BenchRequest(0, 4, "chat", text="Plain text, 12 + 30 = 42.")
+    assert prompt_ids(text, tok) == ref.encode(text.text, True)
+    assert pad_id(tok) == (ref.pad_token_id if ref.pad_token_id is not None
+                           else ref.eos_token_ids[0])
+
+    # The same files from a path: the zip as fetched, and a bare tokenizer.json (no template).
+    zipped = tmp_path / "tokenizer.zip"
+    zipped.write_bytes(fetch_tokenizer_zip(worker.address))
+    from_zip = load_tokenizer(str(zipped), target="unused:1")
+    assert prompt_ids(chats[0], from_zip) == prompt_ids(chats[0], tok)
+    import zipfile
+
+    with zipfile.ZipFile(zipped) as zf:
+        zf.extract("tokenizer.json", tmp_path)
+    bare = load_tokenizer(str(tmp_path / "tokenizer.json"), target="unused:1")
+    assert bare.encode(text.text, add_special_tokens=False) == ref.encode(text.text)
+    with pytest.raises(ValueError, match="chat template"):
+        as_text(chats[0], bare)
+    with pytest.raises(ValueError, match="--tokenizer"):
+        load_tokenizer(str(tmp_path / "nothing.bin"), target="unused:1")
 
 
 def test_chat_run_with_fixed_concurrency(worker: Worker, tmp_path: Path) -> None:
@@ -456,18 +499,17 @@ class FakeHF:
         return torch.cat([ids, new], dim=1)
 
 
-def test_peer_runs_static_batches_and_reports_the_ratio(monkeypatch) -> None:
-    from clients.bench import peer_transformers
-    from clients.bench.peer import run_peer
+def test_peer_runs_static_batches(monkeypatch) -> None:
+    from benchmarks import peer
 
     fake = FakeHF()
     asked = []
-    monkeypatch.setattr(peer_transformers, "load_hf_model", lambda model: asked.append(model) or fake)
+    monkeypatch.setattr(peer, "load_hf_model", lambda model: asked.append(model) or fake)
     reqs = ds.random_dataset(5, parse_lengths("uniform:3:9"), parse_lengths("uniform:2:7"),
                              5000, seed=1)
     lens = [r.output_len for r in reqs]
-    p = run_peer("transformers", reqs, batch_size=2, threads=1, tokenizer_path=None,
-                 ours_output_throughput=100.0, model="dummy:smollm2-135m")
+    p = peer.peer_figures([list(r.token_ids or []) for r in reqs], lens, batch_size=2,
+                          threads=1, model="dummy:smollm2-135m", pad_id=0)
     assert asked == ["dummy:smollm2-135m"] and p["model"] == "dummy:smollm2-135m"
     assert p["device"] == "cpu" and "float32" in p["system"]
     # A warm-up batch, then [0, 1], [2, 3], [4]: each runs to its longest member.
@@ -477,7 +519,25 @@ def test_peer_runs_static_batches_and_reports_the_ratio(monkeypatch) -> None:
     ]
     assert p["requests"] == 5 and p["output_tokens"] == sum(lens)  # only its own length counts
     assert p["steps"] == sum(max(lens[i : i + 2]) for i in (0, 2, 4))
+
+
+def test_peer_runs_as_a_child_process_and_reports_the_ratio() -> None:
+    """`llm-worker-bench --peer`: the client hands the prompt ids to `python -m
+    benchmarks.peer` and reads its figures back (it imports nothing of the engine)."""
+    from clients.bench.peer import run_peer
+
+    reqs = ds.random_dataset(3, parse_lengths("uniform:3:6"), parse_lengths("uniform:2:3"),
+                             5000, seed=2)
+    p = run_peer("transformers", reqs, batch_size=2, threads=1, tokenizer=None,
+                 ours_output_throughput=100.0, model="dummy:smollm2-135m")
+    lens = [r.output_len for r in reqs]
+    assert p["model"] == "dummy:smollm2-135m" and p["batch_size"] == 2 and p["threads"] == 1
+    assert p["requests"] == 3 and p["output_tokens"] == sum(lens)
+    assert p["steps"] == max(lens[:2]) + lens[2]
     assert p["ratio"] == pytest.approx(100.0 / p["output_throughput"])
+    with pytest.raises(ValueError, match="tokenizer"):  # chats need the model's tokenizer
+        run_peer("transformers", ds.chat_dataset(1, parse_lengths("2"), 0), batch_size=1,
+                 threads=1, tokenizer=None, ours_output_throughput=1.0)
 
 
 def test_peer_builds_a_dummy_model_of_the_workers_shape() -> None:
@@ -485,7 +545,7 @@ def test_peer_builds_a_dummy_model_of_the_workers_shape() -> None:
     CPU here in float32; bfloat16 on CUDA), generating exactly the asked-for tokens."""
     import torch
 
-    from clients.bench.peer_transformers import hf_generate_batch, load_hf_model
+    from benchmarks.peer_transformers import hf_generate_batch, load_hf_model
     from worker.weights.dummy import dummy_config
 
     hf = load_hf_model("dummy:smollm2-135m")

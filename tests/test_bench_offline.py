@@ -1,37 +1,59 @@
-"""Smoke test of the offline benchmark: a tiny workload through all three systems."""
+"""Smoke tests of the in-process benchmarks (benchmarks/): a tiny workload through every
+system, and the record each writes (figures beside the engine's config, the commit and a
+command relative to the repo root)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from clients import bench_offline
+from benchmarks import offline
 from ops.linear import can_pack
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def as_if_run(monkeypatch, module: str, argv: list[str]) -> list[str]:
+    """sys.argv as `python -m module ARGV` makes it (argv[0] the module's absolute path)."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / (module.replace(".", "/") + ".py")), *argv])
+    return argv
+
+
+def assert_recorded_where_and_how(env: dict, command: str, record: dict) -> None:
+    """The commit and the command as one runs it from the repo root; no absolute path in
+    the whole record (the test's tmp_path outputs are named by their file name alone)."""
+    assert re.fullmatch(r"[0-9a-f]{40}", env["git_commit"] or ""), env.get("git_commit")
+    assert env["command"] == command
+    for text in re.findall(r'"([^"]*)"', json.dumps(record)):
+        assert not os.path.isabs(text), f"an absolute path in the record: {text[:200]!r}"
 
 
 def test_output_lengths_are_long_tailed_and_seeded() -> None:
-    lens = bench_offline.output_lengths(64, seed=0)
-    assert lens == bench_offline.output_lengths(64, seed=0)
-    assert lens != bench_offline.output_lengths(64, seed=1)
+    lens = offline.output_lengths(64, seed=0)
+    assert lens == offline.output_lengths(64, seed=0)
+    assert lens != offline.output_lengths(64, seed=1)
     assert sum(n > 200 for n in lens) == 4
     assert sum(n < 50 for n in lens) > 40
     assert min(lens) >= 4 and max(lens) <= 320
-    assert max(bench_offline.output_lengths(64, seed=0, max_len=8)) == 8
+    assert max(offline.output_lengths(64, seed=0, max_len=8)) == 8
 
 
-def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
+def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "bench.json"
+    argv = as_if_run(monkeypatch, "benchmarks.offline", [
+        "--num-requests", "4", "--batch-size", "2", "--peer-batch-size", "4",
+        "--max-output-len", "6", "--threads", "1", "--repeat", "2", "--output-json", str(out)])
     # One thread: a few tiny steps gain nothing from two, and on a shared machine torch's
     # worker threads waiting on a busy core make every op slow. Restored afterwards.
     threads = torch.get_num_threads()
     try:
-        report = bench_offline.main(
-            ["--num-requests", "4", "--batch-size", "2", "--peer-batch-size", "4",
-             "--max-output-len", "6", "--threads", "1", "--repeat", "2", "--output-json", str(out)],
-            loaded=default_model, hf_model=hf_model,
-        )
+        report = offline.main(argv, loaded=default_model, hf_model=hf_model)
     finally:
         torch.set_num_threads(threads)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -64,8 +86,19 @@ def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
     for other in ("static", "static-padded"):  # a design contract: batch invariance
         assert report["agreement"][f"continuous vs {other}"]["matching"] == 4
     assert report["machine"]["torch"] == torch.__version__
+    assert_recorded_where_and_how(
+        report["machine"], "python -m benchmarks.offline " + " ".join(argv[:-1]) + " bench.json",
+        report)
+    for name, r in results.items():  # the engine's WorkerConfig beside its figures
+        conf = r["engine_config"]
+        if name == "transformers":
+            assert conf is None
+            continue
+        assert conf["scheduler"]["max_num_seqs"] == 2
+        assert conf["scheduler"]["max_num_batched_tokens"] == 512
+        assert conf["scheduler"]["policy"] == ("continuous" if name == "continuous" else "static")
     assert "continuous / engine static" in capsys.readouterr().out
-    rendered = bench_offline.render_markdown([report])
+    rendered = offline.render_markdown([report])
     for name, r in results.items():
         assert f"| {name} | {r['batch_size']} | {r['output_tokens']} |" in rendered
     assert "continuous / engine static: **" in rendered
@@ -73,7 +106,7 @@ def test_bench_offline_smoke(default_model, hf_model, tmp_path, capsys) -> None:
 
 @pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch built without oneDNN")
 def test_bench_cpu_ops_smoke(tmp_path) -> None:
-    from clients import bench_cpu_ops
+    from benchmarks import cpu_ops as bench_cpu_ops
 
     out = tmp_path / "ops.json"
     report = bench_cpu_ops.main(["--rows", "1,3", "--repeat", "1", "--output-json", str(out)])
@@ -83,13 +116,21 @@ def test_bench_cpu_ops_smoke(tmp_path) -> None:
     assert report["rows_differing_from_alone"]["onednn_packed"] == 0  # what ops/linear.py promises
 
 
-def test_bench_step_variants_and_report(tmp_path, capsys) -> None:
-    from clients import bench_step
+def test_bench_step_variants_and_report(tmp_path, capsys, monkeypatch) -> None:
+    from benchmarks import step as bench_step
 
     out = tmp_path / "step.json"
-    bench_step.main(["--variants", "quantized,float32", "--batch-sizes", "1,2", "--steps", "1",
-                     "--rounds", "1", "--output-json", str(out)])
-    rows = json.loads(out.read_text())["rows"]
+    argv = as_if_run(monkeypatch, "benchmarks.step", [
+        "--variants", "quantized,float32", "--batch-sizes", "1,2", "--steps", "1", "--rounds", "1",
+        "--output-json", str(out)])
+    bench_step.main(argv)
+    record = json.loads(out.read_text())
+    rows = record["rows"]
+    assert_recorded_where_and_how(
+        record["info"], "python -m benchmarks.step " + " ".join(argv[:-1]) + " step.json", record)
+    for r in rows:  # each row beside the WorkerConfig it ran under
+        assert r["engine_config"]["scheduler"]["max_num_seqs"] == r["batch"]
+        assert r["engine_config"]["model"]["cpu_quantized_linear"] == (r["variant"] == "quantized")
     assert [(r["variant"], r["batch"]) for r in rows] == [
         ("quantized", 1), ("float32", 1), ("quantized", 2), ("float32", 2)]
     assert all(r["step_ms"] > 0 and len(r["rounds_ms"]) == 1 for r in rows)

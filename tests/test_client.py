@@ -594,6 +594,36 @@ def test_cli_usage_errors(fake, target, capsys) -> None:
     assert "Traceback" not in capsys.readouterr().err
 
 
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def test_cli_traceparent_option_and_env(fake, target, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("TRACEPARENT", raising=False)
+    assert cli.main(["--target", target, "generate", "x"]) == 0
+    assert "traceparent" not in fake.metadata[-1]
+    assert cli.main(["--target", target, "chat", "x", "--traceparent", TRACEPARENT]) == 0
+    assert fake.metadata[-1]["traceparent"] == TRACEPARENT
+    other = TRACEPARENT.replace("b7ad", "c8be")
+    monkeypatch.setenv("TRACEPARENT", other)  # OpenTelemetry's environment carrier
+    assert cli.main(["--target", target, "generate", "x"]) == 0
+    assert fake.metadata[-1]["traceparent"] == other
+    n = len(fake.requests)
+    assert cli.main(["--target", target, "generate", "x", "--traceparent", "00-bad"]) == 2
+    assert "traceparent must be" in capsys.readouterr().err
+    assert len(fake.requests) == n  # nothing sent
+
+
+def test_cli_retries_a_refusal_unless_told_not_to(fake, target, capsys) -> None:
+    """The fake refuses every Generate with RESOURCE_EXHAUSTED: retried by default (gRPC
+    makes up to 5 attempts), once with --no-retry."""
+    fake.abort_with = (grpc.StatusCode.RESOURCE_EXHAUSTED, "the waiting queue is full")
+    assert cli.main(["--target", target, "generate", "x", "--no-retry"]) == 1
+    assert len(fake.requests) == 1
+    assert "error: RESOURCE_EXHAUSTED" in capsys.readouterr().err
+    assert cli.main(["--target", target, "generate", "x"]) == 1
+    assert len(fake.requests) == 1 + 5
+
+
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "LLMWORKER_TARGET"}
     return subprocess.run(
@@ -619,13 +649,28 @@ def test_cli_process_errors_have_no_traceback(fake, target) -> None:
 # ---------------------------------------------------------------- layering
 
 
+def _optional_imports(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside a ``try:`` whose handler catches ImportError."""
+    ids: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                isinstance(h.type, ast.Name) and h.type.id == "ImportError"
+                for h in node.handlers):
+            ids |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return ids
+
+
 def test_clients_import_only_stubs_grpc_and_stdlib() -> None:
     forbidden = {"worker", "scheduler", "kvcache", "ops"}
     allowed = {"grpc", "grpc_health", "google", "llmworker", "clients", "__future__"}
     allowed |= set(sys.stdlib_module_names)
     for rel in ("clients/client.py", "clients/cli.py"):
         tree = ast.parse((ROOT / rel).read_text(), filename=rel)
+        optional = _optional_imports(tree)
         for node in ast.walk(tree):
+            if id(node) in optional and isinstance(node, ast.ImportFrom) and (
+                    node.module or "").split(".")[0] == "opentelemetry":
+                continue  # trace propagation, used when opentelemetry-api is installed
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -640,3 +685,25 @@ def test_clients_import_only_stubs_grpc_and_stdlib() -> None:
                 assert top in allowed, f"{rel} imports {name}, not a stub, grpc or the stdlib"
                 if top == "clients":
                     assert name == "clients.client", f"{rel} imports {name}"
+
+
+def test_client_works_without_opentelemetry() -> None:
+    """opentelemetry-api is optional for a client install: blocked from import, the client
+    still builds its channel (retry policy included) and sends no trace context."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'opentelemetry': raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from clients.client import WorkerClient, trace_context_metadata\n"
+        "assert trace_context_metadata() == []\n"
+        "c = WorkerClient('127.0.0.1:1'); c.close()\n"
+        "assert not any(m.startswith('opentelemetry') for m in sys.modules)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names (worker/metrics.py), scraped over HTTP from a real
-`llm-worker serve` process: the gauges move under load and come back to zero, and after a
-known set of requests every per-request histogram, token counter and finish-reason counter
-agrees with what the clients were told."""
+`llm-worker serve` process: the gauges move under load and come back to zero; after a known
+set of requests every per-request histogram, token counter and finish-reason counter agrees
+with what the clients were told, and the per-step histogram with the engine's steps; a
+preemption is counted when it happens and its victim counts as waiting, as in vLLM v1."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class Scrape:
     """One /metrics answer, parsed: sample name -> value (every series must carry our
     model_name and engine labels)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, model: str = MODEL) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
         self.values: dict[str, float] = {}
@@ -51,7 +52,7 @@ class Scrape:
             for s in fam.samples:
                 if not s.name.startswith("vllm:"):
                     continue
-                assert s.labels["model_name"] == MODEL and s.labels["engine"] == "0", s
+                assert s.labels["model_name"] == model and s.labels["engine"] == "0", s
                 if s.name == "vllm:request_success_total":
                     self.by_reason[s.labels["finished_reason"]] = s.value
                 elif "le" not in s.labels:
@@ -87,8 +88,26 @@ def test_fresh_worker_publishes_vllm_names_at_zero(metrics_worker: tuple[Worker,
     assert m.by_reason == {"stop": 0, "length": 0, "abort": 0, "error": 0}
     assert m["vllm:prefix_cache_hits_total"] <= m["vllm:prefix_cache_queries_total"]
     load = w.stub.GetLoad(pb.GetLoadRequest(), timeout=5)
-    info = next(s for s in m.families["vllm:cache_config_info"].samples)
+    (info,) = m.families["vllm:cache_config_info"].samples
     assert int(info.labels["num_gpu_blocks"]) == load.num_total_blocks
+    assert info.value == 1
+    assert {k: info.labels[k] for k in ("block_size", "cache_dtype", "enable_prefix_caching",
+                                        "swap_space", "gpu_memory_utilization")} == {
+        "block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
+        "swap_space": "4.0", "gpu_memory_utilization": "0.85"}
+    assert int(info.labels["num_cpu_blocks"]) > 0  # 4 GiB of swap space
+    # The warm-up's steps are not counted; the buckets are vLLM's.
+    assert m.families["vllm:iteration_tokens_total"].type == "histogram"
+    assert m["vllm:iteration_tokens_total_count"] == m["vllm:iteration_tokens_total_sum"] == 0
+    bounds = [s.labels["le"] for s in m.families["vllm:iteration_tokens_total"].samples
+              if s.name.endswith("_bucket")]
+    assert bounds == [*(f"{b}.0" for b in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                           8192, 16384)), "+Inf"]
+    # LoRA: the family exists (pickers read it), no adapters, its value the time.
+    (lora,) = m.families["vllm:lora_requests_info"].samples
+    assert (lora.labels["running_lora_adapters"], lora.labels["waiting_lora_adapters"],
+            lora.labels["max_lora"]) == ("", "", "0")
+    assert abs(lora.value - time.time()) < 60
 
 
 def test_gauges_move_under_load_and_return_to_zero(metrics_worker: tuple[Worker, int]) -> None:
@@ -134,6 +153,7 @@ def test_gauges_move_under_load_and_return_to_zero(metrics_worker: tuple[Worker,
 def test_histograms_and_counters_match_client_usage(metrics_worker: tuple[Worker, int]) -> None:
     w, port = metrics_worker
     before = Scrape(port)
+    steps_before = w.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=5).num_steps
     done: list[pb.GenerateComplete] = []
     # A prompt over two KV blocks, sent twice: the second one hits the prefix cache.
     shared = "The quick brown fox jumps over the lazy dog. " * 4
@@ -190,6 +210,96 @@ def test_histograms_and_counters_match_client_usage(metrics_worker: tuple[Worker
     hits = delta("vllm:prefix_cache_hits_total")
     assert hits == sum(u.cached_tokens for u in usage) and hits >= 32
     assert delta("vllm:prefix_cache_queries_total") >= prompt
+    # One observation per engine step, of the tokens it ran: each request's uncached prompt
+    # and every output token but the last (sampled, never fed back).
+    steps = w.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=5).num_steps
+    assert delta("vllm:iteration_tokens_total_count") == steps - steps_before > 0
+    computed = sum(u.prompt_tokens - u.cached_tokens + u.completion_tokens - 1 for u in usage)
+    assert delta("vllm:iteration_tokens_total_sum") == computed
+    assert after["vllm:num_preemptions_total"] == before["vllm:num_preemptions_total"]
+
+
+def test_preemptions_count_when_made_and_preempted_requests_wait() -> None:
+    """Two requests that cannot both fit in a 12-block cache (160 tokens each, 16 a block):
+    one is swapped out while the other runs. vllm:num_preemptions_total counts it while both
+    still run (not when they finish), and vllm:num_requests_waiting counts the swapped one,
+    as vLLM v1 counts its preempted requests."""
+    per_block = 16 * 2 * 30 * 3 * 64 * 4  # tokens x (K, V) x layers x KV heads x dim x fp32
+    port = free_port()
+    w = Worker("--model", "dummy:smollm2-135m", "--max-model-len", "192",
+               "--kv-cache-memory", str(12.5 * per_block / (1 << 30)), "--swap-space", "0.05",
+               "--metrics-port", str(port), "--no-reflection")
+    try:
+        w.wait_ready()
+        dummy = "dummy:smollm2-135m"
+        assert int(Scrape(port, dummy).families["vllm:cache_config_info"].samples[0]
+                   .labels["num_gpu_blocks"]) == 12
+        calls = [w.stub.Generate(pb.GenerateRequest(
+            request_id=f"pre-{i}", token_ids=pb.TokenIdsInput(ids=list(range(100 + i, 110 + i))),
+            sampling=GREEDY, stopping=pb.StoppingCriteria(max_tokens=150, ignore_eos=True)),
+            timeout=120) for i in range(2)]
+        done: list[pb.GenerateComplete] = []
+
+        def drain(call) -> None:
+            done.extend(r.complete for r in call if r.HasField("complete"))
+
+        readers = [threading.Thread(target=drain, args=(c,)) for c in calls]
+        for t in readers:
+            t.start()
+        while_running: list[dict[str, float]] = []
+        end = time.monotonic() + 120
+        while len(done) < 2:
+            assert time.monotonic() < end, "the requests never finished"
+            m = Scrape(port, dummy)
+            if not done:  # neither has finished yet
+                while_running.append({k: m[k] for k in (
+                    "vllm:num_preemptions_total", "vllm:num_requests_running",
+                    "vllm:num_requests_waiting", "vllm:num_requests_swapped")})
+            time.sleep(0.02)
+        for t in readers:
+            t.join(30)
+        assert [c.usage.completion_tokens for c in done] == [150, 150]
+        swapped = [m for m in while_running if m["vllm:num_requests_swapped"] == 1]
+        assert swapped, f"never saw a swapped request: {while_running[-5:]}"
+        for m in swapped:  # the swapped one is waiting; the other runs
+            assert m["vllm:num_requests_waiting"] == 1 and m["vllm:num_requests_running"] == 1
+            assert m["vllm:num_preemptions_total"] >= 1
+        # Counted when made and when finished, the totals agree once both have finished.
+        status = w.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=5)
+        final = Scrape(port, dummy)["vllm:num_preemptions_total"]
+        assert final == status.num_preemptions >= 1
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_engine_tallies_preemptions_when_made_and_tokens_per_step(default_model, mode) -> None:
+    """The engine's tallies behind the two step figures, without a server: every preemption
+    the scheduler makes (a request's own count, summed), and one entry per model step of
+    the tokens it ran."""
+    from scheduler.request import SamplingParams
+    from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+    from worker.engine import Engine
+
+    per_block = 16 * 2 * 30 * 3 * 64 * 4
+    engine = Engine(WorkerConfig(
+        model=ModelConfig(max_model_len=192),
+        cache=CacheConfig(kv_cache_memory=12.5 * per_block / (1 << 30),
+                          swap_space=(20 * per_block / (1 << 30)) if mode == "swap" else 0),
+        scheduler=SchedulerConfig(preemption_mode=mode)), loaded=default_model)
+    reqs = [engine.make_request(list(range(100 + i, 110 + i)),
+                                SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+            for i in range(3)]
+    seen: list[int] = []  # the tally after each step that published something
+    engine.generate(reqs, on_output=lambda _: seen.append(engine.num_preemptions))
+    made = sum(r.num_preemptions for r in reqs)
+    assert made >= 1 and engine.num_preemptions == made
+    assert 0 < seen.index(made) < len(seen) - 1  # counted before the last request finished
+    assert sum(engine.step_tokens.values()) == engine.num_steps
+    # Every token a request holds at the end was run once, plus what recompute ran again.
+    ran = sum(n * c for n, c in engine.step_tokens.items())
+    held = sum(r.num_prompt_tokens + r.num_output_tokens - 1 for r in reqs)
+    assert ran == held if mode == "swap" else ran > held
 
 
 def _listening_ports(pid: int) -> set[int]:

@@ -69,12 +69,18 @@ def test_generate_spans_join_the_trace_and_carry_genai_attributes(default_model)
     rpc = by_name["llmworker.v1.WorkerService/Generate"]
     assert format(rpc.context.trace_id, "032x") == TRACE_ID
     assert format(rpc.parent.span_id, "016x") == PARENT_SPAN
+    # The peer, from grpc.aio's own context.peer() (the client's ephemeral port).
+    assert rpc.attributes["network.peer.address"] == "127.0.0.1"
+    assert rpc.attributes["network.transport"] == "tcp"
+    assert rpc.attributes["network.type"] == "ipv4"
+    assert 0 < rpc.attributes["network.peer.port"] < 65536
     assert "llmworker.v1.WorkerService/GetLoad" in by_name  # admin RPCs are traced too
 
     gen = by_name["text_completion SmolLM2-135M-Instruct"]
     assert gen.parent.span_id == rpc.context.span_id and gen.context.trace_id == rpc.context.trace_id
     a = gen.attributes
     assert a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.provider.name"] == "llm_worker" and "gen_ai.system" not in a
     assert a["gen_ai.request.model"] == "SmolLM2-135M-Instruct"
     assert a["gen_ai.request.max_tokens"] == 5
     assert a["gen_ai.request.temperature"] == 0.0

@@ -1,12 +1,14 @@
-"""Torch references of the ops against naive, obviously-correct loops."""
+"""Torch references of the ops against naive, obviously-correct loops and formulas."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ops.attention import paged_attention_ref
+from ops.activation import silu_and_mul_ref
+from ops.attention import StepPlan, paged_attention_ref
 from ops.linear import PackedLinear, can_pack, pack_linears
+from ops.norm import rms_norm_ref
 from ops.rotary import apply_rotary_ref, rope_cos_sin_cache, rotary_kv_write_ref
 
 
@@ -73,9 +75,10 @@ def test_rotary_kv_write_rotates_and_scatters_by_slot() -> None:
     assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
 
 
-def test_paged_attention_plan_is_rebuilt_when_the_step_changes() -> None:
-    """Layers of one step share a plan (grouping, masks); a new step with the same shapes
-    but other lengths, offsets or blocks must not reuse it, even through the same tensors."""
+def test_paged_attention_step_plan_serves_one_step() -> None:
+    """Layers of one step share a StepPlan (grouping, masks), built by the first call; each
+    new step brings a new one, and a plan handed another step's tensors refuses (even the
+    same shapes: the reference keeps no state of its own between calls)."""
     g = torch.Generator().manual_seed(3)
     bs, hq, hkv, d = 16, 6, 2, 32
     k_cache, v_cache = torch.randn(2, 32, bs, hkv, d, generator=g)
@@ -83,14 +86,43 @@ def test_paged_attention_plan_is_rebuilt_when_the_step_changes() -> None:
     q = torch.randn(2, hq, d, generator=g)
     for seq_lens, qsl in (([40, 17], [0, 1, 2]), ([41, 17], [0, 1, 2]), ([40, 18], [0, 1, 2])):
         sl, starts = torch.tensor(seq_lens), torch.tensor(qsl)
-        got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, max(seq_lens), d**-0.5)
+        plan = StepPlan()
         want = _naive_attention(q, k_cache, v_cache, tables, sl, starts, d**-0.5)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    tables[1, 0] = 11  # the same tensor object, written in place: a different step
+        for _ in range(2):  # two layers of the step
+            got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, max(seq_lens), d**-0.5, plan)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        with pytest.raises(AssertionError, match="one step"):
+            paged_attention_ref(q, k_cache, v_cache, tables, sl.clone(), starts, 1, 41, d**-0.5, plan)
+    tables[1, 0] = 11  # the same tensor object, written in place: without a plan, no stale state
     sl, starts = torch.tensor([40, 18]), torch.tensor([0, 1, 2])
     got = paged_attention_ref(q, k_cache, v_cache, tables, sl, starts, 1, 40, d**-0.5)
     torch.testing.assert_close(got, _naive_attention(q, k_cache, v_cache, tables, sl, starts, d**-0.5),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_ref_matches_its_formula(dtype: torch.dtype) -> None:
+    """x / sqrt(mean(x^2) + eps) * w in float64 (the residual sum first): float32 within
+    1e-6, float16 within 2 ulps (it normalises in float32 and rounds twice)."""
+    g = torch.Generator().manual_seed(9)
+    x, res = (torch.randn(7, 96, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(96, generator=g)).to(dtype)
+    for residual in (None, res):
+        s = x if residual is None else x + residual
+        xd = s.double()
+        want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+        out, res_out = rms_norm_ref(x, w, 1e-5, residual)
+        assert torch.equal(res_out, s)
+        tol = 1e-6 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_silu_and_mul_ref_matches_its_formula() -> None:
+    """[gate | up] -> gate * sigmoid(gate) * up, in float64: within 1e-6 (float32)."""
+    x = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4
+    gate, up = x.double().chunk(2, -1)
+    torch.testing.assert_close(silu_and_mul_ref(x).double(), gate / (1 + torch.exp(-gate)) * up,
+                               rtol=1e-6, atol=1e-6)
 
 
 needs_onednn = pytest.mark.skipif(
@@ -123,3 +155,28 @@ def test_pack_linears_replaces_every_linear_once() -> None:
     assert pack_linears(model) == 0  # a model shared by two runners is packed once
     assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_table_and_refusals(monkeypatch) -> None:
+    """kernel_path per backend and device, as the table in ops/__init__.py states; unknown
+    names and a `c` that cannot build are refused at set_backend, naming why."""
+    import ops
+    from ops import cpu_attention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    triton = ops._HAS_TRITON
+    before = ops.backend()
+    want = {"auto": ("c", "triton" if triton else "torch"), "torch": ("torch", "torch"),
+            "c": ("c", "torch"), "triton": ("triton", "triton")}
+    for name, (on_cpu, on_cuda) in want.items():
+        if (name == "c" and not ops.c_kernels_available()) or (name == "triton" and not triton):
+            continue
+        with ops.use_backend(name):
+            assert (ops.kernel_path(cpu), ops.kernel_path(cuda)) == (on_cpu, on_cuda), name
+    assert ops.backend() == before
+    with pytest.raises(ValueError, match="auto, torch, c, triton"):
+        ops.set_backend("cpu")
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    with pytest.raises(ValueError, match="cannot be built"):
+        ops.set_backend("c")
+    assert ops.backend() == before

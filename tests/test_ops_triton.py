@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ops
 from ops.activation import silu_and_mul_ref
 from ops.norm import rms_norm_ref
 from ops.rotary import RopeScaling, rope_cos_sin_cache, rotary_kv_write_ref
@@ -31,13 +32,8 @@ pytestmark = requires_triton
 triton = pytest.importorskip("triton")
 
 from ops.activation_triton import silu_and_mul_triton  # noqa: E402
-from ops.block_copy import (  # noqa: E402
-    copy_blocks,
-    copy_blocks_ref,
-    copy_blocks_triton,
-    swap_blocks,
-    swap_blocks_ref,
-)
+from ops.block_copy import copy_blocks_ref, swap_blocks, swap_blocks_ref  # noqa: E402
+from ops.block_copy_triton import copy_blocks_triton  # noqa: E402
 from ops.norm_triton import rms_norm_triton  # noqa: E402
 from ops.rotary_triton import rotary_kv_write_triton  # noqa: E402
 
@@ -299,24 +295,38 @@ def test_copy_blocks_triton_matches_reference(dtype: torch.dtype, as_tensor: boo
     ids = (
         (torch.tensor(src, device=dev), torch.tensor(dst, device=dev)) if as_tensor else (src, dst)
     )
-    copy_blocks(cache, *ids, backend="triton")
+    with ops.use_backend("triton"):
+        ops.copy_blocks(cache, *ids)
     assert torch.equal(_bits(cache), _bits(want))
     assert not cache.isnan().any()
 
 
-def test_copy_blocks_dispatch_and_empty() -> None:
-    """auto on the CPU takes the reference; no pairs is a no-op; bad input raises."""
-    cache = torch.randn(4, 2, 1, 4)
-    want = cache.clone()
-    want[3] = want[0]
-    copy_blocks(cache, [0], [3])  # auto, CPU: the loop
-    assert torch.equal(cache, want)
-    copy_blocks_triton(cache, [], [])
-    assert torch.equal(cache, want)
-    with pytest.raises(ValueError):
-        copy_blocks(cache, [0, 1], [2])
-    with pytest.raises(ValueError):
-        copy_blocks(cache, [0], [1], backend="cuda")  # type: ignore[arg-type]
+def test_copy_blocks_dispatch_and_empty(monkeypatch) -> None:
+    """auto and torch on the CPU take the reference (the kernel is not called), triton the
+    kernel; no pairs is a no-op; mismatched pairs raise."""
+    import ops.block_copy_triton as bct
+
+    calls = []
+    monkeypatch.setattr(bct, "copy_blocks_triton", lambda *a: calls.append(a) or copy_blocks_triton(*a))
+    ops._load.cache_clear()  # the dispatch looks the kernel up again, finding the spy
+    try:
+        cache = torch.randn(4, 2, 1, 4)
+        want = cache.clone()
+        want[3] = want[0]
+        for name in ("auto", "torch"):
+            with ops.use_backend(name):
+                ops.copy_blocks(cache, [0], [3])
+        assert calls == [] and torch.equal(cache, want)
+        want[2] = want[1]
+        with ops.use_backend("triton"):
+            ops.copy_blocks(cache, [1], [2])
+        assert len(calls) == 1 and torch.equal(cache, want)
+        copy_blocks_triton(cache, [], [])
+        assert torch.equal(cache, want)
+        with pytest.raises(ValueError):
+            ops.copy_blocks(cache, [0, 1], [2])
+    finally:
+        ops._load.cache_clear()
 
 
 @pytest.mark.parametrize("as_tensor", [False, True])
@@ -334,6 +344,33 @@ def test_swap_blocks_on_one_device_matches_reference(as_tensor: bool) -> None:
     assert torch.equal(dst_cache[[2, 5, 0]], src_cache[[7, 0, 3]])
     with pytest.raises(ValueError):
         swap_blocks(src_cache, dst_cache.half(), src, dst)
+
+
+# ----- the dispatch point -----
+
+
+def test_each_op_dispatches_to_its_backend(monkeypatch) -> None:
+    """ops.<op> under `triton` loads and runs the op's own Triton kernel (same result as
+    calling it directly), under `torch` and `c` the reference (or the C op for attention)."""
+    loaded: list[tuple[str, str]] = []
+    real_load = ops._load.__wrapped__
+    monkeypatch.setattr(ops, "_load", lambda m, n: loaded.append((m, n)) or real_load(m, n))
+    g = _gen(0, torch.device("cpu"))
+    x = torch.randn(3, 64, generator=g)
+    w = torch.randn(64, generator=g)
+    want_norm, _ = rms_norm_ref(x, w, 1e-6)
+    want_act = silu_and_mul_ref(x)
+    with ops.use_backend("triton"):
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6)[0], want_norm, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ops.silu_and_mul(x), want_act, rtol=1e-6, atol=1e-6)
+    assert loaded == [("ops.norm_triton", "rms_norm_triton"),
+                      ("ops.activation_triton", "silu_and_mul_triton")]
+    loaded.clear()
+    for name in ("torch", "c") if ops.c_kernels_available() else ("torch",):
+        with ops.use_backend(name):
+            assert torch.equal(ops.rms_norm(x, w, 1e-6)[0], want_norm)
+            assert torch.equal(ops.silu_and_mul(x), want_act)
+    assert loaded == []
 
 
 # ----- GPU: bf16, Llama-3-8B shapes -----
@@ -390,7 +427,7 @@ def test_copy_blocks_cuda_bf16_exact() -> None:
     cache[dst] = float("nan")
     want = cache.clone()
     want[dst] = want[src]
-    copy_blocks(cache, src, dst)
+    ops.copy_blocks(cache, src, dst)
     assert torch.equal(_bits(cache), _bits(want))
 
 

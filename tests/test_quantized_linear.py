@@ -54,17 +54,79 @@ def test_quant_linear_matches_the_dequantized_weight(qtype, n, k) -> None:
     assert layer(torch.empty(0, k)).shape == (0, n)
 
 
+def _q8_0_without_minus_128(n: int, k: int, seed: int) -> ql.QuantizedWeight:
+    """Random Q8_0 blocks as gguf's quantizer writes them (quants in -127..127)."""
+    qw = _random_blocks("Q8_0", n, k, seed)
+    blocks = qw.blocks.reshape(n, k // 32, 34).copy()
+    q = blocks[..., 2:].view(np.int8)
+    q[q == -128] = -127
+    return ql.QuantizedWeight("Q8_0", blocks.reshape(n, -1), (n, k))
+
+
 @needs_kernel
+@pytest.mark.parametrize("activations", list(ql.ACTIVATIONS))
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_a_rows_bits_do_not_depend_on_its_batch(qtype) -> None:
-    """Rows alone (the fused one-row path) and in batches of 2 to 13 (the register-blocked
-    paths over 3, 2 and 1 rows) give identical bits."""
-    qw = _random_blocks(qtype, 64, 192, seed=1)
-    layer = ql.QuantLinear(qw)
-    x = torch.randn(13, 192)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(13)])
-    for m in range(2, 14):
-        assert torch.equal(layer(x[:m]), alone[:m]), f"{m} rows differ from the rows alone"
+def test_a_rows_bits_do_not_depend_on_its_batch(qtype, activations) -> None:
+    """Rows alone and in batches of 2 to 64 (every register blocking of every kernel, and the
+    remainders) give identical bits."""
+    qw = _random_blocks(qtype, 64, 192, seed=1) if qtype == "Q4_1" else _q8_0_without_minus_128(64, 192, 1)
+    layer = ql.QuantLinear(qw, activations=activations)
+    x = torch.randn(64, 192)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(64)])
+    for m in range(2, 65):
+        first = (5 * m) % 64  # batches start at different rows
+        rows = [(first + i) % 64 for i in range(m)]
+        assert torch.equal(layer(x[rows]), alone[rows]), f"{m} rows differ from the rows alone"
+
+
+def _integer_reference(qw: ql.QuantizedWeight, x: torch.Tensor, planes: int) -> torch.Tensor:
+    """The integer kernels' arithmetic in float64: x per block of 32 as integers of
+    `planes` bytes (round(x * lim / max|x|) in float32, lim = 127 * 256^(planes-1)), exact
+    block dot products with the quants, scaled by d dx, plus m times the block's sum (Q4_1)."""
+    n, k = qw.shape
+    nb = k // 32
+    d, m, q = ql._quants(qw)  # [T, nb, 32 n], [T, nb, 32 n, 32 k]
+    d = torch.from_numpy(d.astype(np.float64)).permute(0, 2, 1).reshape(n, nb)
+    q = torch.from_numpy(q.astype(np.float64)).permute(0, 2, 1, 3).reshape(n, nb, 32)
+    xb = x.reshape(-1, nb, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    lim = torch.tensor(127.0 * 256 ** (planes - 1))
+    ints = torch.round(xb * torch.where(amax > 0, lim / amax, 0)).double()
+    dx = (amax / lim).double()[..., 0]
+    y = (torch.einsum("rbk,nbk->rnb", ints, q) * d[None] * dx[:, None, :]).sum(-1)
+    if m is not None:
+        m = torch.from_numpy(m.astype(np.float64)).permute(0, 2, 1).reshape(n, nb)
+        y = y + (m[None] * xb.double().sum(-1)[:, None, :]).sum(-1)
+    return y
+
+
+@needs_kernel
+@pytest.mark.parametrize("activations", ["int8", "int16", "int24"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_integer_activations_compute_their_reference(qtype, activations) -> None:
+    qw = _random_blocks(qtype, 96, 576, seed=3) if qtype == "Q4_1" else _q8_0_without_minus_128(96, 576, 4)
+    x = torch.randn(13, 576)
+    x[:, 5] *= 50  # an outlier, as SmolLM2's activations have
+    got = ql.QuantLinear(qw, activations=activations)(x).double()
+    ref = _integer_reference(qw, x, ql.ACTIVATIONS[activations])
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    # int24 is as close to the float64 product of the dequantized weights as float32 is.
+    exact = F.linear(x.double(), ql.dequantize(qw).double())
+    err = ((got - exact).abs().max() / exact.abs().max()).item()
+    assert err < {"int8": 5e-2, "int16": 2e-4, "int24": 2e-6}[activations], err
+
+
+def test_auto_is_int24_with_avx512_vnni_else_float32(monkeypatch) -> None:
+    from ops import cpu_kernels
+
+    for isa, expected in [("avx512-vnni", "int24"), ("avx512", "float32"), ("avx2", "float32")]:
+        monkeypatch.setattr(cpu_kernels, "isa", lambda isa=isa: isa)
+        assert ql.resolve_activations("auto") == expected
+    assert ql.resolve_activations("int8") == "int8"
+    with pytest.raises(ValueError, match="activations must be auto or one of float32, int8, int16, int24"):
+        ql.resolve_activations("int4")
+    # A Q8_0 weight with a -128 quant keeps float32 (AVX2's sign trick cannot take it).
+    assert ql.activations_for(_random_blocks("Q8_0", 32, 64, seed=0), "int24") == "float32"
 
 
 def test_shapes_the_kernel_cannot_take_are_refused() -> None:
@@ -125,10 +187,11 @@ def test_every_linear_of_the_default_model_runs_quantized(fresh_default) -> None
         ref = x @ dense.T
         torch.testing.assert_close(ql.QuantLinear(quantized[name])(x), ref, rtol=1e-4,
                                    atol=1e-5 * float(ref.abs().max()))
-    # The lookup on the Q8_0 blocks gives the float32 table's rows bit for bit.
+    # The lookup on the Q8_0 blocks gives the float32 table's rows bit for bit, in either layout.
     table = fresh_default.model.embed_tokens.weight
-    lookup = ql.QuantEmbedding(quantized["embed_tokens"])
-    assert torch.equal(lookup(torch.arange(cfg.vocab_size)), table)
+    for integer_layout in (False, True):
+        lookup = ql.QuantEmbedding(quantized["embed_tokens"], integer_layout=integer_layout)
+        assert torch.equal(lookup(torch.arange(cfg.vocab_size)), table)
     ids = torch.tensor([[5, 49151], [0, 5]])
     assert torch.equal(lookup(ids), table[ids])
     engine = Engine(WorkerConfig(), loaded=fresh_default)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ops.sampling import (
+    SAMPLING_EPS,
     SamplingTensors,
     _top_k_top_p_min_p,
     apply_penalties,
@@ -63,12 +64,12 @@ def make_st(
 ) -> SamplingTensors:
     """SamplingTensors for b rows; each field a scalar (all rows) or a per-row sequence.
 
-    all_greedy defaults to what the model runner computes (temperature 0 or top_k 1 everywhere).
+    all_greedy defaults to greedy everywhere (temperature < SAMPLING_EPS or top_k 1).
     """
     temp = _col(temperature, b, torch.float32)
     k = _col(top_k, b, torch.int64)
     if all_greedy is None:
-        all_greedy = bool(((temp == 0) | (k == 1)).all())
+        all_greedy = bool(((temp < SAMPLING_EPS) | (k == 1)).all())
     return SamplingTensors(
         temperature=temp,
         top_p=_col(top_p, b, torch.float32),

@@ -20,7 +20,13 @@ import torch
 pytest.importorskip("triton")
 
 import ops.sampling_triton
-from ops.sampling import SamplingTensors, _top_k_top_p_min_p, apply_penalties, sample_ref
+from ops.sampling import (
+    SAMPLING_EPS,
+    SamplingTensors,
+    _top_k_top_p_min_p,
+    apply_penalties,
+    sample_ref,
+)
 from ops.sampling_triton import inspect_triton, sample_triton
 from tests.helpers import kernel_device, requires_cuda, requires_triton
 from tests.test_sampling import make_st, rand_logits, repeat_row
@@ -75,7 +81,7 @@ def tokens(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 def scaled_ref(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Penalized logits / temperature, as sample_ref computes them (greedy rows: T = 1)."""
     z = apply_penalties(logits, st) if st.prompt_mask is not None else logits
-    temp = torch.where(st.temperature <= 0, torch.ones_like(st.temperature), st.temperature)
+    temp = torch.where(st.temperature < SAMPLING_EPS, torch.ones_like(st.temperature), st.temperature)
     return z / temp[:, None]
 
 
@@ -109,7 +115,7 @@ def check_kept(logits: torch.Tensor, st: SamplingTensors, tol: float = 0.0) -> t
     kept, _ = inspect_triton(logits.to(DEV), on_dev(st))
     kept = kept.cpu()
     want = kept_ref(logits, st)
-    sampling = st.temperature > 0
+    sampling = st.temperature >= SAMPLING_EPS
     diff = (kept ^ want) & sampling[:, None]
     if tol == 0.0:
         assert not bool(diff.any()), torch.nonzero(diff)[:10].tolist()
@@ -467,10 +473,10 @@ def test_gpu_llama3_vocab_against_reference():
     dev_logits, dev_st = logits.to(DEV), on_dev(st)
     out = sample_triton(dev_logits, dev_st)
     ref = sample_ref(dev_logits, dev_st)
-    greedy = st.temperature <= 0
+    greedy = st.temperature < SAMPLING_EPS
     assert torch.equal(out.token_ids.cpu()[greedy], ref.token_ids.cpu()[greedy])
     kept, scaled = inspect_triton(dev_logits, dev_st)
-    filtered = (st.temperature > 0) & ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))
+    filtered = (st.temperature >= SAMPLING_EPS) & ((st.top_k > 0) | (st.top_p < 1) | (st.min_p > 0))
     assert torch.equal(scaled.cpu()[filtered], scaled_ref(logits, st)[filtered])
     check_kept(logits, st, tol=1e-5)
     # Every row's token lies in its kept set.

@@ -60,6 +60,11 @@ def _clean_otel_env(monkeypatch):
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
         "OTEL_EXPORTER_OTLP_PROTOCOL",
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_HEADERS",
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_SEMCONV_STABILITY_OPT_IN",
     ):
         monkeypatch.delenv(name, raising=False)
     yield
@@ -177,11 +182,11 @@ def test_generation_trace_is_a_child_with_genai_attributes_and_ordered_events(ex
     attrs = dict(child.attributes)
     assert attrs == {
         "gen_ai.operation.name": "text_completion",
-        "gen_ai.provider.name": "llm-worker",
-        "gen_ai.system": "llm-worker",
+        "gen_ai.provider.name": "llm_worker",
         "gen_ai.request.model": "tiny-llama",
         "gen_ai.response.model": "tiny-llama",
         "gen_ai.response.id": "req-1",
+        "gen_ai.output.type": "text",
         "gen_ai.request.max_tokens": 64,
         "gen_ai.request.temperature": 0.7,
         "gen_ai.request.top_p": 0.9,
@@ -192,8 +197,8 @@ def test_generation_trace_is_a_child_with_genai_attributes_and_ordered_events(ex
         "gen_ai.usage.input_tokens": 12,
         "gen_ai.usage.output_tokens": 30,
         "gen_ai.usage.cache_read.input_tokens": 4,
+        "gen_ai.response.time_to_first_chunk": 0.009,
         "llm_worker.queue_time_ms": 1.5,
-        "llm_worker.ttft_ms": 9.0,
     }
     names = [e.name for e in child.events]
     assert names == ["queued", "scheduled", "first_token", "preempted", "resumed", "finished"]
@@ -213,16 +218,85 @@ def test_generation_trace_records_content_only_when_opted_in(exporter):
         gen.event("first_token")
         gen.finish("length", 5, 64, output_text=OUTPUT)
     child = next(s for s in exporter.get_finished_spans() if s.name.startswith("text_completion"))
-    events = {e.name: dict(e.attributes) for e in child.events}
-    assert events["gen_ai.content.prompt"] == {"gen_ai.prompt": PROMPT}
-    assert events["gen_ai.content.completion"] == {"gen_ai.completion": OUTPUT}
-    assert [e.name for e in child.events] == [
-        "gen_ai.content.prompt",
-        "first_token",
-        "gen_ai.content.completion",
-        "finished",
-    ]
+    # The current conventions' form: JSON strings of the message schema, on the span.
+    assert json.loads(child.attributes["gen_ai.input.messages"]) == [
+        {"role": "user", "parts": [{"type": "text", "content": PROMPT}]}]
+    assert json.loads(child.attributes["gen_ai.output.messages"]) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": OUTPUT}],
+         "finish_reason": "length"}]
+    assert [e.name for e in child.events] == ["first_token", "finished"]
     assert child.attributes["gen_ai.response.finish_reasons"] == ("length",)
+
+
+DEPRECATED_GENAI = ("gen_ai.system", "gen_ai.prompt", "gen_ai.completion",
+                    "gen_ai.usage.prompt_tokens", "gen_ai.usage.completion_tokens")
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["content", "no-content"])
+def test_chat_messages_make_a_chat_span(exporter, record):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": PROMPT}]
+    with rpc_span(METHOD, None):
+        gen = GenerationTrace("tiny-llama", "chat-1", max_tokens=8, temperature=0.0, top_p=1.0,
+                              top_k=0, input_messages=messages, record_content=record)
+        gen.finish("stop", 9, 3, output_text=OUTPUT)
+    (child,) = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.INTERNAL]
+    assert child.name == "chat tiny-llama"
+    assert child.attributes["gen_ai.operation.name"] == "chat"
+    assert gen.operation == "chat"
+    if record:
+        assert json.loads(child.attributes["gen_ai.input.messages"]) == [
+            {"role": "system", "parts": [{"type": "text", "content": "Be brief."}]},
+            {"role": "user", "parts": [{"type": "text", "content": PROMPT}]}]
+        assert json.loads(child.attributes["gen_ai.output.messages"])[0]["finish_reason"] == "stop"
+    else:
+        assert "gen_ai.input.messages" not in child.attributes
+        assert "gen_ai.output.messages" not in child.attributes
+        assert PROMPT not in child.to_json() and OUTPUT not in child.to_json()
+    for name in DEPRECATED_GENAI:
+        assert name not in child.attributes, name
+    assert not any(e.name.startswith("gen_ai.content") for e in child.events)
+
+
+def test_chat_messages_may_be_objects_with_role_and_content(exporter):
+    Msg = namedtuple("Msg", ["role", "content"])  # our proto's ChatMessage has the same shape
+    gen = GenerationTrace("m", "r", max_tokens=1, temperature=None, top_p=None, top_k=None,
+                          input_messages=[Msg("user", "héllo \"q\"")], record_content=True)
+    gen.finish("stop", 1, 1)
+    (span,) = exporter.get_finished_spans()
+    assert json.loads(span.attributes["gen_ai.input.messages"]) == [
+        {"role": "user", "parts": [{"type": "text", "content": 'héllo "q"'}]}]
+    # No output text given: no output messages, even with content on.
+    assert "gen_ai.output.messages" not in span.attributes
+
+
+def test_operation_is_explicit_when_given_and_checked(exporter):
+    gen = GenerationTrace("m", "r", max_tokens=1, temperature=None, top_p=None, top_k=None,
+                          operation="text_completion",
+                          input_messages=[{"role": "user", "content": "x"}])
+    gen.finish("stop")
+    assert exporter.get_finished_spans()[0].name == "text_completion m"
+    with pytest.raises(ValueError, match="operation must be chat or text_completion"):
+        GenerationTrace("m", "r", max_tokens=1, temperature=None, top_p=None, top_k=None,
+                        operation="embeddings")
+
+
+@pytest.mark.parametrize(("count", "present"), [(None, False), (1, False), (3, True)])
+def test_optional_request_attributes(exporter, count, present):
+    gen = GenerationTrace("m", "r", max_tokens=4, temperature=None, top_p=None, top_k=None,
+                          choice_count=count, stream=True, stop_sequences=["\n\n", "END"],
+                          frequency_penalty=0.5, presence_penalty=-0.5)
+    gen.finish("stop")
+    a = exporter.get_finished_spans()[0].attributes
+    assert ("gen_ai.request.choice.count" in a) == present
+    if present:
+        assert a["gen_ai.request.choice.count"] == count
+    assert a["gen_ai.request.stream"] is True
+    assert a["gen_ai.request.stop_sequences"] == ("\n\n", "END")
+    assert a["gen_ai.request.frequency_penalty"] == 0.5
+    assert a["gen_ai.request.presence_penalty"] == -0.5
+    for name in ("gen_ai.request.temperature", "gen_ai.request.top_p", "gen_ai.request.top_k"):
+        assert name not in a  # not given: not set
 
 
 def test_generation_error_and_context_manager_ending(exporter):
@@ -241,10 +315,14 @@ def test_generation_error_and_context_manager_ending(exporter):
 
 
 class FakeContext:
-    """The two things rpc_span asks of a grpc.aio ServicerContext."""
+    """What rpc_span asks of a grpc.aio ServicerContext."""
 
-    def __init__(self, code=None, details=None, time_remaining=None):
+    def __init__(self, code=None, details=None, time_remaining=None, peer="ipv4:10.1.2.3:5555"):
         self._code, self._details, self._remaining = code, details, time_remaining
+        self._peer = peer
+
+    def peer(self):
+        return self._peer
 
     def code(self):
         return self._code
@@ -274,18 +352,77 @@ class AbortError(Exception):
     ids=["invalid", "exhausted", "unavailable", "set-internal", "cancel", "deadline", "ok"],
 )
 def test_rpc_span_status_follows_grpc_code(exporter, context, exc, code, error):
-    try:
+    if exc is None:
         with rpc_span(METHOD, None, context=context):
-            if exc is not None:
-                raise exc
-    except BaseException as raised:
-        assert raised is exc
+            pass
+    else:  # rpc_span must re-raise what the body raised, never swallow it
+        with pytest.raises(type(exc)) as raised, rpc_span(METHOD, None, context=context):
+            raise exc
+        assert raised.value is exc
     (span,) = exporter.get_finished_spans()
     assert span.attributes["rpc.grpc.status_code"] == code
     assert (span.status.status_code is StatusCode.ERROR) == error
     assert not span.events  # aborts and cancellations are not exceptions to record
     if error and context is not None and context.details():
         assert span.status.description == context.details()
+
+
+@pytest.mark.parametrize(
+    ("peer", "expected"),
+    [
+        ("ipv4:10.1.2.3:5555", {"network.transport": "tcp", "network.type": "ipv4",
+                                "network.peer.address": "10.1.2.3", "network.peer.port": 5555}),
+        ("ipv6:[::1]:41000", {"network.transport": "tcp", "network.type": "ipv6",
+                              "network.peer.address": "::1", "network.peer.port": 41000}),
+        ("ipv6:%5B::1%5D:41000", {"network.transport": "tcp", "network.type": "ipv6",
+                                  "network.peer.address": "::1", "network.peer.port": 41000}),
+        ("ipv4:10.0.0.9:80,127.0.0.1:9", {"network.transport": "tcp", "network.type": "ipv4",
+                                          "network.peer.address": "10.0.0.9",
+                                          "network.peer.port": 80}),
+        ("unix:/run/worker.sock", {"network.transport": "unix",
+                                   "network.peer.address": "/run/worker.sock"}),
+        ("garbage", {}),
+        ("ipv4:nohost", {}),
+    ],
+    ids=["ipv4", "ipv6", "ipv6-escaped", "proxied", "unix", "garbage", "no-port"],
+)
+def test_rpc_span_network_and_server_attributes(exporter, peer, expected):
+    with rpc_span(METHOD, None, context=FakeContext(peer=peer),
+                  server_address="worker.example", server_port=50051):
+        pass
+    (span,) = exporter.get_finished_spans()
+    attrs = dict(span.attributes)
+    got = {k: v for k, v in attrs.items() if k.startswith("network.")}
+    assert got == expected
+    assert attrs["server.address"] == "worker.example" and attrs["server.port"] == 50051
+
+
+@pytest.mark.parametrize(
+    ("opt_in", "expected"),
+    [
+        ("", {"rpc.system": "grpc", "rpc.service": "llmworker.v1.WorkerService",
+              "rpc.method": "Generate", "rpc.grpc.status_code": 14}),
+        ("rpc", {"rpc.system.name": "grpc", "rpc.method": "llmworker.v1.WorkerService/Generate",
+                 "rpc.response.status_code": "UNAVAILABLE", "error.type": "UNAVAILABLE"}),
+        ("http, rpc/dup", {"rpc.system": "grpc", "rpc.service": "llmworker.v1.WorkerService",
+                           "rpc.system.name": "grpc",
+                           "rpc.method": "llmworker.v1.WorkerService/Generate",
+                           "rpc.grpc.status_code": 14, "rpc.response.status_code": "UNAVAILABLE",
+                           "error.type": "UNAVAILABLE"}),
+    ],
+    ids=["default-old", "rpc", "rpc-dup"],
+)
+def test_rpc_attribute_names_follow_the_stability_opt_in(monkeypatch, opt_in, expected):
+    monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", opt_in)
+    exp = InMemorySpanExporter()
+    configure_tracing(exporter=exp)
+    ctx = FakeContext(grpc.StatusCode.UNAVAILABLE, "draining", peer=None)
+    with pytest.raises(AbortError), rpc_span(METHOD, None, context=ctx):
+        raise AbortError()
+    (span,) = exp.get_finished_spans()
+    assert dict(span.attributes) == expected
+    assert span.name == "llmworker.v1.WorkerService/Generate"
+    assert span.status.status_code is StatusCode.ERROR
 
 
 def test_rpc_span_in_an_async_generator_servicer(exporter):
@@ -395,20 +532,106 @@ def test_sdk_disabled_wins_even_over_an_exporter(monkeypatch):
     assert configure_tracing() is False
 
 
-@pytest.mark.parametrize(
-    "var", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
-)
-def test_otlp_env_installs_a_batching_otlp_exporter(monkeypatch, var):
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-    monkeypatch.setenv(var, "http://127.0.0.1:4317")
-    assert configure_tracing() is True
+def _exporters() -> list:
     processors = telemetry._provider._active_span_processor._span_processors
-    assert len(processors) == 1
-    assert isinstance(processors[0], BatchSpanProcessor)
-    assert isinstance(processors[0].span_exporter, OTLPSpanExporter)
+    assert all(isinstance(p, BatchSpanProcessor) for p in processors)
+    return [p.span_exporter for p in processors]
+
+
+@pytest.mark.parametrize(
+    ("env", "kinds", "endpoint"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, ["grpc"], "127.0.0.1:4317"),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4317"}, ["grpc"], "c:4317"),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, ["grpc"], "localhost:4317"),
+        # http/protobuf: the HTTP exporter, the general endpoint + /v1/traces, default :4318.
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+          "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, ["http"], "http://c:4318/v1/traces"),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, ["http"],
+         "http://localhost:4318/v1/traces"),
+        # The traces-specific variables win over the general ones; its endpoint is used as is.
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL":
+          "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:9/x"}, ["http"],
+         "http://t:9/x"),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, ["grpc"], "localhost:4317"),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, ["http"],
+         "http://localhost:4318/v1/traces"),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"}, ["grpc"], "localhost:4317"),
+        ({"OTEL_TRACES_EXPORTER": "console"}, ["console"], None),
+        ({"OTEL_TRACES_EXPORTER": " OTLP , console,otlp", "OTEL_EXPORTER_OTLP_PROTOCOL":
+          "http/protobuf"}, ["http", "console"], "http://localhost:4318/v1/traces"),
+        ({"OTEL_TRACES_EXPORTER": "zipkin,console"}, ["console"], None),
+    ],
+    ids=["endpoint", "traces-endpoint", "exporter-otlp", "http", "http-default-endpoint",
+         "traces-protocol-http", "traces-protocol-grpc", "http-json", "bad-protocol",
+         "console", "list", "unknown-skipped"],
+)
+def test_env_picks_exporters_and_protocol(monkeypatch, env, kinds, endpoint):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcExporter,
+    )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert configure_tracing() is True
+    exporters = _exporters()
+    classes = {"grpc": GrpcExporter, "http": HttpExporter, "console": ConsoleSpanExporter}
+    assert [type(e) for e in exporters] == [classes[k] for k in kinds]
+    if endpoint is not None:
+        assert exporters[0]._endpoint == endpoint
     telemetry.shutdown_tracing()  # nothing was recorded, so nothing is sent
     assert not telemetry.tracing_enabled()
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"OTEL_TRACES_EXPORTER": "none"}, {"OTEL_TRACES_EXPORTER": "none,otlp",
+                                            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"},
+     {"OTEL_TRACES_EXPORTER": "zipkin"}, {"OTEL_EXPORTER_OTLP_HEADERS": "a=b"}],
+    ids=["nothing", "none", "none-wins", "only-unknown", "headers-alone"],
+)
+def test_env_that_leaves_tracing_off(monkeypatch, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert configure_tracing() is False
+    assert telemetry._provider is None
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [({"OTEL_TRACES_EXPORTER": "zipkin,console"}, "unknown exporter 'zipkin'"),
+     ({"OTEL_TRACES_EXPORTER": "none,console"}, "tracing stays off"),
+     ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "exporting traces as http/protobuf"),
+     ({"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"}, "exporting traces with grpc")],
+    ids=["unknown", "none-beside-others", "http-json", "bad-protocol"],
+)
+def test_what_is_not_honoured_is_said(monkeypatch, caplog, env, says):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level(logging.WARNING, logger="worker.telemetry"):
+        configure_tracing()
+    assert says in caplog.text
+
+
+def test_headers_and_timeout_reach_the_exporters(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "api-key=k1,x-tenant=t%201")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "3")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c:4317")
+    assert configure_tracing()
+    (grpc_exporter,) = _exporters()
+    assert dict(grpc_exporter._headers) == {"api-key": "k1", "x-tenant": "t 1"}
+    assert grpc_exporter._timeout == 3.0  # Python's exporters read seconds
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "api-key=k2")
+    assert configure_tracing()
+    (http_exporter,) = _exporters()
+    assert http_exporter._client._headers["api-key"] == "k2"
+    assert http_exporter._client._timeout == 3.0
 
 
 # --------------------------------------------------------------------------------------------

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the gRPC API (llmworker.v1.WorkerService)")
     cfgmod.add_arguments(srv)
     srv.set_defaults(func=_serve)
+    from worker import plan  # llm-worker plan: capacity planning from the model's config
+
+    plan.add_parser(sub)
     return parser
 
 

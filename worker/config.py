@@ -2,7 +2,10 @@
 
 Every leaf field is a command-line flag (``--max-num-seqs``) and an environment
 variable (``LLMWORKER_MAX_NUM_SEQS``); the flag wins over the variable, the
-variable over the default. `add_arguments` puts them all in ``--help``.
+variable over the default. `add_arguments` puts them all in ``--help``. Flags are
+named as ``vllm serve`` names them where vLLM has the setting; where vLLM has a
+second name for one of ours, it is an alias (``--enforce-eager`` is
+``--no-cuda-graphs``), with its own variable.
 """
 
 from __future__ import annotations
@@ -11,29 +14,112 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 ENV_PREFIX = "LLMWORKER_"
+GiB = 1 << 30
 
 
-def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """A flag or variable value that does not parse; argparse prints its message as is."""
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A second flag (and LLMWORKER_* variable) for a bool field, as vLLM names the same
+    switch; `negate` when it means the field's opposite."""
+
+    name: str
+    negate: bool = False
+
+
+def opt(
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    *,
+    parse: Callable[[str], Any] | None = None,
+    alias: Alias | None = None,
+    short: str | None = None,
+    several: bool = False,
+) -> Any:
+    """A leaf setting. `parse` reads the flag's and the variable's text (default: the
+    field's type); `short` is a second spelling of the same flag (vLLM's ``-tp``);
+    `several` takes vLLM's list form (``--served-model-name A B``) to refuse it clearly."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse,
+                                            "alias": alias, "short": short, "several": several})
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's reading of ``--max-model-len 32k``: a lowercase suffix is decimal (1k = 1000,
+    25.6k = 25600), an uppercase one binary (1K = 1024, 2G = 2**31, whole numbers only)."""
+    text = text.strip()
+    if m := _HUMAN.fullmatch(text):
+        number, suffix = m.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        if "." in number:
+            raise BadValue(f"{text!r}: decimals are not allowed with binary suffixes like "
+                           f"{suffix}; did you mean {number}{suffix.lower()}?")
+        return int(number) * _BINARY[suffix]
+    try:
+        return int(text)
+    except ValueError:
+        raise BadValue(f"{text[:40]!r} is not an integer (suffixes: 1k = 1000, 1K = 1024, "
+                       "m/M, g/G, t/T)") from None
+
+
+def _max_model_len(text: str) -> int:
+    if text.strip().lower() in ("auto", "-1"):
+        raise BadValue("'auto' (vLLM: the longest length whose KV cache fits) is not "
+                       "supported; give a length (32k = 32000, 32K = 32768), or 0 for the "
+                       "model's own limit")
+    return human_readable_int(text)
+
+
+# vLLM's --dtype names; ours are torch's: the aliases map onto them.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _dtype(text: str) -> str:
+    return _DTYPE_ALIASES.get(text.strip(), text.strip())
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = opt("default", "'default' (embedded SmolLM2-135M-Instruct GGUF), a .gguf file, "
                      "a Hugging Face folder, or dummy:SHAPE (llama-3-8b, llama-3.2-1b, smollm2-135m)")
+    served_model_name: str = opt("", "the model id clients see: GetModelInfo on both protocols "
+                                 "(so the gateway's /v1/models), the model_name metric label "
+                                 "and trace spans; empty = the model's own name (one name: "
+                                 "vLLM's list form is refused)", several=True)
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available)")
-    dtype: str = opt("auto", "weights and activations dtype; auto = bfloat16 on CUDA, float32 on CPU",
-                     ("auto", "float32", "bfloat16", "float16"))
-    max_model_len: int = opt(0, "longest prompt + output in tokens; 0 = the model's own limit")
+    dtype: str = opt("auto", "weights and activations dtype; auto = bfloat16 on CUDA, float32 "
+                     "on CPU; vLLM's half = float16 and float = float32 are accepted",
+                     DTYPES, parse=_dtype)
+    max_model_len: int = opt(0, "longest prompt + output in tokens (32k = 32000, 32K = 32768, "
+                             "as vLLM reads them); 0 = the model's own limit",
+                             parse=_max_model_len)
     seed: int = opt(0, "seed for unseeded sampling and dummy weights")
-    kernels: str = opt("auto", "ops implementation: Triton kernels on CUDA and torch references "
-                       "on the CPU (auto), or one forced everywhere", ("auto", "torch", "triton"))
+    kernels: str = opt("auto", "implementation of attention, norm, rotary, activation, sampling "
+                       "and block copies (ops/__init__.py): auto = Triton on CUDA and the C kernels "
+                       "on the CPU where they build (else the torch references); torch = the pure "
+                       "torch references everywhere; c = the CPU C kernels (references on CUDA); "
+                       "triton = Triton everywhere (CPU: interpreter, tests only). Linear layers "
+                       "are chosen by --cpu-quantized-linear and --cpu-packed-linear, not here",
+                       ("auto", "torch", "c", "triton"))
     cuda_graphs: bool = opt(True, "replay decode steps from CUDA graphs captured at start-up "
-                            "(CUDA with Triton kernels only); --no-cuda-graphs runs them eagerly")
+                            "(CUDA with Triton kernels only); --no-cuda-graphs runs them eagerly",
+                            alias=Alias("enforce_eager", negate=True))
     cpu_packed_linear: bool = opt(True, "on the CPU in float32, run linear layers through oneDNN "
                                   "with weights packed once at start-up (faster for decode batches, "
                                   "and a row's result does not depend on its batch); "
@@ -43,15 +129,59 @@ class ModelConfig:
                                      "float32 (needs gcc and AVX2; the same weights, a fraction of "
                                      "the bytes a decode step reads); --no-cpu-quantized-linear "
                                      "dequantizes them at load")
+    cpu_activations: str = opt("auto", "with --cpu-quantized-linear, the arithmetic of the "
+                               "quantized layers: float32 (the weights dequantized exactly), or the "
+                               "activations written per block of 32 as 3, 2 or 1-byte integers and "
+                               "multiplied with exact integer dot products (int24: about float32's "
+                               "precision; int8: llama.cpp's arithmetic, fastest, but greedy tokens "
+                               "can differ from transformers; see BENCHMARKS.md); auto = int24 where "
+                               "the CPU has AVX-512 VNNI, float32 elsewhere",
+                               ("auto", "float32", "int24", "int16", "int8"))
+
+    def __post_init__(self) -> None:
+        if _dtype(self.dtype) not in DTYPES:  # torch reads half and float too (resolve_dtype)
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or half, float), "
+                             f"got {self.dtype[:40]!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"--max-model-len must be >= 0, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = opt(1, "devices one model is split over; only 1: this worker "
+                                    "runs one model on one device (for N devices, run N "
+                                    "replicas behind a gateway)", short="-tp")
+
+    def __post_init__(self) -> None:
+        n = self.tensor_parallel_size
+        if n != 1:
+            raise ValueError(
+                f"--tensor-parallel-size {n}: this worker serves one model on one device. To "
+                f"use {n} devices, run {n} replicas (one `llm-worker serve --device cuda:I "
+                "--port P` each) behind a gateway such as SMG (`smg launch --worker-urls "
+                "grpc://HOST:P ... --policy cache_aware`; see the README, 'Behind a "
+                "gateway'). A model too large for one device cannot be served here.")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = opt(16, "tokens per KV cache block")
-    kv_cache_memory: float = opt(0.0, "KV cache size in GiB; 0 = 1 GiB on CPU, or "
-                                 "--gpu-memory-utilization of free memory on CUDA")
-    gpu_memory_utilization: float = opt(0.85, "on CUDA with --kv-cache-memory 0: fraction of the "
-                                        "free device memory (after weights) given to the KV cache")
+    kv_cache_memory_bytes: int = opt(0, "KV cache size in bytes (4G = 4 GiB, 4g = 4e9, as "
+                                     "vLLM reads them); set, it overrides "
+                                     "--gpu-memory-utilization; 0 = sized by the rules below",
+                                     parse=human_readable_int)
+    kv_cache_memory: float = opt(0.0, "KV cache size in GiB (the same setting as "
+                                 "--kv-cache-memory-bytes: give one); 0 = 1 GiB on CPU, or on "
+                                 "CUDA what --gpu-memory-utilization leaves")
+    gpu_memory_utilization: float = opt(0.9, "on CUDA: the share of the device's TOTAL memory "
+                                        "this worker may use, weights, activations and KV "
+                                        "cache together (vLLM's meaning); the KV cache gets "
+                                        "what weights and an activation reserve leave. Ignored "
+                                        "on CPU and when a KV cache size is given")
+    kv_cache_free_memory_fraction: float = opt(0.0, "on CUDA: instead give the KV cache this "
+                                               "fraction of the memory free once the weights "
+                                               "are loaded (the rule before "
+                                               "--gpu-memory-utilization meant vLLM's); 0 = off")
     swap_space: float = opt(4.0, "CPU swap space in GiB (pinned host memory on CUDA) for the KV "
                             "blocks of preempted requests; 0 = preempted requests recompute")
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes seen before "
@@ -62,16 +192,34 @@ class CacheConfig:
             raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
-        if self.kv_cache_memory < 0:
-            raise ValueError(f"--kv-cache-memory must be >= 0, got {self.kv_cache_memory}")
+        if self.kv_cache_memory < 0 or self.kv_cache_memory_bytes < 0:
+            raise ValueError("--kv-cache-memory and --kv-cache-memory-bytes must be >= 0")
+        if self.kv_cache_memory and self.kv_cache_memory_bytes:
+            raise ValueError("--kv-cache-memory (GiB) and --kv-cache-memory-bytes set the same "
+                             "size: give one")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+            raise ValueError("--gpu-memory-utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if not 0 <= self.kv_cache_free_memory_fraction <= 1:
+            raise ValueError("--kv-cache-free-memory-fraction must be in [0, 1], got "
+                             f"{self.kv_cache_free_memory_fraction}")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache size given in bytes or GiB; 0 = none given (sized from the device)."""
+        return self.kv_cache_memory_bytes or int(self.kv_cache_memory * GiB)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = opt(64, "most requests in one step")
-    max_num_batched_tokens: int = opt(512, "token budget of one step (prefill chunks + decodes)")
+    max_num_batched_tokens: int = opt(512, "token budget of one step (prefill chunks + "
+                                      "decodes); 2k = 2000, 2K = 2048",
+                                      parse=human_readable_int)
+    enable_chunked_prefill: bool = opt(True, "split a long prompt into chunks that share steps "
+                                       "with decodes; --no-enable-chunked-prefill prefills "
+                                       "each prompt in one step (as vLLM, the step budget is "
+                                       "then at least --max-model-len: raised to it if lower)")
     policy: str = opt("continuous", "continuous batching, or static (admit a batch, run it to its "
                       "end, a member leaving the batch's steps when it ends; for benchmarks only)",
                       ("continuous", "static"))
@@ -160,6 +308,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -181,13 +330,28 @@ def _parse_bool(s: str) -> bool:
         return True
     if s.lower() in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"not a boolean: {s!r}")
+    raise BadValue(f"not a boolean: {s[:40]!r} (true/false, 1/0, yes/no, on/off)")
+
+
+def _negated_bool(s: str) -> bool:
+    return not _parse_bool(s)
+
+
+def _env_default(parser: argparse.ArgumentParser, env: str, conv: Callable[[str], Any],
+                 default: Any) -> Any:
+    if env not in os.environ:
+        return default
+    try:
+        return conv(os.environ[env])
+    except ValueError as e:
+        parser.error(f"{env}={os.environ[env][:80]!r}: {e}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per leaf field, its default read from the environment first. A bool field
-    ``x`` takes ``--x`` (true), ``--x BOOL`` and ``--no-x``. Sections in `skip` get no flags
-    (`from_args` then uses their defaults)."""
+    ``x`` takes ``--x`` (true), ``--x BOOL`` and ``--no-x``, and its `Alias` the same three
+    forms (negated for a negating alias). Sections in `skip` get no flags (`from_args` then
+    uses their defaults)."""
     for section, cls in _sections():
         if section in skip:
             continue
@@ -196,29 +360,61 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         for f in dataclasses.fields(cls):
             env = ENV_PREFIX + f.name.upper()
             typ = hints[f.name]
-            conv = _parse_bool if typ is bool else typ
-            default = f.default
-            if env in os.environ:
-                try:
-                    default = conv(os.environ[env])
-                except ValueError as e:
-                    parser.error(f"{env}={os.environ[env]!r}: {e}")
+            meta = f.metadata
+            conv = _parse_bool if typ is bool else (meta["parse"] or typ)
+            default = _env_default(parser, env, conv, f.default)
             flag = "--" + f.name.replace("_", "-")
             dest = f"{section}.{f.name}"
+            alias: Alias | None = meta["alias"]
+            if alias is not None:
+                assert typ is bool, f"{f.name}: aliases are for bool switches"
+                aenv = ENV_PREFIX + alias.name.upper()
+                aconv = _negated_bool if alias.negate else _parse_bool
+                adefault = _env_default(parser, aenv, aconv, default)
+                if env in os.environ and aenv in os.environ and adefault != default:
+                    parser.error(f"{env}={os.environ[env]!r} and {aenv}={os.environ[aenv]!r} "
+                                 "contradict each other")
+                default = adefault
+            names = [flag] + ([meta["short"]] if meta["short"] else [])
+            kind: dict[str, Any] = {"nargs": "?", "const": True} if typ is bool else {}
+            if meta["several"]:
+                kind = {"nargs": "+"}
             group.add_argument(
-                flag,
+                *names,
                 dest=dest,
                 type=conv,
                 default=default,
-                choices=f.metadata.get("choices"),
+                choices=meta["choices"],
                 metavar=typ.__name__.upper() if typ is not bool else "BOOL",
-                help=f"{f.metadata['help']} (default {f.default!r}; env {env})",
-                **({"nargs": "?", "const": True} if typ is bool else {}),
+                help=f"{meta['help']} (default {f.default!r}; env {env})",
+                **kind,
             )
             if typ is bool:
                 group.add_argument("--no-" + f.name.replace("_", "-"), dest=dest,
                                    action="store_const", const=False, default=default,
                                    help=f"same as {flag} false")
+            if alias is not None:
+                aflag = "--" + alias.name.replace("_", "-")
+                same = f"--no-{flag[2:]}" if alias.negate else flag
+                group.add_argument(aflag, dest=dest, type=aconv, nargs="?",
+                                   const=not alias.negate, default=default, metavar="BOOL",
+                                   help=f"vLLM's name: the same as {same} (env "
+                                        f"{ENV_PREFIX + alias.name.upper()})")
+                group.add_argument("--no-" + aflag[2:], dest=dest, action="store_const",
+                                   const=alias.negate, default=default,
+                                   help=f"same as {aflag} false")
+
+
+def _one(name: str, value: Any) -> Any:
+    """A list-valued flag (vLLM's ``--served-model-name A B``) holds one value here."""
+    if not isinstance(value, list):
+        return value
+    if len(value) != 1:
+        shown = " ".join(str(v)[:40] for v in value[:4])
+        raise ValueError(f"--{name.replace('_', '-')} takes one value here, got {len(value)} "
+                         f"({shown}): the worker reports one model id (vLLM also answers to "
+                         "the others; give the one clients should use)")
+    return value[0]
 
 
 def from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -226,6 +422,7 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
     parts = {}
     for section, cls in _sections():
         keys = {f.name: f"{section}.{f.name}" for f in dataclasses.fields(cls)}
-        kw = {name: values[key] for name, key in keys.items() if key in values}
+        kw = {name: _one(name, values[key]) for name, key in keys.items()
+              if key in values}
         parts[section] = cls(**kw)
     return WorkerConfig(**parts)

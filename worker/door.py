@@ -449,10 +449,17 @@ class Generation:
         p = req.sampling_params
         sc = self.door.sc
         record = sc.trace_content
+        sub = self.sub
+        chat = sub.kind == "messages"
         gen = telemetry.GenerationTrace(
             bridge.engine.model_name, rid, max_tokens=p.max_tokens, temperature=p.temperature,
             top_p=p.top_p, top_k=p.top_k, seed=p.seed, priority=req.priority,
-            prompt=self.sub.text if record else None, record_content=record)
+            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+            stop_sequences=p.stop or None, stream=True, record_content=record,
+            operation=(telemetry.GenerationTrace.CHAT if chat
+                       else telemetry.GenerationTrace.TEXT_COMPLETION),
+            input_messages=sub.messages if record and chat else None,
+            prompt=sub.text if record else None)
         gen.event("queued", timestamp_s=telemetry.monotonic_to_wall(req.arrival_time),
                   prompt_tokens=req.num_prompt_tokens)
         logger = telemetry.bind_request(rid, gen.span)

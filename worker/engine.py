@@ -23,11 +23,12 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import ops
-from kvcache.budget import KVBudget, kv_bytes_per_token, num_blocks_for_budget
+from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import PrefixCacheReset, Scheduler
+from worker import memory
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.outputs import OutputState, RequestOutput
@@ -99,9 +100,8 @@ class Engine:
         if loaded is None:
             loaded = load_model(config.model.model, device, resolve_dtype(config.model.dtype, device))
         self.loaded = loaded
+        self.model_name = config.model.served_model_name or loaded.name  # the id clients see
         self.tokenizer = loaded.tokenizer
-        # The id clients see (GetModelInfo, metrics, spans).
-        self.model_name = loaded.name
         mcfg = loaded.config
         self.max_model_len = config.model.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
@@ -127,6 +127,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy,
             aging_s=sc.priority_aging_s or None, preemption_mode=sc.preemption_mode,
+            chunked_prefill=sc.enable_chunked_prefill,
         )
         ops.set_backend(config.model.kernels)
         self.runner = ModelRunner(
@@ -137,6 +138,7 @@ class Engine:
             num_cpu_blocks=num_cpu_blocks,
             cpu_packed_linear=config.model.cpu_packed_linear,
             quantized=loaded.quantized if config.model.cpu_quantized_linear else None,
+            cpu_activations=config.model.cpu_activations,
         )
         log.info(self.runner.describe_kernels())
         torch.manual_seed(config.model.seed)
@@ -147,28 +149,20 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_failed_steps = 0  # in a row; reset by a step that succeeds
+        # For the metrics (read from the loop without a lock, like num_steps): preemptions
+        # counted when the scheduler makes them, and how many steps ran each token count.
+        self.num_preemptions = 0
+        self.step_tokens: dict[int, int] = {}  # tokens the model ran in a step -> steps
 
     # ----- sizing -----
 
     def _kv_budget(self) -> KVBudget:
-        m, dev = self.loaded.config, self.loaded.device
+        m, dev, cc = self.loaded.config, self.loaded.device, self.config.cache
         per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.loaded.dtype.itemsize)
-        gib = self.config.cache.kv_cache_memory
-        if gib > 0:
-            budget = int(gib * GiB)
-        elif dev.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(dev)
-            budget = int(free * self.config.cache.gpu_memory_utilization)
-        else:
-            budget = GiB
-        bs = self.config.cache.block_size
-        blocks = num_blocks_for_budget(budget, bs, per_token)
-        if blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({blocks * bs} tokens) cannot hold one request of --max-model-len "
-                f"{self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
-            )
-        return KVBudget(budget, bs, per_token, blocks, self.max_model_len)
+        activations = memory.activation_reserve(m, self.config.scheduler, self.max_model_len,
+                                                self.loaded.dtype.itemsize)
+        budget = memory.kv_cache_bytes(cc, memory.device_memory(dev), activations)
+        return fit_budget(budget, cc.block_size, per_token, self.max_model_len)
 
     # ----- requests in -----
 
@@ -272,6 +266,7 @@ class Engine:
         outputs = step.outputs
         sched = self.scheduler.schedule()
         step.num_preempted = len(sched.preempted_ids)
+        self.num_preemptions += step.num_preempted  # for the metrics, when made
         if sched.is_empty:
             return
         try:
@@ -291,6 +286,7 @@ class Engine:
         self.num_steps += 1
         self.num_failed_steps = 0
         step.num_batched_tokens = sched.num_batched_tokens
+        self.step_tokens[step.num_batched_tokens] = self.step_tokens.get(step.num_batched_tokens, 0) + 1
         updated = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
         stopped: list[str] = []
         for req in updated:

@@ -28,8 +28,15 @@ class Load:
     prefix_cache_queries: int  # admissions that looked up the prefix cache
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
-    num_preemptions: int  # of finished tracked requests
+    num_preemptions: int  # made so far (swap or recompute), counted when made
     num_steps: int
+
+    @property
+    def num_waiting_reqs(self) -> int:
+        """Waiting as vLLM v1 counts it: every admitted request not running, preempted ones
+        included (recompute victims are in the waiting queue already; swapped ones are
+        added here). What vllm:num_requests_waiting says to endpoint pickers."""
+        return self.num_waiting + self.num_swapped
 
     @property
     def num_used_tokens(self) -> int:
@@ -61,6 +68,6 @@ def snapshot(bridge: EngineBridge) -> Load:
         prefix_cache_queries=stats.num_queries,
         prefix_cache_queried_tokens=stats.num_queried_tokens,
         prefix_cache_hit_tokens=stats.num_hit_tokens,
-        num_preemptions=bridge.num_preemptions,
+        num_preemptions=engine.num_preemptions,
         num_steps=engine.num_steps,
     )

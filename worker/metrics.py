@@ -6,14 +6,17 @@ Every series carries the labels ``model_name`` (the served model's name, as GetM
 reports it) and ``engine="0"`` (vLLM's engine index; we have one engine). Names and bucket
 boundaries follow vLLM's V1 engine. Only tracked requests count: the warm-up does not.
 
-Read at scrape time from the one `worker.load.Load` snapshot (the same figures as GetLoad):
+Read at scrape time from the one `worker.load.Load` snapshot (the same figures as GetLoad)
+and the engine's own tallies:
 
 ==========================================  =========  ===================================
 vllm:num_requests_running                   gauge      requests in the scheduler's running
                                                        set
-vllm:num_requests_waiting                   gauge      queued for the engine, not swapped
-vllm:num_requests_swapped                   gauge      preempted to the CPU swap space
-                                                       (vLLM V0's name; V1 has no swap)
+vllm:num_requests_waiting                   gauge      admitted and not running, preempted
+                                                       ones included (swapped or waiting to
+                                                       recompute), as vLLM v1 counts it
+vllm:num_requests_swapped                   gauge      of those, preempted to the CPU swap
+                                                       space (vLLM V0's name; V1 has none)
 vllm:kv_cache_usage_perc                    gauge      fraction of KV blocks held by
                                                        requests, 0..1
 vllm:gpu_cache_usage_perc                   gauge      the same figure under the name
@@ -22,11 +25,27 @@ vllm:gpu_cache_usage_perc                   gauge      the same figure under the
 vllm:prefix_cache_queries_total             counter    prompt tokens looked up in the
                                                        prefix cache (tokens, as vLLM counts)
 vllm:prefix_cache_hits_total                counter    of those, tokens found cached
-vllm:num_preemptions_total                  counter    preemptions of finished requests
-                                                       (counted when the request finishes)
-vllm:cache_config_info                      gauge      always 1; labels block_size,
+vllm:num_preemptions_total                  counter    preemptions (swap or recompute),
+                                                       counted when the scheduler makes
+                                                       them
+vllm:iteration_tokens_total                 histogram  tokens the model ran per engine step
+                                                       (prefill chunks + decodes), vLLM's
+                                                       buckets; steps since the metrics
+                                                       server started (not the warm-up's)
+vllm:cache_config_info                      gauge      always 1; the cache configuration in
+                                                       labels, under vLLM's CacheConfig
+                                                       names: block_size, cache_dtype,
+                                                       gpu_memory_utilization, swap_space,
                                                        num_gpu_blocks (KV blocks on the
-                                                       model's device), enable_prefix_caching
+                                                       model's device), num_cpu_blocks,
+                                                       enable_prefix_caching
+vllm:lora_requests_info                     gauge      the scrape's time (vLLM sets it to
+                                                       the time of its latest stats); labels
+                                                       running_lora_adapters and
+                                                       waiting_lora_adapters (comma lists:
+                                                       empty, as no adapter exists yet) and
+                                                       max_lora ("0"), what endpoint pickers
+                                                       read for adapter affinity
 ==========================================  =========  ===================================
 
 The prefix-cache counters come from the KV cache's own statistics, which the warm-up's one
@@ -83,13 +102,20 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from worker.bridge import EngineBridge, RequestStream
 from worker.load import Load, snapshot
@@ -105,6 +131,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's buckets for vllm:iteration_tokens_total without CUDA graphs (with them vLLM uses its
+# capture sizes); one fixed set keeps dashboards comparable across our devices.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                         50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -122,15 +151,18 @@ def one_two_five(limit: int) -> list[int]:
 
 
 class LoadCollector(Collector):
-    """The gauges and cache counters, from a `Load` taken on the loop at each scrape."""
+    """The gauges, the cache and preemption counters and the step histogram: from a `Load`
+    taken on the loop at each scrape, and the engine's plain tallies."""
 
     def __init__(self, bridge: EngineBridge, loop: asyncio.AbstractEventLoop,
-                 labels: tuple[str, str], enable_prefix_caching: bool) -> None:
+                 labels: tuple[str, str], cache_info: dict[str, str]) -> None:
         self.bridge = bridge
         self.loop = loop
         self.labels = list(labels)
-        self.enable_prefix_caching = enable_prefix_caching
+        self.cache_info = cache_info
         self._last: Load | None = None
+        # What the engine ran before metrics existed (the warm-up) is left out.
+        self._base_step_tokens = dict(bridge.engine.step_tokens)
 
     def load(self) -> Load | None:
         if self._on_loop():
@@ -176,9 +208,11 @@ class LoadCollector(Collector):
             return c
 
         yield gauge("vllm:num_requests_running", "Requests in the running set.", load.num_running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting for the engine (not swapped).",
-                    load.num_waiting)
-        yield gauge("vllm:num_requests_swapped", "Requests preempted to the CPU swap space.",
+        yield gauge("vllm:num_requests_waiting",
+                    "Requests waiting to run, preempted ones (swapped or to recompute) included.",
+                    load.num_waiting_reqs)
+        yield gauge("vllm:num_requests_swapped",
+                    "Requests preempted to the CPU swap space (also counted as waiting).",
                     load.num_swapped)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.",
                     load.kv_cache_usage)
@@ -189,14 +223,31 @@ class LoadCollector(Collector):
                       "Prefix cache queries, in queried tokens.", load.prefix_cache_queried_tokens)
         yield counter("vllm:prefix_cache_hits",
                       "Prefix cache hits, in cached tokens.", load.prefix_cache_hit_tokens)
-        yield counter("vllm:num_preemptions", "Preemptions of finished requests.",
+        yield counter("vllm:num_preemptions", "Preemptions, counted when they are made.",
                       load.num_preemptions)
-        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching",
-                                         *names])
-        info.add_metric([str(load.block_size), str(load.num_total_blocks),
-                         str(self.enable_prefix_caching), *self.labels], 1)
+        yield self._iteration_tokens()
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the cache config.",
+                                 labels=[*self.cache_info, *names])
+        info.add_metric([*self.cache_info.values(), *self.labels], 1)
         yield info
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters",
+                                         "max_lora", *names])
+        lora.add_metric(["", "", "0", *self.labels], time.time())
+        yield lora
+
+    def _iteration_tokens(self) -> HistogramMetricFamily:
+        # A dict copy is one C call: safe against the engine thread adding a key meanwhile.
+        tally = self.bridge.engine.step_tokens.copy()
+        steps = {n: c - self._base_step_tokens.get(n, 0) for n, c in tally.items()}
+        buckets = [(floatToGoString(le), sum(c for n, c in steps.items() if n <= le))
+                   for le in ITERATION_TOKEN_BUCKETS]
+        buckets.append(("+Inf", sum(steps.values())))
+        h = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                  "Histogram of number of tokens per engine_step.",
+                                  labels=list(LABELS))
+        h.add_metric(self.labels, buckets, sum_value=sum(n * c for n, c in steps.items()))
+        return h
 
 
 class RequestMetrics:
@@ -294,13 +345,24 @@ class MetricsServer:
 
     def __init__(self, bridge: EngineBridge, host: str, port: int) -> None:
         engine = bridge.engine
-        labels = (engine.loaded.name, "0")
+        labels = (engine.model_name, "0")
         # No `*_created` series: vLLM publishes none, and they double the counters' lines.
         prometheus_client.disable_created_metrics()
         self.registry = CollectorRegistry()  # private: not the process-wide default
         self.requests = RequestMetrics(self.registry, labels, engine.max_model_len)
+        cc = engine.config.cache
+        # vLLM's CacheConfig field names and str() forms, for the fields we have.
+        cache_info = {
+            "block_size": str(engine.kv.block_size),
+            "cache_dtype": "auto",  # the KV cache is in the model's dtype, as vLLM's "auto"
+            "gpu_memory_utilization": str(cc.gpu_memory_utilization),
+            "swap_space": str(cc.swap_space),
+            "num_gpu_blocks": str(engine.kv.num_blocks),
+            "num_cpu_blocks": str(engine.kv.num_cpu_blocks),
+            "enable_prefix_caching": str(cc.enable_prefix_caching),
+        }
         self.registry.register(LoadCollector(bridge, asyncio.get_running_loop(), labels,
-                                             engine.config.cache.enable_prefix_caching))
+                                             cache_info))
         self._httpd: WSGIServer
         self._thread: threading.Thread
         try:

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 import ops
-from ops import cpu_attention, quantized_linear
-from ops.block_copy import copy_blocks, swap_blocks
+from ops import cpu_attention, cpu_decoder, quantized_linear
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
 from ops.sampling import SamplingTensors
@@ -53,6 +52,7 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         cpu_packed_linear: bool = False,
         quantized: Mapping[str, QuantizedWeight] | None = None,
+        cpu_activations: str = "auto",
     ) -> None:
         """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
         replay graphs captured here, over contexts up to `max_model_len`. `num_cpu_blocks`
@@ -60,13 +60,16 @@ class ModelRunner:
         `cpu_packed_linear` (CPU, float32) packs the model's linear weights for oneDNN
         (ops/linear.py), in place: a model shared by several runners is packed once.
         `quantized` (CPU, float32, where the kernel compiles) runs the linears it names on
-        their GGUF blocks instead (ops/quantized_linear.py), also in place; it goes first."""
+        their GGUF blocks instead (ops/quantized_linear.py), also in place; it goes first;
+        `cpu_activations` is the arithmetic they multiply in. A model whose layers
+        are all quantized then runs as a few native calls per step (ops/cpu_decoder.py)."""
         cfg = model.config
         if quantized and device.type == "cpu" and dtype == torch.float32 and quantized_linear.available():
-            quantized_linear.quantize_linears(model, quantized)
+            quantized_linear.quantize_linears(model, quantized, cpu_activations)
             embed = quantized.get("embed_tokens")
             if model.lm_head is None and model.tied_head is None and embed is not None:
-                model.tied_head = quantized_linear.QuantLinear(embed)
+                model.tied_head = quantized_linear.QuantLinear(
+                    embed, activations=quantized_linear.activations_for(embed, cpu_activations))
             if embed is not None and embed.qtype == "Q8_0" and isinstance(model.embed_tokens, nn.Embedding):
                 # The lookup reads the head's records (or its own); the float32 table goes.
                 head = model.tied_head
@@ -81,6 +84,11 @@ class ModelRunner:
                 # The tied head gets a packed copy; the embedding lookup keeps the table.
                 model.tied_head = PackedLinear(model.embed_tokens.weight)
         self.model = model
+        # The CPU decoder hook: every step through it, or none (its elementwise ops round
+        # differently from torch's; see ops/cpu_decoder.py).
+        self.cpu_decoder = (cpu_decoder.CpuDecoder(model, block_size)
+                            if ops.kernel_path(device) == "c" and dtype == torch.float32
+                            and cpu_decoder.unsupported(model) is None else None)
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -105,17 +113,21 @@ class ModelRunner:
                                        block_size, device)
 
     def describe_kernels(self) -> str:
-        """Which implementation runs the linears, the embedding lookup and decode attention
-        (for the start-up log)."""
+        """The ops backend and which implementation runs the linears, the embedding lookup,
+        decode attention and the other ops (for the start-up log)."""
         kinds = Counter(type(m).__name__ for m in self.model.modules()
                         if isinstance(m, (nn.Linear, PackedLinear, quantized_linear.QuantLinear)))
         linears = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-        c_kernel = (self.device.type == "cpu" and self.dtype == torch.float32
-                    and not ops.uses_triton(self.device) and cpu_attention.available())
-        attention = "C kernel" if c_kernel else ("Triton" if ops.uses_triton(self.device) else "torch")
+        path = ops.kernel_path(self.device)
+        others = "Triton" if path == "triton" else "torch"
+        c_kernel = path == "c" and self.dtype == torch.float32 and cpu_attention.available()
+        attention = "C kernel" if c_kernel else others
         quant_embed = isinstance(self.model.embed_tokens, quantized_linear.QuantEmbedding)
         embedding = "Q8_0 blocks" if quant_embed else "table"
-        return f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}"
+        decoder = self.cpu_decoder.describe() if self.cpu_decoder else "op by op"
+        return (f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}; "
+                f"prefill attention, norm, rotary, activation, sampling: {others}; "
+                f"decoder: {decoder} (--kernels {ops.backend()})")
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -124,7 +136,6 @@ class ModelRunner:
     def move_blocks(self, step: SchedulerOutput) -> None:
         """The step's KV moves, before its forward pass, in the order `kvcache.moves` argues
         is safe: swap out, swap in, copy. One batched gather/scatter per layer tensor each."""
-        copy_backend = "triton" if ops.uses_triton(self.device) else "torch"
         out_gpu, out_cpu = _unzip(step.blocks_to_swap_out)
         in_cpu, in_gpu = _unzip(step.blocks_to_swap_in)
         src, dst = _unzip(step.blocks_to_copy)
@@ -132,11 +143,11 @@ class ModelRunner:
         for layer, gpu_kv in enumerate(self.kv_caches):
             for i, g in enumerate(gpu_kv):  # the layer's K, then its V
                 if out_gpu:
-                    swap_blocks(g, self.cpu_caches[layer][i], out_gpu, out_cpu)
+                    ops.swap_blocks(g, self.cpu_caches[layer][i], out_gpu, out_cpu)
                 if in_cpu:
-                    swap_blocks(self.cpu_caches[layer][i], g, in_cpu, in_gpu)
+                    ops.swap_blocks(self.cpu_caches[layer][i], g, in_cpu, in_gpu)
                 if src:
-                    copy_blocks(g, src, dst, backend=copy_backend)
+                    ops.copy_blocks(g, src, dst)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, SampleResult]:
@@ -185,7 +196,7 @@ class ModelRunner:
             max_query_len=max(s.num_new_tokens for s in step.scheduled),
             max_seq_len=max(seq_lens),
         )
-        hidden = self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches)
+        hidden = (self.cpu_decoder or self.model)(self._tensor(input_ids), pos_t, meta, self.kv_caches)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))

@@ -2,20 +2,25 @@
 
 Tracing
     ``configure_tracing()`` once at start-up. It turns tracing on only when told to: by an
-    ``exporter`` argument (tests pass an ``InMemorySpanExporter``), or by the standard OTLP
-    variables (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
-    ``OTEL_TRACES_EXPORTER=otlp``; the OTLP gRPC exporter reads the rest of ``OTEL_*`` itself).
-    Otherwise no SDK is installed and spans are non-recording.
+    ``exporter`` argument (tests pass an ``InMemorySpanExporter``), or by the standard
+    variables: ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``, ``none``, or a comma list),
+    or, when that is unset, any of ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT`` and
+    ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``. ``..._PROTOCOL`` is ``grpc`` (default, :4317)
+    or ``http/protobuf`` (:4318, ``/v1/traces``); the exporters read endpoint, headers,
+    timeout, compression and certificates from ``OTEL_*`` themselves. Otherwise no SDK is
+    installed and spans are non-recording.
 
-    Per RPC::
+    Per RPC (the door makes these calls; the adapters only translate)::
 
         with rpc_span("/llmworker.v1.WorkerService/Generate", context.invocation_metadata(),
                       context=context) as span:          # SERVER span, joins `traceparent`
             log = bind_request(request_id, span)          # request_id, trace_id, span_id
             gen = GenerationTrace(model, request_id, max_tokens=..., temperature=...,
-                                  top_p=..., top_k=...)   # INTERNAL child `text_completion M`
+                                  top_p=..., top_k=..., input_messages=chat or None,
+                                  prompt=text or None, record_content=trace_content)
+                                  # INTERNAL child `chat M` or `text_completion M`
             gen.event("queued"); ...; gen.event("first_token"); ...
-            gen.finish("stop", input_tokens=12, output_tokens=30)
+            gen.finish("stop", input_tokens=12, output_tokens=30, output_text=text)
             log_request_summary(log, request_id=..., finish_reason="stop", ...)
 
     Only ``WorkerService`` RPCs are traced: the servicer opens ``rpc_span``; the health and
@@ -45,15 +50,17 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import logging
 import os
 import random
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
+from urllib.parse import unquote
 
 import structlog
 from opentelemetry import trace
@@ -70,10 +77,14 @@ __all__ = [
     "configure_logging",
     "configure_tracing",
     "get_logger",
+    "input_messages_json",
     "log_request_summary",
     "monotonic_to_wall",
+    "otlp_traces_protocol",
+    "output_messages_json",
     "rpc_span",
     "shutdown_tracing",
+    "traces_exporter_names",
     "tracing_enabled",
 ]
 
@@ -95,16 +106,71 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() == "true"
 
 
-def _otlp_requested() -> bool:
-    env = os.environ
-    exporters = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporters == "none":
-        return False
-    return bool(
-        env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
-        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
-        or exporters == "otlp"
-    )
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+_log = logging.getLogger(__name__)
+
+# What turns the OTLP exporter on when OTEL_TRACES_EXPORTER is unset. The specification's
+# default is "otlp" always; ours is "otlp" only when one of these says where or how, so that
+# a worker started on a laptop does not retry exports to a collector that is not there.
+_OTLP_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+)
+TRACES_EXPORTERS = ("otlp", "console", "none")
+OTLP_PROTOCOLS = ("grpc", "http/protobuf", "http/json")
+
+
+def traces_exporter_names() -> list[str]:
+    """The exporters ``OTEL_TRACES_EXPORTER`` asks for, in order, without repeats: a comma
+    list of ``otlp``, ``console`` or ``none``. Unset or empty: ``["otlp"]`` if an
+    ``OTEL_EXPORTER_OTLP_*`` endpoint or protocol variable is set, else none. ``none`` anywhere
+    in the list means no exporter (a warning if it stands beside others). Unknown names are
+    skipped with a warning, as the specification asks of invalid values."""
+    raw = _env("OTEL_TRACES_EXPORTER")
+    if not raw:
+        return ["otlp"] if any(_env(v) for v in _OTLP_VARIABLES) else []
+    names: list[str] = []
+    for part in raw.split(","):
+        name = part.strip().lower()
+        if not name or name in names:
+            continue
+        if name not in TRACES_EXPORTERS:
+            _log.warning("OTEL_TRACES_EXPORTER: unknown exporter %r skipped (known: %s)",
+                         name[:64], ", ".join(TRACES_EXPORTERS))
+            continue
+        names.append(name)
+    if "none" in names:
+        if len(names) > 1:
+            _log.warning("OTEL_TRACES_EXPORTER=%s names none beside other exporters; "
+                         "tracing stays off", raw[:200])
+        return []
+    return names
+
+
+def otlp_traces_protocol() -> str:
+    """``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``, else ``OTEL_EXPORTER_OTLP_PROTOCOL``, else
+    ``grpc`` (Python's default): ``grpc`` or ``http/protobuf``. ``http/json`` has no Python
+    exporter: it is sent as ``http/protobuf`` (same port and path; OTLP/HTTP receivers take
+    both encodings), with a warning; any other value warns and means ``grpc``."""
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = _env(var).lower()
+        if not value:
+            continue
+        if value == "http/json":
+            _log.warning("%s=http/json: the Python OTLP exporter has no JSON encoding; "
+                         "exporting traces as http/protobuf", var)
+            return "http/protobuf"
+        if value not in OTLP_PROTOCOLS:
+            _log.warning("%s=%r is not one of %s; exporting traces with grpc",
+                         var, value[:64], ", ".join(OTLP_PROTOCOLS))
+            return "grpc"
+        return value
+    return "grpc"
 
 
 def _package_version() -> str | None:
@@ -128,20 +194,24 @@ def _resource(service_name: str) -> Resource:
     return res
 
 
-def _otlp_processor() -> BatchSpanProcessor:
-    # Imported here: the exporter pulls in its own gRPC channel machinery.
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+def _env_exporter(name: str) -> SpanExporter:
+    """One exporter of ``OTEL_TRACES_EXPORTER``. The OTLP exporters read the endpoint,
+    headers, timeout, compression, certificates and ``OTEL_EXPORTER_OTLP_INSECURE`` from the
+    environment themselves (general and ``_TRACES_`` variables); HTTP appends ``/v1/traces``
+    to a general endpoint. (Python's exporters read ``*_TIMEOUT`` in seconds, not the
+    specification's milliseconds.) Imported here: each pulls in its own transport."""
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-    protocol = (
-        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "grpc"
-    ).strip()
-    if protocol != "grpc":
-        logging.getLogger(__name__).warning(
-            "OTLP protocol %r is not supported; exporting traces with OTLP/gRPC", protocol
+        return ConsoleSpanExporter()
+    assert name == "otlp", name
+    if otlp_traces_protocol() == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
+            OTLPSpanExporter,
         )
-    return BatchSpanProcessor(OTLPSpanExporter())
+    return OTLPSpanExporter()
 
 
 def configure_tracing(
@@ -149,25 +219,31 @@ def configure_tracing(
 ) -> bool:
     """Turn tracing on if asked to; return whether it is on.
 
-    ``exporter`` given: spans go to it synchronously (``SimpleSpanProcessor``). Else, when an
-    OTLP variable is set (see the module docstring), spans are batched to the OTLP gRPC
-    exporter configured from ``OTEL_*``. Else tracing stays off and no SDK provider is
-    installed. ``OTEL_SDK_DISABLED=true`` turns it off in every case. The resource's
-    ``service.name`` is ``OTEL_SERVICE_NAME`` (or ``OTEL_RESOURCE_ATTRIBUTES``) if set, else
-    ``service_name``. Calling again replaces the previous configuration (shut down first).
+    ``exporter`` given: spans go to it synchronously (``SimpleSpanProcessor``). Else each
+    exporter of ``OTEL_TRACES_EXPORTER`` (see `traces_exporter_names`) gets a batching
+    processor (``OTEL_BSP_*`` tune it): ``otlp`` over gRPC (default, :4317) or HTTP
+    (``http/protobuf``, :4318 ``/v1/traces``) as `otlp_traces_protocol` says, ``console``
+    to stdout. None asked for: tracing stays off and no SDK provider is installed.
+    ``OTEL_SDK_DISABLED=true`` turns it off in every case. The resource's ``service.name``
+    is ``OTEL_SERVICE_NAME`` (or ``OTEL_RESOURCE_ATTRIBUTES``) if set, else
+    ``service_name``. ``OTEL_SEMCONV_STABILITY_OPT_IN`` picks the RPC attribute names (see
+    `rpc_span`). Calling again replaces the previous configuration (shut down first).
     """
-    global _provider, _tracer, _atexit_registered
+    global _provider, _tracer, _atexit_registered, _rpc_names
     shutdown_tracing()
+    _rpc_names = _rpc_semconv_mode()
     if _env_true("OTEL_SDK_DISABLED"):
         return False
+    processors: list[SimpleSpanProcessor | BatchSpanProcessor]
     if exporter is not None:
-        processor: SimpleSpanProcessor | BatchSpanProcessor = SimpleSpanProcessor(exporter)
-    elif _otlp_requested():
-        processor = _otlp_processor()
+        processors = [SimpleSpanProcessor(exporter)]
     else:
+        processors = [BatchSpanProcessor(_env_exporter(n)) for n in traces_exporter_names()]
+    if not processors:
         return False
     provider = TracerProvider(resource=_resource(service_name), shutdown_on_exit=False)
-    provider.add_span_processor(processor)
+    for processor in processors:
+        provider.add_span_processor(processor)
     with _lock:
         _provider = provider
         _tracer = provider.get_tracer(_INSTRUMENTATION, _package_version())
@@ -240,6 +316,25 @@ def _carrier(invocation_metadata: Iterable[Any] | Mapping[str, Any] | None) -> d
 # the rest (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, CANCELLED, ...) are the client's doing.
 # UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS:
 _SERVER_ERROR_CODES = frozenset({2, 4, 12, 13, 14, 15})
+_STATUS_NAMES = (
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+
+# Which RPC attribute names server spans carry, by OTEL_SEMCONV_STABILITY_OPT_IN (the
+# migration switch OpenTelemetry instrumentations use): "old" (default) the names backends
+# and opentelemetry-instrumentation-grpc use today: rpc.system, rpc.service, rpc.method
+# ("Generate"), rpc.grpc.status_code (int); "new" (``rpc``) the current conventions':
+# rpc.system.name, rpc.method fully qualified ("llmworker.v1.WorkerService/Generate"),
+# rpc.response.status_code ("OK"); "dup" (``rpc/dup``) both, rpc.method taking the new form.
+_rpc_names = "old"
+
+
+def _rpc_semconv_mode() -> str:
+    opted = {v.strip().lower() for v in os.environ.get("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")}
+    return "dup" if "rpc/dup" in opted else "new" if "rpc" in opted else "old"
 
 
 def _context_code(context: Any) -> tuple[int | None, str | None]:
@@ -263,6 +358,28 @@ def _deadline_passed(context: Any) -> bool:
     return remaining is not None and remaining <= 0
 
 
+def _peer_attributes(context: Any) -> dict[str, Any]:
+    """``network.peer.*`` from gRPC's peer string: ``ipv4:10.0.0.7:51234``,
+    ``ipv6:[::1]:51234`` or ``unix:/path`` (``ipv4:a:p,b:q`` through a proxy: the first)."""
+    try:
+        peer = context.peer() if context is not None else None
+    except Exception:
+        return {}
+    if not isinstance(peer, str) or ":" not in peer:
+        return {}
+    family, _, rest = peer.partition(":")
+    rest = unquote(rest.split(",")[0])
+    if family == "unix":
+        return {"network.transport": "unix", "network.peer.address": rest} if rest else {}
+    if family not in ("ipv4", "ipv6"):
+        return {}
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        return {}
+    return {"network.transport": "tcp", "network.type": family,
+            "network.peer.address": host.strip("[]"), "network.peer.port": int(port)}
+
+
 def _finish_rpc_span(span: Span, context: Any, exc: BaseException | None) -> None:
     code, details = _context_code(context)
     if code is None:
@@ -272,11 +389,17 @@ def _finish_rpc_span(span: Span, context: Any, exc: BaseException | None) -> Non
             code = 4 if _deadline_passed(context) else 1  # DEADLINE_EXCEEDED or CANCELLED
         else:
             code = 2  # UNKNOWN: what gRPC reports for an unhandled exception
-    span.set_attribute("rpc.grpc.status_code", code)
+    name = _STATUS_NAMES[code] if 0 <= code < len(_STATUS_NAMES) else str(code)
+    if _rpc_names != "new":
+        span.set_attribute("rpc.grpc.status_code", code)
+    if _rpc_names != "old":
+        span.set_attribute("rpc.response.status_code", name)
     aborted = exc is not None and type(exc).__name__ == "AbortError"  # context.abort(...)
     if exc is not None and not aborted and isinstance(exc, Exception):
         span.record_exception(exc)
     if code in _SERVER_ERROR_CODES:
+        if _rpc_names != "old":
+            span.set_attribute("error.type", name)
         desc = details or (f"{type(exc).__name__}: {exc}" if exc is not None else None)
         span.set_status(Status(StatusCode.ERROR, desc))
 
@@ -287,13 +410,19 @@ def rpc_span(
     invocation_metadata: Iterable[Any] | Mapping[str, Any] | None = None,
     *,
     context: Any = None,
+    server_address: str | None = None,
+    server_port: int | None = None,
 ) -> Iterator[Span]:
     """A SERVER span for one RPC, current for the ``with`` body; yields it.
 
     ``method`` is gRPC's full method name, with or without the leading slash
-    (``"/llmworker.v1.WorkerService/Generate"``); the span is named without it and carries
-    ``rpc.system``, ``rpc.service``, ``rpc.method`` and, at the end, ``rpc.grpc.status_code``.
-    It joins the caller's trace from W3C ``traceparent``/``tracestate`` in
+    (``"/llmworker.v1.WorkerService/Generate"``); the span is named without it
+    (``{service}/{method}``) and carries the RPC attributes (names: see ``_rpc_names``;
+    by default ``rpc.system``, ``rpc.service``, ``rpc.method`` and, at the end,
+    ``rpc.grpc.status_code``), ``network.peer.address``/``port``, ``network.transport`` and
+    ``network.type`` from ``context.peer()``, and ``server.address``/``server.port`` when
+    given (the address clients dial; gRPC does not tell a servicer its ``:authority``). It
+    joins the caller's trace from W3C ``traceparent``/``tracestate`` in
     ``invocation_metadata``. Pass the servicer ``context`` so the status code set by
     ``context.abort``/``set_code`` is recorded; without it, a normal exit is OK, a
     cancellation CANCELLED and any other exception UNKNOWN. The span's status is ERROR for
@@ -306,7 +435,17 @@ def rpc_span(
     full = method.lstrip("/")
     service, _, name = full.rpartition("/")
     parent = _PROPAGATOR.extract(_carrier(invocation_metadata))
-    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+    attributes: dict[str, Any] = {}
+    if _rpc_names != "new":
+        attributes.update({"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+    if _rpc_names != "old":
+        attributes.update({"rpc.system.name": "grpc", "rpc.method": full})
+    if _tracer is not None:  # the peer is parsed only for a span that is recorded
+        attributes.update(_peer_attributes(context))
+        if server_address:
+            attributes["server.address"] = server_address
+        if server_port is not None:
+            attributes["server.port"] = server_port
     span = _start_span(full, parent, SpanKind.SERVER, attributes)
     with trace.use_span(
         span, end_on_exit=True, record_exception=False, set_status_on_exception=False
@@ -328,22 +467,57 @@ def _ns(timestamp_s: float | None) -> int | None:
     return None if timestamp_s is None else int(timestamp_s * 1e9)
 
 
+def _field(message: Any, name: str) -> Any:
+    return message[name] if isinstance(message, Mapping) else getattr(message, name)
+
+
+def input_messages_json(messages: Iterable[Any]) -> str:
+    """Chat messages (``{"role", "content"}`` mappings or objects with those attributes, e.g.
+    our proto's ``ChatMessage``) as ``gen_ai.input.messages``: a JSON array in the GenAI
+    conventions' message schema, ``[{"role": ..., "parts": [{"type": "text", "content":
+    ...}]}]``."""
+    return json.dumps(
+        [{"role": str(_field(m, "role")),
+          "parts": [{"type": "text", "content": str(_field(m, "content"))}]} for m in messages],
+        ensure_ascii=False)
+
+
+def output_messages_json(text: str, finish_reason: str) -> str:
+    """One generated text as ``gen_ai.output.messages``: one assistant message (one choice)
+    with its ``finish_reason``."""
+    return json.dumps([{"role": "assistant", "parts": [{"type": "text", "content": text}],
+                        "finish_reason": finish_reason}], ensure_ascii=False)
+
+
 class GenerationTrace:
-    """The span of one generation: ``text_completion {model}``, INTERNAL, a child of the
-    span current at construction (the RPC's), with GenAI semantic-convention attributes.
+    """The span of one generation, named ``{operation} {model}`` (``chat M`` or
+    ``text_completion M``), INTERNAL (the model runs in this process), a child of the span
+    current at construction (the RPC's), with the OpenTelemetry GenAI conventions'
+    attributes: ``gen_ai.operation.name``, ``gen_ai.provider.name``, ``gen_ai.request.*``
+    (those given), ``gen_ai.response.model``/``id`` and, at ``finish``,
+    ``gen_ai.response.finish_reasons`` and ``gen_ai.usage.*``.
+
+    ``operation``: ``chat`` or ``text_completion``; by default ``chat`` when
+    ``input_messages`` are given (the request was chat messages), else ``text_completion``
+    (text or token ids). Pass ``input_messages`` and ``prompt`` whenever the request has
+    them: they are recorded only with ``record_content=True`` (``--trace-content``), as
+    ``gen_ai.input.messages`` (the messages, or the prompt as one user message) and, at
+    ``finish``, ``gen_ai.output.messages``: JSON strings of the conventions' message schema
+    (span attributes cannot hold structures in OpenTelemetry Python).
 
     Events, in the order added: ``queued``, ``scheduled``, ``first_token``, ``preempted``,
-    ``resumed`` (as they happen) and ``finished`` (added by ``finish``). Prompt and output
-    text are recorded only with ``record_content=True`` (a server flag opts in), as the
-    events ``gen_ai.content.prompt`` (attribute ``gen_ai.prompt``) and
-    ``gen_ai.content.completion`` (attribute ``gen_ai.completion``).
+    ``resumed`` (as they happen) and ``finished`` (added by ``finish``).
 
     Used as a context manager it is finished on the way out if the body did not finish it:
     with reason ``abort`` on cancellation, ``error`` on any other exception.
     """
 
-    OPERATION = "text_completion"
-    PROVIDER = "llm-worker"
+    CHAT = "chat"
+    TEXT_COMPLETION = "text_completion"
+    # The conventions' well-known providers are vendors' APIs (openai, aws.bedrock, ...);
+    # none is this worker. The value is open: ours names the flavour of the extra attributes
+    # we add (llm_worker.*), as the conventions ask (aws.bedrock <-> aws.bedrock.*).
+    PROVIDER = "llm_worker"
 
     def __init__(
         self,
@@ -358,14 +532,26 @@ class GenerationTrace:
         priority: int | None = None,
         prompt: str | None = None,
         record_content: bool = False,
+        operation: str | None = None,
+        input_messages: Sequence[Any] | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        stop_sequences: Sequence[str] | None = None,
+        choice_count: int | None = None,
+        stream: bool | None = None,
     ) -> None:
+        if operation is None:
+            operation = self.CHAT if input_messages is not None else self.TEXT_COMPLETION
+        if operation not in (self.CHAT, self.TEXT_COMPLETION):
+            raise ValueError(f"operation must be chat or text_completion, not {operation[:64]!r}")
+        self.operation = operation
         attributes: dict[str, Any] = {
-            "gen_ai.operation.name": self.OPERATION,
+            "gen_ai.operation.name": operation,
             "gen_ai.provider.name": self.PROVIDER,
-            "gen_ai.system": self.PROVIDER,  # the older name, still what many backends read
             "gen_ai.request.model": model,
             "gen_ai.response.model": model,
             "gen_ai.response.id": request_id,
+            "gen_ai.output.type": "text",
         }
         optional = {
             "gen_ai.request.max_tokens": max_tokens,
@@ -373,14 +559,24 @@ class GenerationTrace:
             "gen_ai.request.top_p": top_p,
             "gen_ai.request.top_k": top_k,
             "gen_ai.request.seed": seed,
+            "gen_ai.request.frequency_penalty": frequency_penalty,
+            "gen_ai.request.presence_penalty": presence_penalty,
+            "gen_ai.request.stop_sequences": list(stop_sequences) if stop_sequences else None,
+            # Conditionally required: only when more than one candidate is asked for.
+            "gen_ai.request.choice.count": choice_count if choice_count and choice_count > 1 else None,
+            "gen_ai.request.stream": stream,
             "llm_worker.request.priority": priority,
         }
         attributes.update({k: v for k, v in optional.items() if v is not None})
+        if record_content:
+            if input_messages is not None:
+                attributes["gen_ai.input.messages"] = input_messages_json(input_messages)
+            elif prompt is not None:
+                attributes["gen_ai.input.messages"] = input_messages_json(
+                    [{"role": "user", "content": prompt}])
         self.record_content = record_content
         self._finished = False
-        self._span = _start_span(f"{self.OPERATION} {model}", None, SpanKind.INTERNAL, attributes)
-        if record_content and prompt is not None:
-            self._span.add_event("gen_ai.content.prompt", {"gen_ai.prompt": prompt})
+        self._span = _start_span(f"{operation} {model}", None, SpanKind.INTERNAL, attributes)
 
     @property
     def span(self) -> Span:
@@ -418,7 +614,8 @@ class GenerationTrace:
     ) -> None:
         """Record the outcome, add the ``finished`` event and end the span (once; later calls
         do nothing). ``finish_reason`` is ``stop``, ``length``, ``abort`` or ``error``; an
-        ``error`` (or an ``error`` message) sets the span status to ERROR."""
+        ``error`` (or an ``error`` message) sets the span status to ERROR. ``ttft_ms``
+        becomes ``gen_ai.response.time_to_first_chunk`` (seconds)."""
         if self._finished:
             return
         self._finished = True
@@ -427,13 +624,14 @@ class GenerationTrace:
             "gen_ai.usage.input_tokens": input_tokens,
             "gen_ai.usage.output_tokens": output_tokens,
             "gen_ai.usage.cache_read.input_tokens": cached_tokens,
+            "gen_ai.response.time_to_first_chunk": None if ttft_ms is None else ttft_ms / 1000,
             "llm_worker.queue_time_ms": queue_time_ms,
-            "llm_worker.ttft_ms": ttft_ms,
         }
         span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
         span.set_attributes({k: v for k, v in values.items() if v is not None})
         if self.record_content and output_text is not None:
-            span.add_event("gen_ai.content.completion", {"gen_ai.completion": output_text})
+            span.set_attribute("gen_ai.output.messages",
+                               output_messages_json(output_text, finish_reason))
         span.add_event("finished", {"finish_reason": finish_reason})
         if error is not None or finish_reason == "error":
             span.set_attribute("error.type", "generation_error")

@@ -89,8 +89,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="send random token-id prompts as ids (default) or decoded to text here "
                         "(for servers whose /v1/completions takes no ids, e.g. SMG)")
     g.add_argument("--tokenizer", default=None,
-                   help="GGUF file or HF folder for --chat-input/--ids-input text and the peer "
-                        "(default: the embedded default model)")
+                   help="the model's tokenizer, for --chat-input/--ids-input text and the peer's "
+                        "prompt ids: grpc://HOST:PORT of a worker (its GetTokenizer), a .zip of "
+                        "that, a Hugging Face folder or a tokenizer.json (default: from --target "
+                        "over the wire; required with --backend openai)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="random ids below this (default: the server's model info, else 32000)")
     g.add_argument("--ignore-eos", action="store_true",
@@ -139,6 +141,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return p
 
 
+def needs_tokenizer(args: argparse.Namespace) -> bool:
+    """Text modes render here; the peer needs prompt ids for anything but random ids."""
+    return "text" in (args.chat_input, args.ids_input) or (
+        bool(args.peer) and args.dataset != "random")
+
+
 def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namespace:
     """Parsed `argv` (default sys.argv[1:]); `description` heads the top-level --help."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -165,4 +173,8 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
             args.output_len = parse_lengths("128" if args.dataset == "random" else "longtail")
         if args.peer:
             args.ignore_eos = True  # the peer generates exactly output_len: equal work
+        if needs_tokenizer(args) and args.backend == "openai" and args.tokenizer is None:
+            parser.error("--chat-input/--ids-input text and --peer need --tokenizer with "
+                         "--backend openai (grpc://HOST:PORT of a worker, a folder, a .zip or a "
+                         "tokenizer.json)")
     return args

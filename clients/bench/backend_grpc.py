@@ -9,6 +9,7 @@ a failure, recorded with its status.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -38,8 +39,12 @@ class GrpcBackend:
         self.temperature = temperature
 
     async def describe(self) -> dict[str, Any]:
-        info = await self.client.model_info(timeout=self.client.timeout or 30)
-        return {
+        """The model, and the worker's whole configuration (its flags) and versions as
+        GetServerStatus gives them, so that a figure says what it was measured under. That
+        RPC is an admin one: refused (a Generate-only token), the record says why instead."""
+        wait = self.client.timeout or 30
+        info = await self.client.model_info(timeout=wait)
+        server: dict[str, Any] = {
             "backend": self.name,
             "target": self.target,
             "model": info.model_name,
@@ -49,6 +54,15 @@ class GrpcBackend:
             "dtype": info.dtype,
             "weights_source": info.weights_source,
         }
+        try:
+            status = await self.client.status(timeout=wait)
+        except grpc.RpcError as e:
+            server["config"] = None
+            server["config_error"] = f"GetServerStatus: {e.code().name}: {(e.details() or '')[:200]}"
+        else:
+            server["config"] = json.loads(status.config_json) if status.config_json else None
+            server["versions"] = dict(status.versions)
+        return server
 
     async def send(self, req: BenchRequest) -> RequestRecord:
         rec = RequestRecord(req.index, req.output_len)

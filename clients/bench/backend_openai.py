@@ -52,7 +52,10 @@ class OpenAIBackend:
         if self.model is None:  # the server's first model, as the OpenAI clients do
             listing = await get_json(self.base_url + "/v1/models", self.headers)
             self.model = listing["data"][0]["id"]
-        return {"backend": self.name, "base_url": self.base_url, "model": self.model}
+        # The OpenAI API does not say how the server was started: a harness that starts it
+        # records its flags (clients.bench_gateway records its workers').
+        return {"backend": self.name, "base_url": self.base_url, "model": self.model,
+                "config": None, "config_error": "not reported over the OpenAI API"}
 
     def payload(self, req: BenchRequest) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {

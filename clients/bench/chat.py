@@ -1,6 +1,6 @@
 """The built-in chat workload: user questions sent through the model's chat template.
 
-Shared by `llm-worker-bench --dataset chat` and `clients.bench_offline`, so both measure the
+Shared by `llm-worker-bench --dataset chat` and `benchmarks.offline`, so both measure the
 same requests. `pick_questions` draws them in a seeded order from its own random stream, so
 the questions do not move when an output-length model changes.
 """

@@ -10,7 +10,10 @@
 
 ``run`` (the default subcommand) writes one JSON file (config, server, dataset, environment,
 each run's summary and per-request records, and for a sweep the knee and a PNG plot) and
-prints a summary. ``report`` renders result files as markdown tables for BENCHMARKS.md.
+prints a summary. The JSON is written as soon as the measurements end, before the optional
+parts (plot, peer), and rewritten as each one adds to it; what the install lacks for them
+(the ``bench`` extra: matplotlib, transformers) is said before the first request.
+``report`` renders result files as markdown tables for BENCHMARKS.md.
 Metrics are those of ``vllm bench serve``: see clients/bench/metrics.py. Exit status: 0;
 1 when the server cannot be reached or a request failed; 2 for usage errors.
 """
@@ -27,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from clients.bench import dataset as ds
-from clients.bench.args import parse_args
-from clients.bench.environment import environment
+from clients.bench import extras
+from clients.bench.args import needs_tokenizer, parse_args
+from clients.bench.environment import environment, recorded
 from clients.bench.knee import find_knee
 from clients.bench.lengths import LengthDist
 from clients.bench.record import Backend
@@ -49,7 +53,10 @@ def make_backend(args: argparse.Namespace) -> Backend:
                          model=args.model, api_key=args.api_key, timeout=args.timeout)
 
 
-def make_dataset(args: argparse.Namespace, vocab_size: int) -> list[ds.BenchRequest]:
+def make_dataset(args: argparse.Namespace, vocab_size: int,
+                 tokenizer: Any = None) -> list[ds.BenchRequest]:
+    """The requests; `tokenizer` (a `load_tokenizer` result) renders them as text where the
+    --chat-input / --ids-input modes ask for it."""
     n, seed = args.num_requests, args.seed
     if args.dataset == "random":
         reqs = ds.random_dataset(n, args.input_len, args.output_len, vocab_size, seed)
@@ -62,14 +69,22 @@ def make_dataset(args: argparse.Namespace, vocab_size: int) -> list[ds.BenchRequ
             vocab_size=vocab_size,
         )
     if "text" in (args.chat_input, args.ids_input):
-        from clients.bench.tokenizer import as_text, ids_as_text, load_tokenizer
+        from clients.bench.tokenizer import as_text, ids_as_text
 
-        tok = load_tokenizer(args.tokenizer)
+        assert tokenizer is not None, "text modes need the tokenizer"
         if args.chat_input == "text":
-            reqs = [as_text(r, tok) for r in reqs]
+            reqs = [as_text(r, tokenizer) for r in reqs]
         if args.ids_input == "text":
-            reqs = [ids_as_text(r, tok) for r in reqs]
+            reqs = [ids_as_text(r, tokenizer) for r in reqs]
     return reqs
+
+
+def client_tokenizer(args: argparse.Namespace) -> Any:
+    """The model's tokenizer: --tokenizer, else over the wire from the gRPC target."""
+    from clients.bench.tokenizer import load_tokenizer
+
+    return load_tokenizer(args.tokenizer, target=args.target or default_target(),
+                          token=args.token)
 
 
 def config_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,7 +93,7 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
         if isinstance(v, LengthDist):
             v = v.spec
         elif isinstance(v, Path):
-            v = str(v)
+            v = recorded(v)
         elif k == "request_rate":
             v = ["inf" if math.isinf(x) else x for x in v]
         elif k == "argv":
@@ -94,7 +109,8 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         server = await backend.describe()
         vocab = args.vocab_size or server.get("vocab_size") or 32000
-        reqs = make_dataset(args, vocab)
+        tok = await asyncio.to_thread(client_tokenizer, args) if needs_tokenizer(args) else None
+        reqs = make_dataset(args, vocab, tok)
         warm = await warm_up(backend, reqs, args.warmup)
         if bad := [r.error for r in warm if not r.success]:
             print(f"warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}",
@@ -109,7 +125,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await backend.close()
     return {"server": server, "dataset": {"kind": args.dataset, **ds.describe(reqs)},
-            "runs": runs, "_requests": reqs}
+            "runs": runs, "_requests": reqs, "_tokenizer": tok}
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -145,14 +161,28 @@ def print_summary(result: dict[str, Any]) -> None:
               f"ours / theirs = {peer['ratio']:.2f}x")
 
 
+def _write(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out)  # a reader never sees half a file
+
+
 def run_command(args: argparse.Namespace) -> int:
+    can = extras.check(args)
+    for line in can.errors:
+        print(f"error: {line}", file=sys.stderr)
+    if can.errors:
+        return 2
+    for line in can.notes:
+        print(f"note: {line}", file=sys.stderr, flush=True)
     env = environment(["llm-worker-bench", *args.argv])
     try:
         measured = asyncio.run(_measure(args))
     except Exception as e:  # the server is unreachable or refused describe(): say so, exit 1
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    reqs = measured.pop("_requests")
+    reqs, tok = measured.pop("_requests"), measured.pop("_tokenizer")
     result: dict[str, Any] = {
         "name": args.name or f"{args.backend} {args.dataset}",
         "config": config_of(args),
@@ -162,26 +192,35 @@ def run_command(args: argparse.Namespace) -> int:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     out = args.output_json or Path("bench-results") / f"bench-{stamp}.json"
     if len(result["runs"]) > 1:
+        result["knee"] = find_knee(result["runs"], args.knee_factor)
+    _write(out, result)  # the measurements are safe before anything optional runs
+    print(f"wrote {out}", flush=True)
+    status = 1 if any(r["summary"]["failed"] for r in result["runs"]) else 0
+    if len(result["runs"]) > 1 and can.can_plot:
         from clients.bench.plot import plot_sweep
 
-        result["knee"] = find_knee(result["runs"], args.knee_factor)
         plot = args.plot or out.with_suffix(".png")
         title = f"{result['server'].get('model', '')} — {result['name']}"
-        result["plot"] = str(plot_sweep(result["runs"], result["knee"], plot, title))
+        try:
+            result["plot"] = recorded(plot_sweep(result["runs"], result["knee"], plot, title))
+        except Exception as e:  # a plot is optional: the figures are in the JSON already
+            print(f"warning: no plot ({type(e).__name__}: {e}); {out} has the results",
+                  file=sys.stderr)
+        else:
+            _write(out, result)
+            print(f"wrote {result['plot']}")
     if args.peer:
         from clients.bench.peer import run_peer
 
         result["peer"] = run_peer(
             args.peer, reqs, batch_size=args.peer_batch_size, threads=args.peer_threads,
-            tokenizer_path=args.tokenizer,
+            tokenizer=tok,
             ours_output_throughput=result["runs"][0]["summary"]["output_throughput"],
             model=args.peer_model,
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+        _write(out, result)
     print_summary(result)
-    print(f"wrote {out}" + (f" and {result['plot']}" if "plot" in result else ""))
-    return 1 if any(r["summary"]["failed"] for r in result["runs"]) else 0
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

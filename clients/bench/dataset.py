@@ -65,7 +65,7 @@ def random_dataset(
 
 def chat_dataset(n: int, output_dist: LengthDist, seed: int) -> list[BenchRequest]:
     # Output lengths from default_rng(seed), questions from (seed, 1): the same workload as
-    # clients.bench_offline for the same seed and the default long tail.
+    # benchmarks.offline for the same seed and the default long tail.
     out_lens = output_dist.sample(n, np.random.default_rng(seed))
     return [
         BenchRequest(i, o, "chat", messages=user_turn(q))

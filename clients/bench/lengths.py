@@ -29,7 +29,7 @@ def long_tailed(n: int, rng: np.random.Generator, max_len: int = 320) -> list[in
 
 
 def output_lengths(n: int, seed: int, max_len: int = 320) -> list[int]:
-    """`long_tailed` from its own seeded stream (what clients.bench_offline has always used)."""
+    """`long_tailed` from its own seeded stream (what benchmarks.offline has always used)."""
     return long_tailed(n, np.random.default_rng(seed), max_len)
 
 

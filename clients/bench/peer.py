@@ -3,17 +3,24 @@ same invocation, and the ratio of our output tokens/s to theirs.
 
 The worker's figure is its first run's output throughput (use ``--request-rate inf`` for an
 offline-style comparison: everything queued at once, as the peer sees it). The peer runs
-after the worker has answered, in this process, so the two never share the CPU.
+after the worker has answered, as a child process (``python -m benchmarks.peer``, which
+needs the worker's packages and transformers installed), so the two never share the CPU
+and this package imports nothing of the engine. Its prompts are the ids the worker
+computes, made here with the worker's own tokenizer files (`clients.bench.tokenizer`).
 """
 
 from __future__ import annotations
 
-import os
+import json
+import subprocess
+import sys
 from typing import Any
 
 from clients.bench.dataset import BenchRequest
+from clients.bench.tokenizer import pad_id, prompt_ids
 
 PEERS = ("transformers",)
+PEER_COMMAND = (sys.executable, "-m", "benchmarks.peer")
 
 
 def run_peer(
@@ -22,32 +29,24 @@ def run_peer(
     *,
     batch_size: int,
     threads: int | None,  # CPU threads (the peer's torch.set_num_threads)
-    tokenizer_path: str | None,
+    tokenizer: Any,  # a `load_tokenizer` result; None when every request is token ids
     ours_output_throughput: float,
     model: str = "default",
 ) -> dict[str, Any]:
     assert name == "transformers", name
-    import torch
-
-    from clients.bench.peer_transformers import load_hf_model, run_static_batches
-    from clients.bench.tokenizer import load_tokenizer, prompt_ids
-
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    tok = load_tokenizer(tokenizer_path)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_ids[0]
-    prompts = [prompt_ids(r, tok) for r in requests]
-    hf = load_hf_model(model)
-    r = run_static_batches(
-        hf, prompts, [q.output_len for q in requests], batch_size, pad
-    )
-    del r["tokens"]
-    return {
-        "system": f"transformers static batching (generate, greedy, {str(hf.dtype).removeprefix('torch.')})",
-        "model": model,
-        "device": str(hf.device),
+    job = {
+        "prompts": [prompt_ids(r, tokenizer) for r in requests],
+        "output_lens": [r.output_len for r in requests],
         "batch_size": batch_size,
-        "threads": torch.get_num_threads(),
-        **r,
-        "ours_output_throughput": ours_output_throughput,
-        "ratio": ours_output_throughput / r["output_throughput"],
+        "threads": threads,
+        "model": model,
+        "pad_id": pad_id(tokenizer),
     }
+    done = subprocess.run(PEER_COMMAND, input=json.dumps(job), capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the peer ({' '.join(PEER_COMMAND[1:])}) exited {done.returncode}: "
+                           f"{done.stderr[-2000:]}")
+    r = json.loads(done.stdout)
+    return {**r, "ours_output_throughput": ours_output_throughput,
+            "ratio": ours_output_throughput / r["output_throughput"]}

@@ -18,7 +18,8 @@ overload       Poisson arrivals at k x the measured capacity, three priorities, 
 sigterm        SIGTERM while streams run: new calls UNAVAILABLE, the in-flight
                ones finish or end within the grace, exit code 0, nothing hangs
 fault          one model step fails under load (a fault injected through
-               `clients.reliability.faulty_worker`): its requests end INTERNAL, the
+               `benchmarks.faulty_worker`, the worker's own process with a patched
+               runner; this package only starts it): its requests end INTERNAL, the
                rest complete, the worker stays SERVING, no block is leaked
 slow_reader    clients that stop reading mid-stream while others run: the others
                finish unharmed, the stalled ones get their whole output (coalesced)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clients.bench.environment import command
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,5 +64,5 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch_version,
         "commit": _git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else ""),
-        "command": " ".join(["python", "-m", "clients.reliability", *sys.argv[1:]]),
+        "command": command(["python", "-m", "clients.reliability", *sys.argv[1:]]),
     }

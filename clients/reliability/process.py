@@ -18,15 +18,16 @@ START_TIMEOUT_S = 180.0
 class WorkerProcess:
     """`python -m worker.cli serve --port 0 FLAGS` (or the fault launcher), stderr kept.
 
-    ``fault_file``: run through `clients.reliability.faulty_worker`, which fails one model
-    step each time that file appears (and removes it).
+    ``fault_file``: run through `benchmarks.faulty_worker` instead (a child process; nothing
+    of it is imported here), which fails one model step each time that file appears (and
+    removes it).
     """
 
     def __init__(self, *flags: str, fault_file: Path | None = None) -> None:
         if fault_file is None:
             cmd = [sys.executable, "-m", "worker.cli", "serve"]
         else:
-            cmd = [sys.executable, "-m", "clients.reliability.faulty_worker", str(fault_file)]
+            cmd = [sys.executable, "-m", "benchmarks.faulty_worker", str(fault_file)]
         cmd += ["--port", "0", "--host", "127.0.0.1", "--log-format", "json", *flags]
         self.cmd = cmd
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}

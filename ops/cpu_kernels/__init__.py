@@ -1,12 +1,20 @@
 """C kernels for the CPU, compiled with the system's gcc on first use and called through ctypes.
 
-Each `NAME.c` here builds into `NAME-<hash of source and flags>.so` in a cache folder
-(`LLMWORKER_KERNEL_CACHE`, default ~/.cache/llm-worker; a folder under the temp dir where
-that cannot be written), once per source version; a build
-goes to a temporary name and is renamed into place, so concurrent workers never load half a
-file. `load()` returns None where a kernel cannot run here (no AVX2/FMA/F16C, no compiler):
-callers then take their torch path. The kernels use OpenMP; torch has loaded its libgomp
-first, so they share torch's thread pool.
+The machines this runs on differ (AVX2-only Zen 3; AVX-512 with VNNI on Zen 4), so each
+kernel is built for the best instruction set the CPU has (`isa()`), one of `ISAS`:
+
+    avx2          AVX2 + FMA + F16C (the minimum; without it `load()` returns None)
+    avx2-vnni     + AVX-VNNI (256-bit vpdpbusd: Alder Lake, Zen 5)
+    avx512        + AVX-512 F/BW/VL/DQ
+    avx512-vnni   + AVX-512 VNNI (Ice Lake, Zen 4)
+
+The sources pick their code paths with the compiler's macros (`__AVX512F__`,
+`__AVX512VNNI__`, `__AVXVNNI__`). Each `NAME.c` builds into `NAME-<isa>-<hash>.so`, the hash
+over every source here, the flags and the ISA, in a cache folder (`LLMWORKER_KERNEL_CACHE`,
+default ~/.cache/llm-worker; a folder under the temp dir where that cannot be written): a cache
+shared by machines of different ISAs never hands one a binary built for another. A build goes
+to a temporary name and is renamed into place, so concurrent workers never load half a file.
+The kernels use OpenMP; torch has loaded its libgomp first, so they share torch's thread pool.
 """
 
 from __future__ import annotations
@@ -19,8 +27,20 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_NEEDS = {"avx2", "fma", "f16c"}
+# -ffp-contract=off: no FMA the source does not write, so every ISA's build of a kernel
+# rounds the same way where its arithmetic is written the same way.
+_COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# Best first: the flags each ISA builds with, and the /proc/cpuinfo flags it needs.
+ISAS: dict[str, tuple[list[str], set[str]]] = {
+    "avx512-vnni": ([*_AVX512, "-mavx512vnni"],
+                    {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+    "avx512": (_AVX512, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx2-vnni": ([*_AVX2, "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
+    "avx2": (_AVX2, {"avx2", "fma", "f16c"}),
+}
+_forced: str | None = None
 
 
 def _cpu_flags() -> set[str]:
@@ -32,18 +52,48 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+def supported_isas() -> list[str]:
+    """The ISAs this CPU can run, best first (empty: no kernel can run here)."""
+    flags = _cpu_flags()
+    return [name for name, (_, needs) in ISAS.items() if needs <= flags]
+
+
+def isa() -> str | None:
+    """The ISA the kernels are built for: the best this CPU has, unless `force_isa` chose."""
+    if _forced is not None:
+        return _forced
+    best = supported_isas()
+    return best[0] if best else None
+
+
+def force_isa(name: str | None) -> None:
+    """Build and load the kernels for `name` (one this CPU supports) from now on; None goes back
+    to the best. For tests and benchmarks that compare the paths on one machine: libraries
+    already loaded by callers keep their build, so set this before the first kernel loads."""
+    global _forced
+    if name is not None and name not in supported_isas():
+        raise ValueError(f"ISA {name!r} is not one this CPU supports ({', '.join(supported_isas()) or 'none'})")
+    _forced = name
+    load.cache_clear()
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `name.c`, or None where it cannot be built or run."""
+    """The compiled `name.c` for `isa()`, or None where it cannot be built or run."""
     import torch  # noqa: F401  (its libgomp must be in the process before ours is resolved)
 
-    if not _NEEDS <= _cpu_flags():
+    target = isa()
+    if target is None:
         return None
-    source = Path(__file__).with_name(f"{name}.c")
-    tag = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    folder = Path(__file__).parent
+    source = folder / f"{name}.c"
+    flags = [*_COMMON, *ISAS[target][0]]
+    digest = hashlib.sha256(" ".join([target, *flags]).encode())
+    for path in sorted(folder.glob("*.[ch]")):  # a kernel may #include another
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     for cache in _cache_dirs():
-        so = cache / f"{name}-{tag}.so"
-        if so.exists() or _build(source, so):
+        so = cache / f"{name}-{target}-{digest.hexdigest()[:16]}.so"
+        if so.exists() or _build(source, so, flags):
             return ctypes.CDLL(str(so))
     return None
 
@@ -54,14 +104,14 @@ def _cache_dirs() -> list[Path]:
     return [first, Path(tempfile.gettempdir()) / f"llm-worker-kernels-{os.getuid()}"]
 
 
-def _build(source: Path, so: Path) -> bool:
+def _build(source: Path, so: Path, flags: list[str]) -> bool:
     tmp = None
     try:
         so.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
         os.close(fd)
-        subprocess.run([os.environ.get("CC", "gcc"), *_FLAGS, str(source), "-o", tmp],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run([os.environ.get("CC", "gcc"), *flags, str(source), "-o", tmp],
+                       check=True, capture_output=True, timeout=180)
         os.replace(tmp, so)
         return True
     except (OSError, subprocess.SubprocessError):

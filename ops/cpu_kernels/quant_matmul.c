@@ -1,5 +1,5 @@
 /* y[M, N] = x[M, K] @ W[N, K]^T for W kept in GGUF's block quantization (Q4_1, Q8_0),
- * computed in float32 on AVX2 + FMA + F16C CPUs.
+ * computed in float32 (AVX2 + FMA + F16C; AVX-512 where the build has it).
  *
  * Why: a decode step on the CPU reads every weight once; float32 weights are 6.4x the
  * bytes of Q4_1 ones. The weights are dequantized exactly as gguf-py does it (d*q + m,
@@ -13,32 +13,62 @@
  *                             byte j = q(n=j, k) | q(n=j+16, k) << 4
  *   Q8_0 record (1088 bytes): d[32] fp16 | for k in 0..31: 32 int8, byte j = q(n=j, k)
  *
- * so that the 32 weights W[n0..n0+31, k] of one k dequantize into four ymm registers.
+ * so that the 32 weights W[n0..n0+31, k] of one k dequantize into four ymm (two zmm).
  *
  * Batch invariance: every y[r, n] is one float accumulator that starts at 0 and takes
  * fma(x[r, k], W[n, k], acc) for k = 0, 1, ..., K-1 in order, whatever M is and whichever
- * path (fused or buffered) runs, so a row's result never depends on its batch.
+ * path (fused or buffered) runs, so a row's result never depends on its batch. The AVX-512
+ * code does the same per lane, so both builds give the same bits.
+ *
+ * `qf_tiles` is an OpenMP "team" function (an orphaned `omp for`): called inside a parallel
+ * region its tiles are shared among the team, outside one a single thread does them all.
  */
-#include <immintrin.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
+#ifndef LLMWORKER_QUANT_MATMUL_C
+#define LLMWORKER_QUANT_MATMUL_C
+
+#include "simd.h"
 
 #define TILE 32
 #define QBLOCK 32
 #define Q4_1_RECORD 640
 #define Q8_0_RECORD 1088
 
-/* One record's scales, and its 32 weights W[n0..n0+31, k] for one k, in four registers. */
+enum { QT_Q4_1 = 0, QT_Q8_0 = 1 };
+
+#ifdef __AVX512F__
+/* ---- AVX-512: the 32 weights of one k in two zmm (lanes n = 0..15, 16..31) ---- */
 #define Q4_1_SCALES(rec)                                                                     \
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 0)));      \
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 16)));     \
-    const __m256 d2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 32)));     \
-    const __m256 d3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 48)));     \
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 64)));     \
-    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 80)));     \
-    const __m256 m2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 96)));     \
-    const __m256 m3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 112)));    \
+    const __m512 d0 = load_half16((rec) + 0), d1 = load_half16((rec) + 32);                \
+    const __m512 m0 = load_half16((rec) + 64), m1 = load_half16((rec) + 96);               \
+    const __m128i low = _mm_set1_epi8(0x0F);
+#define Q4_1_WEIGHTS(rec, k)                                                                 \
+    const __m128i v = _mm_loadu_si128((const __m128i *)((rec) + 128 + 16 * (k)));         \
+    const __m512 w0 = _mm512_fmadd_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low))), m0); \
+    const __m512 w1 = _mm512_fmadd_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low))), m1);
+#define Q8_0_SCALES(rec) const __m512 d0 = load_half16((rec) + 0), d1 = load_half16((rec) + 32);
+#define Q8_0_WEIGHTS(rec, k)                                                                 \
+    const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                \
+        _mm_loadu_si128((const __m128i *)((rec) + 64 + 32 * (k))))), d0);                  \
+    const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                \
+        _mm_loadu_si128((const __m128i *)((rec) + 80 + 32 * (k))))), d1);
+#define VEC __m512
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VLOADA(p) _mm512_load_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSTOREA(p, v) _mm512_store_ps(p, v)
+#define VBCAST(p) _mm512_set1_ps(*(p))
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VW 16
+#define STORE_W(w)  VSTOREA((w), w0); VSTOREA((w) + 16, w1);
+#define NACC 2
+#else
+/* ---- AVX2: the 32 weights of one k in four ymm (lanes n = 0..7, ..., 24..31) ---- */
+#define Q4_1_SCALES(rec)                                                                     \
+    const __m256 d0 = load_half8((rec) + 0), d1 = load_half8((rec) + 16);                  \
+    const __m256 d2 = load_half8((rec) + 32), d3 = load_half8((rec) + 48);                 \
+    const __m256 m0 = load_half8((rec) + 64), m1 = load_half8((rec) + 80);                 \
+    const __m256 m2 = load_half8((rec) + 96), m3 = load_half8((rec) + 112);                \
     const __m128i low = _mm_set1_epi8(0x0F);
 #define Q4_1_WEIGHTS(rec, k)                                                                 \
     const __m128i v = _mm_loadu_si128((const __m128i *)((rec) + 128 + 16 * (k)));         \
@@ -48,12 +78,9 @@
     const __m256 w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m1); \
     const __m256 w2 = _mm256_fmadd_ps(d2, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m2); \
     const __m256 w3 = _mm256_fmadd_ps(d3, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m3);
-
 #define Q8_0_SCALES(rec)                                                                     \
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 0)));      \
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 16)));     \
-    const __m256 d2 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 32)));     \
-    const __m256 d3 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((rec) + 48)));
+    const __m256 d0 = load_half8((rec) + 0), d1 = load_half8((rec) + 16);                  \
+    const __m256 d2 = load_half8((rec) + 32), d3 = load_half8((rec) + 48);
 #define Q8_0_WEIGHTS(rec, k)                                                                 \
     const __m128i a = _mm_loadu_si128((const __m128i *)((rec) + 64 + 32 * (k)));          \
     const __m128i b = _mm_loadu_si128((const __m128i *)((rec) + 80 + 32 * (k)));          \
@@ -61,6 +88,37 @@
     const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), d1); \
     const __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d2);     \
     const __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), d3);
+#define VEC __m256
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VLOADA(p) _mm256_load_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VSTOREA(p, v) _mm256_store_ps(p, v)
+#define VBCAST(p) _mm256_broadcast_ss(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VW 8
+#define STORE_W(w)  VSTOREA((w), w0); VSTOREA((w) + 8, w1); VSTOREA((w) + 16, w2); VSTOREA((w) + 24, w3);
+#define NACC 4
+#endif
+
+/* One row's accumulators for the 32 outputs of a tile: a0..a3 (a0, a1 under AVX-512). */
+#if NACC == 2
+#define ACC_DECL(a) VEC a##0, a##1;
+#define ACC_ZERO(a) a##0 = a##1 = VZERO();
+#define ACC_LOAD(a, p) a##0 = VLOAD(p); a##1 = VLOAD((p) + 16);
+#define ACC_STORE(a, p) VSTORE(p, a##0); VSTORE((p) + 16, a##1);
+#define ACC_FMA_W(a, xb) a##0 = VFMA(xb, w0, a##0); a##1 = VFMA(xb, w1, a##1);
+#define ACC_FMA_BUF(a, xb, wk) a##0 = VFMA(xb, VLOADA(wk), a##0); a##1 = VFMA(xb, VLOADA((wk) + 16), a##1);
+#else
+#define ACC_DECL(a) VEC a##0, a##1, a##2, a##3;
+#define ACC_ZERO(a) a##0 = a##1 = a##2 = a##3 = VZERO();
+#define ACC_LOAD(a, p) a##0 = VLOAD(p); a##1 = VLOAD((p) + 8); a##2 = VLOAD((p) + 16); a##3 = VLOAD((p) + 24);
+#define ACC_STORE(a, p) VSTORE(p, a##0); VSTORE((p) + 8, a##1); VSTORE((p) + 16, a##2); VSTORE((p) + 24, a##3);
+#define ACC_FMA_W(a, xb) a##0 = VFMA(xb, w0, a##0); a##1 = VFMA(xb, w1, a##1); \
+                         a##2 = VFMA(xb, w2, a##2); a##3 = VFMA(xb, w3, a##3);
+#define ACC_FMA_BUF(a, xb, wk) a##0 = VFMA(xb, VLOADA(wk), a##0); a##1 = VFMA(xb, VLOADA((wk) + 8), a##1); \
+                               a##2 = VFMA(xb, VLOADA((wk) + 16), a##2); a##3 = VFMA(xb, VLOADA((wk) + 24), a##3);
+#endif
 
 /* Dequantize one record into w[k * TILE + n] (for the register-blocked rows), or
  * multiply it straight into one row's accumulators (for a single row: no store). */
@@ -69,24 +127,19 @@
         T##_SCALES(rec)                                                                      \
         for (int k = 0; k < QBLOCK; k++, w += TILE) {                                       \
             T##_WEIGHTS(rec, k)                                                              \
-            _mm256_store_ps(w + 0, w0); _mm256_store_ps(w + 8, w1);                         \
-            _mm256_store_ps(w + 16, w2); _mm256_store_ps(w + 24, w3);                       \
+            STORE_W(w)                                                                       \
         }                                                                                    \
     }                                                                                        \
     static inline void fused1_##T(const uint8_t *rec, const float *x, float *y, int first) { \
         T##_SCALES(rec)                                                                      \
-        __m256 a0, a1, a2, a3;                                                               \
-        if (first) { a0 = a1 = a2 = a3 = _mm256_setzero_ps(); }                             \
-        else { a0 = _mm256_loadu_ps(y); a1 = _mm256_loadu_ps(y + 8);                        \
-               a2 = _mm256_loadu_ps(y + 16); a3 = _mm256_loadu_ps(y + 24); }                \
+        ACC_DECL(a)                                                                          \
+        if (first) { ACC_ZERO(a) } else { ACC_LOAD(a, y) }                                  \
         for (int k = 0; k < QBLOCK; k++) {                                                   \
             T##_WEIGHTS(rec, k)                                                              \
-            const __m256 xb = _mm256_broadcast_ss(x + k);                                    \
-            a0 = _mm256_fmadd_ps(xb, w0, a0); a1 = _mm256_fmadd_ps(xb, w1, a1);             \
-            a2 = _mm256_fmadd_ps(xb, w2, a2); a3 = _mm256_fmadd_ps(xb, w3, a3);             \
+            const VEC xb = VBCAST(x + k);                                                    \
+            ACC_FMA_W(a, xb)                                                                 \
         }                                                                                    \
-        _mm256_storeu_ps(y, a0); _mm256_storeu_ps(y + 8, a1);                               \
-        _mm256_storeu_ps(y + 16, a2); _mm256_storeu_ps(y + 24, a3);                         \
+        ACC_STORE(a, y)                                                                      \
     }
 DEQUANT_FNS(Q4_1)
 DEQUANT_FNS(Q8_0)
@@ -94,94 +147,103 @@ DEQUANT_FNS(Q8_0)
 /* Rows of x against one dequantized block w[32 k][TILE], accumulating into y: the
  * accumulators live in registers for the block's 32 k and in y between blocks (a float
  * store and load change nothing, so the sum's order is k = 0..K-1 whatever the blocking).
- * Named variables, not arrays: gcc spills arrays of __m256 to the stack on every k. */
-#define LOAD_ACC(r, a0, a1, a2, a3)                                                          \
-    if (first) { a0 = a1 = a2 = a3 = _mm256_setzero_ps(); }                                \
-    else { a0 = _mm256_loadu_ps(y + (size_t)(r) * N); a1 = _mm256_loadu_ps(y + (size_t)(r) * N + 8); \
-           a2 = _mm256_loadu_ps(y + (size_t)(r) * N + 16); a3 = _mm256_loadu_ps(y + (size_t)(r) * N + 24); }
-#define STORE_ACC(r, a0, a1, a2, a3)                                                         \
-    _mm256_storeu_ps(y + (size_t)(r) * N, a0); _mm256_storeu_ps(y + (size_t)(r) * N + 8, a1); \
-    _mm256_storeu_ps(y + (size_t)(r) * N + 16, a2); _mm256_storeu_ps(y + (size_t)(r) * N + 24, a3);
-#define FMA_ROW(r, a0, a1, a2, a3)                                                           \
-    { const __m256 xb = _mm256_broadcast_ss(x + (size_t)(r) * K + k);                     \
-      a0 = _mm256_fmadd_ps(xb, _mm256_load_ps(wk), a0);                                   \
-      a1 = _mm256_fmadd_ps(xb, _mm256_load_ps(wk + 8), a1);                               \
-      a2 = _mm256_fmadd_ps(xb, _mm256_load_ps(wk + 16), a2);                              \
-      a3 = _mm256_fmadd_ps(xb, _mm256_load_ps(wk + 24), a3); }
+ * Named variables, not arrays: gcc spills arrays of vectors to the stack on every k. */
+#define ROW_LOAD(a, r) if (first) { ACC_ZERO(a) } else { ACC_LOAD(a, y + (size_t)(r) * ldy) }
+#define ROW_FMA(a, r) { const VEC xb = VBCAST(x + (size_t)(r) * ldx + k); ACC_FMA_BUF(a, xb, wk) }
 
-static inline void micro_1(const float *x, int K, const float *w, float *y, int N, int first) {
-    __m256 a0, a1, a2, a3;
-    LOAD_ACC(0, a0, a1, a2, a3)
+static inline void micro_1(const float *x, size_t ldx, const float *w, float *y, size_t ldy, int first) {
+    ACC_DECL(a)
+    ROW_LOAD(a, 0)
     for (int k = 0; k < QBLOCK; k++) {
         const float *wk = w + k * TILE;
-        FMA_ROW(0, a0, a1, a2, a3)
+        ROW_FMA(a, 0)
     }
-    STORE_ACC(0, a0, a1, a2, a3)
+    ACC_STORE(a, y)
 }
 
-static inline void micro_2(const float *x, int K, const float *w, float *y, int N, int first) {
-    __m256 a0, a1, a2, a3, b0, b1, b2, b3;
-    LOAD_ACC(0, a0, a1, a2, a3)
-    LOAD_ACC(1, b0, b1, b2, b3)
+static inline void micro_2(const float *x, size_t ldx, const float *w, float *y, size_t ldy, int first) {
+    ACC_DECL(a) ACC_DECL(b)
+    ROW_LOAD(a, 0) ROW_LOAD(b, 1)
     for (int k = 0; k < QBLOCK; k++) {
         const float *wk = w + k * TILE;
-        FMA_ROW(0, a0, a1, a2, a3)
-        FMA_ROW(1, b0, b1, b2, b3)
+        ROW_FMA(a, 0) ROW_FMA(b, 1)
     }
-    STORE_ACC(0, a0, a1, a2, a3)
-    STORE_ACC(1, b0, b1, b2, b3)
+    ACC_STORE(a, y) ACC_STORE(b, y + ldy)
 }
 
-static inline void micro_3(const float *x, int K, const float *w, float *y, int N, int first) {
-    __m256 a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3;
-    LOAD_ACC(0, a0, a1, a2, a3)
-    LOAD_ACC(1, b0, b1, b2, b3)
-    LOAD_ACC(2, c0, c1, c2, c3)
+static inline void micro_3(const float *x, size_t ldx, const float *w, float *y, size_t ldy, int first) {
+    ACC_DECL(a) ACC_DECL(b) ACC_DECL(c)
+    ROW_LOAD(a, 0) ROW_LOAD(b, 1) ROW_LOAD(c, 2)
     for (int k = 0; k < QBLOCK; k++) {
         const float *wk = w + k * TILE;
-        FMA_ROW(0, a0, a1, a2, a3)
-        FMA_ROW(1, b0, b1, b2, b3)
-        FMA_ROW(2, c0, c1, c2, c3)
+        ROW_FMA(a, 0) ROW_FMA(b, 1) ROW_FMA(c, 2)
     }
-    STORE_ACC(0, a0, a1, a2, a3)
-    STORE_ACC(1, b0, b1, b2, b3)
-    STORE_ACC(2, c0, c1, c2, c3)
+    ACC_STORE(a, y) ACC_STORE(b, y + ldy) ACC_STORE(c, y + 2 * ldy)
 }
 
-typedef void (*dequant_fn)(const uint8_t *, float *);
-typedef void (*fused_fn)(const uint8_t *, const float *, float *, int);
+#ifdef __AVX512F__
+/* Twice the registers: six rows at a time. */
+static inline void micro_6(const float *x, size_t ldx, const float *w, float *y, size_t ldy, int first) {
+    ACC_DECL(a) ACC_DECL(b) ACC_DECL(c) ACC_DECL(e) ACC_DECL(f) ACC_DECL(g)
+    ROW_LOAD(a, 0) ROW_LOAD(b, 1) ROW_LOAD(c, 2) ROW_LOAD(e, 3) ROW_LOAD(f, 4) ROW_LOAD(g, 5)
+    for (int k = 0; k < QBLOCK; k++) {
+        const float *wk = w + k * TILE;
+        ROW_FMA(a, 0) ROW_FMA(b, 1) ROW_FMA(c, 2) ROW_FMA(e, 3) ROW_FMA(f, 4) ROW_FMA(g, 5)
+    }
+    ACC_STORE(a, y) ACC_STORE(b, y + ldy) ACC_STORE(c, y + 2 * ldy)
+    ACC_STORE(e, y + 3 * ldy) ACC_STORE(f, y + 4 * ldy) ACC_STORE(g, y + 5 * ldy)
+}
+#endif
 
-static int matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads,
-                  dequant_fn dequant, fused_fn fused, int record) {
-    if (K % QBLOCK || N % TILE || M < 1) return -1;
-    const int nb = K / QBLOCK, ntiles = N / TILE;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int t = 0; t < ntiles; t++) {
-        /* One dequantized block, 32 x 32 floats: 4 KB, stays in L1. */
-        float buf[QBLOCK * TILE] __attribute__((aligned(64)));
-        const uint8_t *rec = w + (size_t)t * nb * record;
-        float *yt = y + (size_t)t * TILE;
-        for (int b = 0; b < nb; b++) {
-            if (M == 1) {
-                fused(rec + (size_t)b * record, x + (size_t)b * QBLOCK, yt, b == 0);
-                continue;
-            }
-            dequant(rec + (size_t)b * record, buf);
-            const float *xb = x + (size_t)b * QBLOCK;
-            const int first = b == 0;
-            int r = 0;
-            for (; r + 3 <= M; r += 3) micro_3(xb + (size_t)r * K, K, buf, yt + (size_t)r * N, N, first);
-            if (M - r == 2) micro_2(xb + (size_t)r * K, K, buf, yt + (size_t)r * N, N, first);
-            else if (M - r == 1) micro_1(xb + (size_t)r * K, K, buf, yt + (size_t)r * N, N, first);
+static inline int qf_record(int qtype) { return qtype == QT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD; }
+
+/* Tile t (outputs 32t..32t+31) for rows 0..M-1 into yt[r * ldy + n], from x[r * ldx + k]. */
+static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t ldx, int M,
+                    float *yt, size_t ldy, int t) {
+    const int nb = K / QBLOCK, record = qf_record(qtype);
+    const uint8_t *rec = w + (size_t)t * nb * record;
+    /* One dequantized block, 32 x 32 floats: 4 KB, stays in L1. */
+    float buf[QBLOCK * TILE] __attribute__((aligned(64)));
+    for (int b = 0; b < nb; b++, rec += record) {
+        const float *xb = x + (size_t)b * QBLOCK;
+        const int first = b == 0;
+        if (M == 1) {
+            if (qtype == QT_Q4_1) fused1_Q4_1(rec, xb, yt, first);
+            else fused1_Q8_0(rec, xb, yt, first);
+            continue;
         }
+        if (qtype == QT_Q4_1) dequant_Q4_1(rec, buf);
+        else dequant_Q8_0(rec, buf);
+        int r = 0;
+#ifdef __AVX512F__
+        for (; r + 6 <= M; r += 6) micro_6(xb + r * ldx, ldx, buf, yt + r * ldy, ldy, first);
+#endif
+        for (; r + 3 <= M; r += 3) micro_3(xb + r * ldx, ldx, buf, yt + r * ldy, ldy, first);
+        if (M - r == 2) micro_2(xb + r * ldx, ldx, buf, yt + r * ldy, ldy, first);
+        else if (M - r == 1) micro_1(xb + r * ldx, ldx, buf, yt + r * ldy, ldy, first);
     }
+}
+
+/* Every tile of y = x @ W^T, shared among the team (see the top). */
+static void qf_tiles(const uint8_t *w, int qtype, int N, int K, const float *x, size_t ldx, int M,
+                     float *y, size_t ldy) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < N / TILE; t++) qf_tile(w, qtype, K, x, ldx, M, y + (size_t)t * TILE, ldy, t);
+}
+
+static int qf_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype) {
+    if (K % QBLOCK || N % TILE || M < 1) return -1;
+#pragma omp parallel num_threads(nthreads)
+    qf_tiles(w, qtype, N, K, x, (size_t)K, M, y, (size_t)N);
     return 0;
 }
 
 int q4_1_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
-    return matmul(x, M, K, w, N, y, nthreads, dequant_Q4_1, fused1_Q4_1, Q4_1_RECORD);
+    return qf_matmul(x, M, K, w, N, y, nthreads, QT_Q4_1);
 }
 
 int q8_0_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
-    return matmul(x, M, K, w, N, y, nthreads, dequant_Q8_0, fused1_Q8_0, Q8_0_RECORD);
+    return qf_matmul(x, M, K, w, N, y, nthreads, QT_Q8_0);
 }
+
+#endif

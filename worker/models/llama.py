@@ -11,13 +11,14 @@ touching this file.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 import ops
+from ops.attention import StepPlan
 from ops.rotary import RopeScaling
 
 T = TypeVar("T")
@@ -105,7 +106,8 @@ class LlamaConfig:
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens sit in the paged cache (see ops/attention.py)."""
+    """Where this step's tokens sit in the paged cache (see ops/attention.py). One per step:
+    every layer of the step reads the same object."""
 
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [B, max_blocks] int32
@@ -113,6 +115,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1]
     max_query_len: int
     max_seq_len: int
+    # The torch and C attention paths' grouping and masks, built by the step's first layer.
+    plan: StepPlan = field(default_factory=StepPlan, repr=False, compare=False)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
@@ -154,6 +158,7 @@ class Attention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
             self.scale,
+            plan=meta.plan,
         )
         return self.o_proj(out.reshape(n, self.q_size))
 

@@ -1,6 +1,6 @@
 """The CPU measurements behind ops/linear.py and the paged-attention gather, reproducible:
 
-    python -m clients.bench_cpu_ops --output-json bench-results/cpu-ops.json
+    python -m benchmarks.cpu_ops --output-json bench-results/cpu-ops.json
 
 - read bandwidth (a `sum` over 512 MB): the floor of a decode step that reads every weight;
 - 60 weight matrices of 3072x576 (about a SmolLM2-135M step's MLP weights) times 1-64 rows,

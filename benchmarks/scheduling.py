@@ -1,7 +1,7 @@
 """Scheduling figures for BENCHMARKS.md (issue 5), on the engine in this process:
 
-    python -m clients.bench_scheduling priority --output-json bench-results/priority.json
-    python -m clients.bench_scheduling prefix --output-json bench-results/prefix.json
+    python -m benchmarks.scheduling priority --output-json bench-results/priority.json
+    python -m benchmarks.scheduling prefix --output-json bench-results/prefix.json
 
 priority: a backlog of low-priority requests fills a small cache; urgent requests arrive
     one by one while it drains. Run twice on the same requests and arrival times: with
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from clients.bench_offline import machine_info
+from benchmarks.offline import machine_info
+from clients.bench.environment import recorded
 from scheduler.request import SamplingParams
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
     loaded = load_model(args.model)
-    report: dict[str, Any] = {"info": {**machine_info(), "args": vars(args), "threads": torch.get_num_threads()}}
+    report: dict[str, Any] = {"info": {**machine_info(), "args": recorded(vars(args)), "threads": torch.get_num_threads()}}
     if args.what == "priority":
         runs = [run_priority(loaded, args, with_priorities=p) for p in (False, True)]
         report["runs"] = runs

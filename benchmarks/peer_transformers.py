@@ -3,10 +3,10 @@
 What a server without continuous batching does: take B requests, left-pad them, decode
 greedily until the longest is done, then the next B. Each request must produce exactly its
 asked-for number of tokens (EOS ignored) and only those count, so both systems do the same
-useful work. Shared with clients.bench_offline. Runs in this process: the default model in
-float32 on the CPU; a ``dummy:SHAPE`` model (random weights of one of the worker's dummy
-shapes, for token-id workloads) on CUDA in bfloat16 when a GPU is present, as the worker
-serves it.
+useful work. Shared by benchmarks.offline and benchmarks.peer (llm-worker-bench --peer).
+Runs in this process: the default model in float32 on the CPU; a ``dummy:SHAPE`` model
+(random weights of one of the worker's dummy shapes, for token-id workloads) on CUDA in
+bfloat16 when a GPU is present, as the worker serves it.
 """
 
 from __future__ import annotations

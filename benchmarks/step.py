@@ -1,12 +1,12 @@
 """Decode step time against batch size, for the engine on this machine:
 
-    python -m clients.bench_step --batch-sizes 1,8,16,32,64
+    python -m benchmarks.step --batch-sizes 1,8,16,32,64
 
 On a GPU decode is weight-read bound and a step costs about the same at batch 1
 and 64, which is where continuous batching wins most; this shows how far a
 given machine is from that.
 
-    python -m clients.bench_step --variants quantized,float32 --rounds 3
+    python -m benchmarks.step --variants quantized,float32 --rounds 3
 
 times the CPU's linear-layer paths against each other in one run, alternating: `quantized`
 (the default: GGUF blocks, ops/quantized_linear.py), `float32` (dequantized at load,
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch
 
-from clients.bench.environment import environment
+from clients.bench.environment import environment, recorded
 from ops import cpu_attention
 from scheduler.request import SamplingParams
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
@@ -37,11 +37,15 @@ VARIANTS = {"quantized": ModelConfig(), "float32": ModelConfig(cpu_quantized_lin
             "float32-sdpa": ModelConfig(cpu_quantized_linear=False)}  # + the torch decode attention
 
 
+def step_config(batch: int, model: ModelConfig | None = None) -> WorkerConfig:
+    """What a row runs under (recorded beside it in the JSON)."""
+    return WorkerConfig(model=model or ModelConfig(), cache=CacheConfig(kv_cache_memory=0.5),
+                        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192))
+
+
 def step_ms(loaded: LoadedModel, batch: int, context: int, steps: int,
             model: ModelConfig | None = None) -> float:
-    conf = WorkerConfig(model=model or ModelConfig(), cache=CacheConfig(kv_cache_memory=0.5),
-                        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192))
-    engine = Engine(conf, loaded=loaded)
+    engine = Engine(step_config(batch, model), loaded=loaded)
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
         engine.submit(engine.make_request([(7 * i + j) % 40000 + 100 for j in range(context)], params))
@@ -118,11 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         for v in variants:
             ms = sorted(times[v])[(args.rounds - 1) // 2]
             rows.append({"variant": v, "batch": b, "step_ms": round(ms, 1),
-                         "tokens_per_s": round(b / ms * 1000, 1), "rounds_ms": [round(t, 1) for t in times[v]]})
+                         "tokens_per_s": round(b / ms * 1000, 1), "rounds_ms": [round(t, 1) for t in times[v]],
+                         "torch_decode_attention": v == "float32-sdpa",
+                         "engine_config": json.loads(step_config(b, VARIANTS[v]).to_json())})
             print(f"{v:>10} batch {b:3d}: {ms:7.1f} ms/step  {b / ms * 1000:7.1f} tok/s", flush=True)
     if args.output_json:
         info = {**environment(), "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                "torch": torch.__version__, "threads": torch.get_num_threads(), "args": vars(args)}
+                "torch": torch.__version__, "threads": torch.get_num_threads(), "args": recorded(vars(args))}
         with open(args.output_json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=2)
 

@@ -1,6 +1,6 @@
 """GPU figures for BENCHMARKS.md (issue 6), in one run:
 
-    python -m clients.bench_gpu --output-json bench-results/gpu.json
+    python -m benchmarks.gpu --output-json bench-results/gpu.json
 
 1. copy: the device's measured copy bandwidth (device to device, bytes read + written),
    the ceiling every memory-bound figure below is a fraction of.
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from typing import Any
 
 import torch
+
+from clients.bench.environment import command, git_commit, recorded
 
 GiB = 1 << 30
 
@@ -117,6 +118,7 @@ def decode_step(model: str, context: int, steps: int) -> dict[str, Any]:
             times.append((time.perf_counter() - t0) * 1000)
         key = "graphs" if graphs else "eager"
         result[f"{key}_step_ms"] = statistics.median(times)
+        result[f"{key}_engine_config"] = json.loads(conf.to_json())
         if graphs:
             assert engine.runner.graphs is not None
             graph, _ = engine.runner.graphs.graphs[1]
@@ -141,12 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     import triton
 
-    # A copy without .git (e.g. a git-archive snapshot on a GPU machine) names its commit here.
-    commit = os.environ.get("LLMWORKER_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    # A copy without .git (e.g. a git-archive snapshot on a GPU machine) names its commit in
+    # LLMWORKER_COMMIT (see git_commit).
+    commit = (git_commit() or "")[:12]
     info = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
             "torch": torch.__version__, "triton": triton.__version__, "host": platform.node(),
-            "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
+            "commit": commit, "date": time.strftime("%Y-%m-%d"), "args": recorded(vars(args)),
+            "command": command(sys.argv)}
     print(f"# {info['device']}, torch {info['torch']}, triton {info['triton']}, commit {info['commit']}")
     report: dict[str, Any] = {"info": info}
     copy = report["copy"] = copy_bandwidth()

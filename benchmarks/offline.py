@@ -19,10 +19,10 @@ Every system generates exactly the requested number of tokens per request (EOS i
 ignored), so each does the same useful work; static batches also do the wasted work of
 finishing alongside their longest member, which is what continuous batching saves.
 
-    python -m clients.bench_offline                         # 64 requests, B = 8, all four
-    python -m clients.bench_offline --num-requests 8 --systems continuous,static
-    python -m clients.bench_offline --output-json bench.json
-    python -m clients.bench_offline --repeat 3 --peer-batch-size 64   # rounds; transformers at B=64
+    python -m benchmarks.offline                         # 64 requests, B = 8, all four
+    python -m benchmarks.offline --num-requests 8 --systems continuous,static
+    python -m benchmarks.offline --output-json bench.json
+    python -m benchmarks.offline --repeat 3 --peer-batch-size 64   # rounds; transformers at B=64
 
 This machine's speed drifts over minutes, so `--repeat R` runs the
 systems in rounds (each round runs every system once, in turn) and reports for each
@@ -31,7 +31,8 @@ system its median round (the lower middle one when R is even), and every round's
 "Occupancy" is output tokens / model steps: how many requests produce a useful token
 in an average forward pass (at most B). A transformers batch takes max(L) steps.
 
-Unlike the rest of `clients/`, this benchmark imports the worker: it is offline, in-process.
+In-process (it imports the engine); the JSON records each system's `WorkerConfig` beside
+its figures, and the commit and command in ``machine``.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.peer_transformers import load_hf_model, run_static_batches
 from clients.bench.chat import pick_questions
-from clients.bench.environment import environment
+from clients.bench.environment import environment, recorded
 from clients.bench.lengths import output_lengths
-from clients.bench.peer_transformers import hf_generate_batch, load_hf_model
 from scheduler.request import SamplingParams
 from worker.config import SchedulerConfig, WorkerConfig
 from worker.engine import Engine
@@ -112,6 +113,7 @@ class Result:
     tokens: list[list[int]] = field(repr=False)
     batch_size: int = 0
     rounds_wall_s: list[float] = field(default_factory=list)
+    engine_config: dict[str, Any] | None = None  # the WorkerConfig it ran under (ours only)
 
     @property
     def tok_per_s(self) -> float:
@@ -140,10 +142,7 @@ def run_engine(
     makes them, one at a time, every member's max_tokens its batch's longest: every row is
     computed until its batch ends, and only a request's own first tokens count."""
     padded = system == "static-padded"
-    conf = WorkerConfig(scheduler=SchedulerConfig(
-        policy="static" if padded else system, max_num_seqs=batch_size,
-        max_num_batched_tokens=max_num_batched_tokens,
-    ))
+    conf = engine_config(system, batch_size, max_num_batched_tokens)
     engine = Engine(conf, loaded=loaded)
     warm = [engine.make_request(p, _greedy(4), f"warmup-{i}") for i, p in enumerate(wl.prompts[:2])]
     engine.generate(warm)
@@ -167,22 +166,22 @@ def run_engine(
         assert c.finish_reason == "length", (c.request_id, c.finish_reason)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, f"{system}: blocks still held"
     tokens = [c.token_ids[:n] for c, n in zip(done, lens, strict=True)]  # its own length counts
-    return Result(system, len(done), sum(map(len, tokens)), wall, steps, tokens, batch_size)
+    return Result(system, len(done), sum(map(len, tokens)), wall, steps, tokens, batch_size,
+                  engine_config=json.loads(conf.to_json()))  # as GetServerStatus gives it
+
+
+def engine_config(system: str, batch_size: int, max_num_batched_tokens: int) -> WorkerConfig:
+    """What `system` runs under: the defaults but for the policy, seats and token budget."""
+    return WorkerConfig(scheduler=SchedulerConfig(
+        policy="static" if system == "static-padded" else system, max_num_seqs=batch_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+    ))
 
 
 def run_transformers(hf_model, wl: Workload, batch_size: int, pad_id: int) -> Result:
-    hf_generate_batch(hf_model, wl.prompts[:2], 4, pad_id)  # warm-up
-
-    tokens: list[list[int]] = []
-    steps = 0
-    t0 = time.perf_counter()
-    for b in range(0, wl.num_requests, batch_size):
-        prompts, lens = wl.prompts[b : b + batch_size], wl.output_lens[b : b + batch_size]
-        rows = hf_generate_batch(hf_model, prompts, max(lens), pad_id)
-        tokens += [row[:n] for row, n in zip(rows, lens, strict=True)]  # only its own length counts
-        steps += max(lens)
-    wall = time.perf_counter() - t0
-    return Result("transformers", len(tokens), sum(map(len, tokens)), wall, steps, tokens, batch_size)
+    r = run_static_batches(hf_model, wl.prompts, wl.output_lens, batch_size, pad_id)
+    return Result("transformers", r["requests"], r["output_tokens"], r["wall_s"], r["steps"],
+                  r["tokens"], batch_size)
 
 
 # ----------------------------------------------------------------------------- report
@@ -248,7 +247,7 @@ def render_markdown(reports: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m clients.bench_offline", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.offline", description=__doc__.split("\n")[0]
     )
     p.add_argument("--num-requests", type=int, default=64, help="N (default 64)")
     p.add_argument("--batch-size", type=int, default=8,
@@ -362,7 +361,7 @@ def main(
         print(f"greedy agreement, {label}: {a['matching']}/{a['total']} requests identical{extra}")
 
     report = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": recorded(vars(args)),
         "model": loaded.name,
         "workload": s,
         "results": {k: r.to_dict() for k, r in results.items()},

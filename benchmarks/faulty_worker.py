@@ -1,6 +1,6 @@
 """`llm-worker serve` with a fault trigger, for the `fault` scenario only.
 
-    python -m clients.reliability.faulty_worker TRIGGER_FILE [serve flags...]
+    python -m benchmarks.faulty_worker TRIGGER_FILE [serve flags...]
 
 Each time TRIGGER_FILE exists when a model step starts, that step raises (as a device
 error would) and the file is removed: one failed step per trigger, at a moment the

@@ -1,0 +1,218 @@
+"""A Llama-family model's forward pass on the CPU in float32 as a few native calls per step
+(`cpu_kernels/decoder.c`), for a model whose every linear layer is a `QuantLinear`.
+
+Op by op, a batch-1 decode step of the default model issues hundreds of small torch ops and
+ctypes calls (norms, rotary, cache writes, activations, 121 matmuls, 30 attentions), and
+their dispatch costs more than their arithmetic. Here a step whose every token is a decode
+is one call; a step with prefill chunks is three calls per layer around torch's SDPA for
+the chunks (decode rows still take the C attention):
+
+    all decodes:  decode(embed -> 30 x [attn_in, attention, attn_out] -> final norm)
+    with chunks:  embed; per layer: attn_in, attention (decodes), SDPA (chunks), attn_out; final
+
+Every token of every step goes through the same C code for the norms, rotary, SiLU and
+residual adds, whichever of the two ways its step runs, so a request's bits do not depend
+on its batch. Those ops round a little differently from torch's (`decoder.c` says how), so
+the runner uses this module for every step or for none. It reads the model's modules as
+`worker/models/llama.py` names them (this package imports nothing of ours).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ops import cpu_kernels
+from ops.quantized_linear import QuantEmbedding, QuantLinear
+
+# qtype codes in decoder.c (quant_matmul*.c): by (type, integer layout)
+_QTYPE = {("Q4_1", False): 0, ("Q8_0", False): 1, ("Q4_1", True): 2, ("Q8_0", True): 3}
+_EMBED_TABLE, _EMBED_Q8_0, _EMBED_Q8_0_I8 = 0, 1, 2
+
+_p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("w", _p), ("qtype", _i32), ("planes", _i32), ("N", _i32), ("K", _i32), ("bias", _p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
+                ("input_norm", _p), ("post_norm", _p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("hidden", _i32), ("intermediate", _i32), ("num_heads", _i32), ("num_kv_heads", _i32),
+                ("head_dim", _i32), ("num_layers", _i32), ("eps", _f32), ("scale", _f32),
+                ("layers", ctypes.POINTER(_Layer)), ("final_norm", _p), ("cos_sin", _p),
+                ("embed_kind", _i32), ("embed", _p), ("block_size", _i32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("M", _i32), ("ids", _p), ("positions", _p), ("slots", _p), ("n_dec", _i32),
+                ("dec_rows", _p), ("dec_tables", _p), ("dec_lens", _p), ("max_blocks", _i32),
+                ("k_caches", _p), ("v_caches", _p), ("residual", _p), ("qkv", _p), ("att", _p),
+                ("out", _p), ("nthreads", _i32)]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_kernels.load("decoder")
+    if lib is not None:
+        step = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+        for name in ("cpu_decoder_decode", "cpu_decoder_embed", "cpu_decoder_final"):
+            getattr(lib, name).argtypes = step
+        for name in ("cpu_decoder_attn_in", "cpu_decoder_attention", "cpu_decoder_attn_out"):
+            getattr(lib, name).argtypes = [*step, _i32]
+        for name in ("cpu_decoder_decode", "cpu_decoder_embed", "cpu_decoder_final", "cpu_decoder_attn_in",
+                     "cpu_decoder_attention", "cpu_decoder_attn_out"):
+            getattr(lib, name).restype = _i32
+    return lib
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why `model` cannot run here (None: it can)."""
+    if _library() is None:
+        return "no compiled kernel (gcc or AVX2 missing)"
+    cfg = model.config
+    if cfg.head_dim % 32 or cfg.hidden_size % 32:
+        return f"head_dim {cfg.head_dim} or hidden size {cfg.hidden_size} not a multiple of 32"
+    if model.norm.dtype != torch.float32 or model.norm.device.type != "cpu":
+        return "not float32 on the CPU"
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not isinstance(lin, QuantLinear):
+                return "a linear layer is not quantized"
+    embed = model.embed_tokens
+    if not isinstance(embed, QuantEmbedding) and not (
+        isinstance(embed, nn.Embedding) and embed.weight.dtype == torch.float32
+    ):
+        return "an embedding of neither Q8_0 blocks nor a float32 table"
+    return None
+
+
+def _qlinear(lin: QuantLinear) -> _QLinear:
+    bias = lin.bias.data_ptr() if lin.bias is not None else None
+    return _QLinear(lin.packed.data_ptr(), _QTYPE[lin.qtype, lin.integer_layout], lin.planes, lin.out_features,
+                    lin.in_features, bias)
+
+
+class CpuDecoder:
+    """`model.forward(input_ids, positions, meta, kv_caches)` of a Llama-family model (see
+    the top), returning the final hidden states [T, hidden]."""
+
+    def __init__(self, model: nn.Module, block_size: int) -> None:
+        reason = unsupported(model)
+        assert reason is None, reason
+        self._lib = _library()
+        cfg = model.config
+        self.config = cfg
+        self.block_size = block_size
+        self._keep: list[Any] = []  # every tensor the C side points at stays alive here
+        layers = (_Layer * cfg.num_layers)()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = [layer.input_layernorm.detach().contiguous(), layer.post_attention_layernorm.detach().contiguous()]
+            self._keep += [*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            layers[i] = _Layer(_qlinear(attn.qkv_proj), _qlinear(attn.o_proj), _qlinear(mlp.gate_up_proj),
+                               _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr())
+        embed = model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            kind, table = (_EMBED_Q8_0_I8 if embed.integer_layout else _EMBED_Q8_0), embed.packed
+        else:
+            kind, table = _EMBED_TABLE, embed.weight.detach().contiguous()
+        final_norm = model.norm.detach().contiguous()
+        cos_sin = model.cos_sin.contiguous()
+        self._keep += [layers, table, final_norm, cos_sin]
+        self.activations = ", ".join(sorted({lin.activations for layer in model.layers for lin in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}))
+        self._model = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                             cfg.head_dim, cfg.num_layers, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+                             layers, final_norm.data_ptr(), cos_sin.data_ptr(), kind, table.data_ptr(),
+                             block_size)
+        self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
+
+    def describe(self) -> str:
+        return f"fused C ({cpu_kernels.isa()}, {self.activations} activations)"
+
+    def _cache_pointers(self, kv_caches: list) -> tuple[ctypes.Array, ctypes.Array]:
+        if self._caches is None or self._caches[0] is not kv_caches:
+            for k, v in kv_caches:
+                assert k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
+                assert k.shape[1] == self.block_size
+            n = len(kv_caches)
+            ks = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in kv_caches])
+            vs = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in kv_caches])
+            self._caches = (kv_caches, ks, vs)
+        return self._caches[1], self._caches[2]
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
+        cfg = self.config
+        t = input_ids.shape[0]
+        ids = input_ids.long().contiguous()
+        pos = positions.long().contiguous()
+        slots = meta.slot_mapping.long().contiguous()
+        tables = meta.block_tables.long().contiguous()
+        lens = meta.seq_lens.long().contiguous()
+        starts = meta.query_start_loc.long()
+        prefills: list[tuple[int, int, int]] = []  # (first row, end row, request) of each chunk
+        if meta.max_query_len == 1:
+            dec_rows, dec_tables, dec_lens = starts[:-1].contiguous(), tables, lens
+        else:
+            bounds = starts.tolist()
+            decodes = [i for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] == 1]
+            prefills = [(bounds[i], bounds[i + 1], i) for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] > 1]
+            idx = torch.tensor(decodes, dtype=torch.long)
+            dec_rows = starts.index_select(0, idx).contiguous()
+            dec_tables = tables.index_select(0, idx).contiguous()
+            dec_lens = lens.index_select(0, idx).contiguous()
+        qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        residual = torch.empty(t, cfg.hidden_size)
+        qkv = torch.empty(t, qkv_width)
+        att = torch.empty(t, cfg.num_heads * cfg.head_dim)
+        out = torch.empty(t, cfg.hidden_size)
+        ks, vs = self._cache_pointers(kv_caches)
+        step = _Step(t, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), dec_rows.shape[0], dec_rows.data_ptr(),
+                     dec_tables.data_ptr(), dec_lens.data_ptr(), tables.shape[1], ctypes.addressof(ks),
+                     ctypes.addressof(vs), residual.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr(),
+                     torch.get_num_threads())
+        m, s, lib = ctypes.byref(self._model), ctypes.byref(step), self._lib
+        if not prefills:
+            _check(lib.cpu_decoder_decode(m, s))
+            return out
+        _check(lib.cpu_decoder_embed(m, s))
+        for layer in range(cfg.num_layers):
+            _check(lib.cpu_decoder_attn_in(m, s, layer))
+            if dec_rows.shape[0]:
+                _check(lib.cpu_decoder_attention(m, s, layer))
+            k_cache, v_cache = kv_caches[layer]
+            for start, end, r in prefills:
+                self._prefill_attention(qkv, att, start, end, int(lens[r]), tables[r], k_cache, v_cache)
+            _check(lib.cpu_decoder_attn_out(m, s, layer))
+        _check(lib.cpu_decoder_final(m, s))
+        return out
+
+    def _prefill_attention(self, qkv: torch.Tensor, att: torch.Tensor, start: int, end: int, n: int,
+                           table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """One prefill chunk's causal attention over its request's cached keys (written by
+        attn_in, this chunk's included): rows start..end-1 sit at positions n - (end - start)..n-1."""
+        cfg = self.config
+        q_len, nblk = end - start, -(-n // self.block_size)
+        q = qkv[start:end, : cfg.num_heads * cfg.head_dim].view(q_len, cfg.num_heads, cfg.head_dim)
+        k = k_cache.index_select(0, table[:nblk]).flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
+        v = v_cache.index_select(0, table[:nblk]).flatten(0, 1)[:n].transpose(0, 1)
+        mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                           scale=cfg.head_dim**-0.5, enable_gqa=True)
+        att[start:end] = o[0].transpose(0, 1).reshape(q_len, -1)
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise RuntimeError(f"CPU decoder kernel failed ({rc}): bad shapes or lengths")

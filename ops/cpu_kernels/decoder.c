@@ -1,0 +1,394 @@
+/* A Llama-family decoder's forward pass on the CPU in float32, as a few native calls per
+ * step instead of hundreds of small torch ops (the wrapper is ops/cpu_decoder.py).
+ *
+ * One layer, for the step's M tokens (rows), with the residual stream r [M, H]:
+ *
+ *   attn_in    xn = rms_norm(r) * w_in                        (rows shared among threads)
+ *              qkv = xn @ Wqkv^T (+ bias)   per head: its D/32 tiles, then rotary on q and k
+ *                                           heads, k and v heads written to the paged cache
+ *   attention  att = softmax(q k^T / sqrt(D)) v   decode rows here (paged_attention.c);
+ *                                           prefill chunks by the caller (torch SDPA)
+ *   attn_out   r += att @ Wo^T                         per tile, into r
+ *              xn = rms_norm(r) * w_post
+ *              act = silu(g) * u, [g | u] = xn @ Wgu^T  per tile pair (t, t + I/32)
+ *              r += act @ Wdown^T                       per tile, into r
+ *
+ * and after the last layer hidden = rms_norm(r) * w_final. With integer activations
+ * (quant_matmul_int8.c) each matmul's input is written as integers per row first.
+ *
+ * `cpu_decoder_decode` runs the whole step, every token a decode, in one OpenMP parallel
+ * region (the runner's batch-1 step is one call); the `cpu_decoder_*` stages run the same
+ * team functions one region each, for steps with prefill chunks whose attention the caller
+ * runs between `attn_in` and `attn_out`. Either way a row's arithmetic is the same code
+ * on the row alone: its bits do not depend on the other rows, nor on which entry ran it.
+ *
+ * rms_norm: sum of squares in 16 float lanes over H in order, then hsum8 of the two
+ * halves' sum (H a multiple of 16); rotary as the torch reference computes it (x cos +
+ * x_rot sin, two products and a sum, no FMA: the same bits); silu(g) = g / (1 + e^-g).
+ */
+#include <math.h>
+
+#include "paged_attention.c"
+#include "quant_matmul.c"
+#include "quant_matmul_int8.c"
+
+typedef struct {
+    const uint8_t *w; /* tile records */
+    int qtype;        /* QT_Q4_1, QT_Q8_0 (float32) or QT_Q4_1_I8, QT_Q8_0_I8 (integer activations) */
+    int planes;       /* integer activations: bytes per activation (quant_matmul_int8.c) */
+    int N, K;
+    const float *bias; /* [N] or NULL */
+} qlinear;
+
+typedef struct {
+    qlinear qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* [H] */
+} layer_weights;
+
+enum { EMBED_TABLE = 0, EMBED_Q8_0 = 1, EMBED_Q8_0_I8 = 2 };
+
+typedef struct {
+    int hidden, intermediate, num_heads, num_kv_heads, head_dim, num_layers;
+    float eps, scale;
+    const layer_weights *layers;
+    const float *final_norm;
+    const float *cos_sin; /* [max_positions, head_dim]: cos in the first half, sin in the second */
+    int embed_kind;       /* EMBED_*: a float table [V, H], or a tied head's Q8_0 records */
+    const void *embed;
+    int block_size;
+} model_desc;
+
+typedef struct {
+    int M; /* tokens this step */
+    const int64_t *ids, *positions, *slots; /* [M]; a slot < 0 is not written */
+    int n_dec;                              /* decode rows, one query each */
+    const int64_t *dec_rows, *dec_tables, *dec_lens; /* [n_dec], [n_dec, max_blocks], [n_dec] */
+    int max_blocks;
+    float *const *k_caches, *const *v_caches; /* per layer: [num_blocks, block_size, Hkv, D] */
+    /* state kept between the stages of one step, owned by the caller */
+    float *residual; /* [M, H] */
+    float *qkv;      /* [M, (Hq + 2 Hkv) D] */
+    float *att;      /* [M, Hq D] */
+    float *out;      /* [M, H]: the final hidden states */
+    int nthreads;
+} step_desc;
+
+/* A matmul's input as the kernels read it: float rows (a norm's output, when the input is
+ * one), and for the integer kernels the rows as integers (quant_matmul_int8.c). */
+#define MAX_PLANES 3
+typedef struct {
+    float *x;       /* [M, H] */
+    int8_t *xq;     /* [M, MAX_PLANES Kmax] */
+    uint8_t *xu;    /* [M, MAX_PLANES Kmax]: xq + 128 */
+    float *xd, *xs; /* [M, Kmax / 32] */
+    qact *views;    /* [M] */
+} input_buf;
+
+/* Up to this many rows, each thread prepares every row of a matmul's input itself (a norm
+ * and a quantization of a few rows cost less than the barrier that sharing them needs). */
+#define PRIVATE_ROWS 16
+
+/* A call's temporaries (one malloc). */
+typedef struct {
+    input_buf shared; /* rows shared among the team */
+    input_buf *priv;  /* [threads]: each thread's own, when private_inputs */
+    int private_inputs;
+    float *act;       /* [M, I] */
+    float *tmp;       /* [threads][M * 2 TILE]: a thread's tiles before their epilogue */
+    float *attn;      /* [threads][attn_floats] */
+    size_t attn_floats;
+    int64_t max_len;
+    void *block;
+} temps;
+
+static inline int is_integer(int qtype) { return qtype == QT_Q4_1_I8 || qtype == QT_Q8_0_I8; }
+
+#define ALIGN64(n) (((n) + 63) & ~(size_t)63)
+
+static size_t input_bytes(size_t M, size_t H, size_t kmax) {
+    return ALIGN64(M * H * sizeof(float)) + 2 * ALIGN64(M * MAX_PLANES * kmax)
+           + 2 * ALIGN64(M * (kmax / QBLOCK) * sizeof(float)) + ALIGN64(M * sizeof(qact));
+}
+
+static char *input_carve(char *p, size_t M, size_t H, size_t kmax, input_buf *b) {
+#define CARVE(field, type, count)                                                           \
+    b->field = (type *)p;                                                                   \
+    p += ALIGN64((count) * sizeof(type));
+    CARVE(x, float, M * H)
+    CARVE(xq, int8_t, M * MAX_PLANES * kmax)
+    CARVE(xu, uint8_t, M * MAX_PLANES * kmax)
+    CARVE(xd, float, M * (kmax / QBLOCK))
+    CARVE(xs, float, M * (kmax / QBLOCK))
+    CARVE(views, qact, M)
+#undef CARVE
+    return p;
+}
+
+static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, temps *t) {
+    const size_t M = (size_t)s->M, H = (size_t)m->hidden, I = (size_t)m->intermediate;
+    const size_t Dq = (size_t)m->num_heads * m->head_dim;
+    const size_t kmax = I > H ? (I > Dq ? I : Dq) : (H > Dq ? H : Dq); /* widest matmul input */
+    attn_args probe = {0};
+    probe.num_heads = m->num_heads;
+    t->max_len = 1;
+    for (int i = 0; i < s->n_dec; i++)
+        if (s->dec_lens[i] > t->max_len) t->max_len = s->dec_lens[i];
+    t->attn_floats = ALIGN64(attention_scratch(&probe, t->max_len));
+    t->private_inputs = s->M <= PRIVATE_ROWS;
+    const size_t copies = 1 + (t->private_inputs ? (size_t)nthreads : 0);
+    const size_t bytes = copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
+                         + ALIGN64(M * I * sizeof(float)) + (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float))
+                         + (size_t)nthreads * t->attn_floats * sizeof(float);
+    char *p = aligned_alloc(64, ALIGN64(bytes));
+    if (!p) return -3;
+    t->block = p;
+    p = input_carve(p, M, H, kmax, &t->shared);
+    t->priv = (input_buf *)p;
+    p += ALIGN64(copies * sizeof(input_buf));
+    for (size_t i = 0; i + 1 < copies; i++) p = input_carve(p, M, H, kmax, &t->priv[i]);
+    t->act = (float *)p;
+    p += ALIGN64(M * I * sizeof(float));
+    t->tmp = (float *)p;
+    p += (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float));
+    t->attn = (float *)p;
+    return 0;
+}
+
+/* ---- elementwise pieces, one row at a time ---- */
+
+static void rms_norm_row(const float *x, const float *w, int H, float eps, float *y) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int i = 0; i < H; i += 16) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    const float var = hsum8(_mm256_add_ps(a0, a1)) / (float)H;
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(var + eps));
+    for (int i = 0; i < H; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _mm256_loadu_ps(w + i)));
+}
+
+/* x[D] rotated in place by the position's row of cos_sin (rotate-half layout). */
+static void rotary_row(float *x, const float *cs, int D) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i += 8) {
+        const __m256 c = _mm256_loadu_ps(cs + i), sn = _mm256_loadu_ps(cs + half + i);
+        const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, sn)));
+        _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, sn)));
+    }
+}
+
+static void silu_mul_row(const float *g, const float *u, int n, float *y) {
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_xor_ps(x, neg))));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+}
+
+static void embed_row(const model_desc *m, int64_t id, float *y) {
+    const int H = m->hidden, nb = H / QBLOCK;
+    if (m->embed_kind == EMBED_TABLE) {
+        memcpy(y, (const float *)m->embed + (size_t)id * H, sizeof(float) * (size_t)H);
+        return;
+    }
+    const int t = (int)(id / TILE), n = (int)(id % TILE);
+    const int record = m->embed_kind == EMBED_Q8_0 ? Q8_0_RECORD : Q8_0_I8_RECORD;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = (const uint8_t *)m->embed + ((size_t)t * nb + b) * record;
+        uint16_t half;
+        memcpy(&half, rec + 2 * n, 2);
+        const float d = _cvtsh_ss(half);
+        for (int k = 0; k < QBLOCK; k++) {
+            const int8_t q = m->embed_kind == EMBED_Q8_0
+                                 ? (int8_t)rec[64 + 32 * k + n]
+                                 : (int8_t)rec[128 + ((n / 16) * 8 + k / 4) * 64 + 4 * (n % 16) + k % 4];
+            y[b * QBLOCK + k] = d * (float)q;
+        }
+    }
+}
+
+/* ---- team pieces ---- */
+
+/* Row r of a matmul's input into b: normed by w (when w), written in `planes` integer
+ * planes (when planes > 0). */
+static void prepare_row(const float *src, size_t ld, int r, int K, const float *w, float eps, int planes,
+                        input_buf *b) {
+    const float *x = src + (size_t)r * ld;
+    if (w) {
+        rms_norm_row(x, w, K, eps, b->x + (size_t)r * K);
+        x = b->x + (size_t)r * K;
+    }
+    if (!planes) return;
+    b->views[r] = qa_view(b->xq, qi_needs_unsigned() ? b->xu : NULL, b->xd, b->xs, r, K, planes);
+    qa_row(x, K, planes, b->views[r]);
+}
+
+/* A matmul's input: rows of src [M, K] (stride ld), normed by w when w != NULL, in integer
+ * planes when planes > 0. Few rows: every thread prepares them all in its own buffer (no barrier);
+ * many: the rows are shared among the team. */
+typedef struct {
+    const float *x; /* the float rows */
+    size_t ldx;
+    const input_buf *b; /* their quantized form */
+} matmul_input;
+
+static matmul_input prepare(const float *src, size_t ld, int M, int K, const float *w, float eps, int planes,
+                            temps *t) {
+    input_buf *b = t->private_inputs ? &t->priv[omp_get_thread_num()] : &t->shared;
+    if (w || planes) {
+        if (t->private_inputs) {
+            for (int r = 0; r < M; r++) prepare_row(src, ld, r, K, w, eps, planes, b);
+        } else {
+#pragma omp for schedule(static)
+            for (int r = 0; r < M; r++) prepare_row(src, ld, r, K, w, eps, planes, b);
+        }
+    }
+    const matmul_input in = {w ? b->x : src, w ? (size_t)K : ld, b};
+    return in;
+}
+
+/* Tiles t0..t1-1 of linear L for M rows into y (the first tile's columns, stride ldy):
+ * from the float rows or their quantized form, then the bias. */
+static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float *y, size_t ldy, int t0, int t1) {
+    for (int tile = t0; tile < t1; tile++) {
+        float *yt = y + (size_t)(tile - t0) * TILE;
+        if (is_integer(L->qtype)) qi_tile(L->w, L->qtype, L->K, in->b->views, L->planes, M, yt, ldy, tile);
+        else qf_tile(L->w, L->qtype, L->K, in->x, in->ldx, M, yt, ldy, tile);
+        if (L->bias)
+            for (int r = 0; r < M; r++)
+                for (int n = 0; n < TILE; n++) yt[(size_t)r * ldy + n] += L->bias[tile * TILE + n];
+    }
+}
+
+static void embed_team(const model_desc *m, const step_desc *s) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < s->M; r++) embed_row(m, s->ids[r], s->residual + (size_t)r * m->hidden);
+}
+
+static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *t) {
+    const layer_weights *L = m->layers + l;
+    const int M = s->M, H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
+    const size_t ld = (size_t)(Hq + 2 * Hkv) * D;
+    const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, L->qkv.planes, t);
+    /* one item per head: q heads 0..Hq-1, k heads, v heads (columns in that order) */
+#pragma omp for schedule(static)
+    for (int h = 0; h < Hq + 2 * Hkv; h++) {
+        float *y = s->qkv + (size_t)h * D;
+        linear_tiles(&L->qkv, &in, M, y, ld, h * D / TILE, (h + 1) * D / TILE);
+        const int is_k = h >= Hq && h < Hq + Hkv, is_v = h >= Hq + Hkv;
+        for (int r = 0; r < M; r++) {
+            float *row = y + (size_t)r * ld;
+            if (!is_v) rotary_row(row, m->cos_sin + (size_t)s->positions[r] * D, D);
+            if (s->slots[r] < 0 || h < Hq) continue;
+            float *cache = is_k ? s->k_caches[l] : s->v_caches[l];
+            const int kvh = is_k ? h - Hq : h - Hq - Hkv;
+            memcpy(cache + ((size_t)s->slots[r] * Hkv + kvh) * D, row, sizeof(float) * (size_t)D);
+        }
+    }
+}
+
+static attn_args decode_args(const model_desc *m, int l, const step_desc *s) {
+    const size_t Dq = (size_t)m->num_heads * m->head_dim;
+    const attn_args a = {s->qkv, Dq + 2 * (size_t)m->num_kv_heads * m->head_dim, s->k_caches[l], s->v_caches[l],
+                         m->block_size, m->num_kv_heads, m->num_heads, m->head_dim, s->dec_rows,
+                         s->dec_tables, s->dec_lens, s->max_blocks, s->n_dec, m->scale, s->att, Dq};
+    return a;
+}
+
+static void attention_decode_team(const model_desc *m, int l, const step_desc *s, temps *t) {
+    if (s->n_dec == 0) return;
+    const attn_args a = decode_args(m, l, s);
+    attention_team(&a, t->max_len, omp_get_num_threads(), t->attn + (size_t)omp_get_thread_num() * t->attn_floats);
+}
+
+/* r[:, tile] += tmp (M rows of one tile): the residual add, one rounding as torch's. */
+static void add_tile(float *r, size_t H, int tile, const float *tmp, int M) {
+    for (int i = 0; i < M; i++) {
+        float *dst = r + (size_t)i * H + (size_t)tile * TILE;
+        for (int n = 0; n < TILE; n++) dst[n] += tmp[i * TILE + n];
+    }
+}
+
+static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps *t) {
+    const layer_weights *L = m->layers + l;
+    const int M = s->M, H = m->hidden, I = m->intermediate, Dq = m->num_heads * m->head_dim;
+    float *tmp = t->tmp + (size_t)omp_get_thread_num() * ALIGN64((size_t)M * 2 * TILE * sizeof(float)) / sizeof(float);
+    const matmul_input att = prepare(s->att, (size_t)Dq, M, Dq, NULL, 0.0f, L->o.planes, t);
+#pragma omp for schedule(static)
+    for (int tile = 0; tile < H / TILE; tile++) {
+        linear_tiles(&L->o, &att, M, tmp, TILE, tile, tile + 1);
+        add_tile(s->residual, (size_t)H, tile, tmp, M);
+    }
+    const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, L->gate_up.planes, t);
+    /* gate tile g and up tile g + I/32 together, so that silu(gate) * up needs no barrier */
+#pragma omp for schedule(static)
+    for (int g = 0; g < I / TILE; g++) {
+        linear_tiles(&L->gate_up, &xn, M, tmp, 2 * TILE, g, g + 1);
+        linear_tiles(&L->gate_up, &xn, M, tmp + TILE, 2 * TILE, g + I / TILE, g + I / TILE + 1);
+        for (int r = 0; r < M; r++)
+            silu_mul_row(tmp + (size_t)r * 2 * TILE, tmp + (size_t)r * 2 * TILE + TILE, TILE,
+                         t->act + (size_t)r * I + (size_t)g * TILE);
+    }
+    const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, L->down.planes, t);
+#pragma omp for schedule(static)
+    for (int tile = 0; tile < H / TILE; tile++) {
+        linear_tiles(&L->down, &act, M, tmp, TILE, tile, tile + 1);
+        add_tile(s->residual, (size_t)H, tile, tmp, M);
+    }
+}
+
+static void final_team(const model_desc *m, const step_desc *s) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < s->M; r++)
+        rms_norm_row(s->residual + (size_t)r * m->hidden, m->final_norm, m->hidden, m->eps, s->out + (size_t)r * m->hidden);
+}
+
+/* ---- entry points: each one parallel region ---- */
+
+enum { STAGE_EMBED, STAGE_ATTN_IN, STAGE_ATTENTION, STAGE_ATTN_OUT, STAGE_FINAL, STAGE_DECODE };
+
+static int run(const model_desc *m, const step_desc *s, int stage, int l) {
+    if (s->M < 1 || l < 0 || l >= m->num_layers) return -1;
+    if (s->n_dec) {
+        const attn_args a = decode_args(m, 0, s);
+        if (attention_check(&a) < 0) return -2;
+    }
+    temps t;
+    if (temps_alloc(m, s, s->nthreads, &t)) return -3;
+#pragma omp parallel num_threads(s->nthreads)
+    {
+        switch (stage) {
+        case STAGE_EMBED: embed_team(m, s); break;
+        case STAGE_ATTN_IN: attn_in_team(m, l, s, &t); break;
+        case STAGE_ATTENTION: attention_decode_team(m, l, s, &t); break;
+        case STAGE_ATTN_OUT: attn_out_team(m, l, s, &t); break;
+        case STAGE_FINAL: final_team(m, s); break;
+        default: /* STAGE_DECODE: the whole step */
+            embed_team(m, s);
+            for (int i = 0; i < m->num_layers; i++) {
+                attn_in_team(m, i, s, &t);
+                attention_decode_team(m, i, s, &t);
+                attn_out_team(m, i, s, &t);
+            }
+            final_team(m, s);
+        }
+    }
+    free(t.block);
+    return 0;
+}
+
+/* The whole step when every token is a decode (n_dec == M). */
+int cpu_decoder_decode(const model_desc *m, const step_desc *s) {
+    if (s->n_dec != s->M) return -1;
+    return run(m, s, STAGE_DECODE, 0);
+}
+
+int cpu_decoder_embed(const model_desc *m, const step_desc *s) { return run(m, s, STAGE_EMBED, 0); }
+int cpu_decoder_attn_in(const model_desc *m, const step_desc *s, int l) { return run(m, s, STAGE_ATTN_IN, l); }
+int cpu_decoder_attention(const model_desc *m, const step_desc *s, int l) { return run(m, s, STAGE_ATTENTION, l); }
+int cpu_decoder_attn_out(const model_desc *m, const step_desc *s, int l) { return run(m, s, STAGE_ATTN_OUT, l); }
+int cpu_decoder_final(const model_desc *m, const step_desc *s) { return run(m, s, STAGE_FINAL, 0); }

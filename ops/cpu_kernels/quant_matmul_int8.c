@@ -1,0 +1,362 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T with integer dot products. Each row of x is written per block
+ * of 32 as integers m = round(x / dx) in P signed bytes ("planes": m = sum_p digit_p 256^(P-1-p),
+ * digits in -128..127; `qa_row`), dx = max|x| / (127 * 256^(P-1)), and each block's dot product
+ * of those bytes with the weights' small integers is exact in int32:
+ *
+ *   Q4_1 (w = d q + m, q in 0..15):  y += float(sum m q) * (d dx), then y += m sx
+ *   Q8_0 (w = d q, q in -127..127):  y += float(sum m q) * (d dx)
+ *
+ * (one fma each, over blocks b = 0, 1, ... in order; sx is the block's float sum of x).
+ * P = 1 is llama.cpp's arithmetic (int8 activations: each x loses up to 1/254 of its block's
+ * largest); P = 3 keeps 23 bits of the block's largest, about float32's precision, at three
+ * times the integer work. A row's result depends only on the row: the sums are exact,
+ * whatever instruction makes them, so every build (AVX-512 VNNI vpdpbusd, AVX-VNNI, AVX2
+ * vpmaddubsw) gives the same bits.
+ *
+ * Layout (ops/quantized_linear.py `repack_int8`): tiles of 32 outputs, blocks of 32 k, one
+ * record per (tile, block), tiles outermost; the quants in chunks of 64 bytes, each holding
+ * 16 outputs x 4 consecutive k so that one 32-bit lane is one output's 4 products:
+ *
+ *   Q4_1 record (640 bytes):  d[32] fp16 | m[32] fp16 | chunks c = 4h + p (h 0..1, p 0..3):
+ *       byte 4n + j = q(16h + n, 8p + j) | q(16h + n, 8p + 4 + j) << 4     (n 0..15, j 0..3)
+ *   Q8_0 record (1152 bytes): d[32] fp16 | s[32] int16 = sum_k q(n, k) | chunks c = 8h + p
+ *       (h 0..1, p 0..7): byte 4n + j = q(16h + n, 4p + j)
+ *
+ * vpdpbusd takes unsigned x signed bytes: Q4_1's quants are the unsigned side; for Q8_0 the
+ * digits go unsigned as digit + 128, and 128 s takes the offset back out.
+ */
+#ifndef LLMWORKER_QUANT_MATMUL_INT8_C
+#define LLMWORKER_QUANT_MATMUL_INT8_C
+
+#include "simd.h"
+
+#define I8_TILE 32
+#define I8_QBLOCK 32
+#define Q4_1_I8_RECORD 640
+#define Q8_0_I8_RECORD 1152
+
+enum { QT_Q4_1_I8 = 2, QT_Q8_0_I8 = 3 };
+
+/* One row's activations as integers: planes q[P][K] (most significant first), per block
+ * the scale d and float sum s, and (where the build's Q8_0 kernel needs it) u = q ^ 0x80,
+ * the digits + 128 as unsigned bytes. */
+typedef struct {
+    int8_t *q;
+    float *d;
+    float *s;
+    uint8_t *u; /* NULL where not needed */
+} qact;
+
+/* Bytes of one row's planes (q, and u where needed). */
+static inline size_t qa_bytes(int K, int P) { return (size_t)K * (size_t)P; }
+
+static inline __m256i low_digit(__m256i m) { return _mm256_srai_epi32(_mm256_slli_epi32(m, 24), 24); }
+
+/* 32 int32 (four vectors) -> 32 int8 in order, stored at p (values already in range). */
+static inline void store_bytes(int8_t *p, __m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    const __m256i p16 = _mm256_packs_epi32(i0, i1), q16 = _mm256_packs_epi32(i2, i3);
+    const __m256i p8 = _mm256_packs_epi16(p16, q16); /* packs interleave 128-bit lanes */
+    _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* Row x[K] (K a multiple of 32) into a, in P planes: AVX2 code in every build, one rounding. */
+static void qa_row(const float *x, int K, int P, qact a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const float lim = P == 1 ? 127.0f : P == 2 ? 127.0f * 256.0f : 127.0f * 65536.0f;
+    for (int b = 0; b < K / I8_QBLOCK; b++) {
+        const float *xb = x + (size_t)b * I8_QBLOCK;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        a.d[b] = amax / lim;
+        const __m256 id = _mm256_set1_ps(amax > 0.0f ? lim / amax : 0.0f);
+        /* round to nearest even (the default MXCSR mode); |m| <= lim up to rounding */
+        __m256i m[4];
+        for (int i = 0; i < 4; i++) m[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+        /* balanced base-256 digits, least significant first: digit = m's low byte as signed,
+         * m = (m - digit) / 256 (exact) */
+        for (int p = P - 1; p >= 0; p--) {
+            __m256i dgt[4];
+            for (int i = 0; i < 4; i++) {
+                dgt[i] = p ? low_digit(m[i]) : m[i];
+                m[i] = _mm256_srai_epi32(_mm256_sub_epi32(m[i], dgt[i]), 8);
+            }
+            int8_t *dst = a.q + (size_t)p * K + (size_t)b * I8_QBLOCK;
+            store_bytes(dst, dgt[0], dgt[1], dgt[2], dgt[3]);
+            if (a.u) {
+                const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)dst), _mm256_set1_epi8((char)0x80));
+                _mm256_storeu_si256((__m256i *)(a.u + (size_t)p * K + (size_t)b * I8_QBLOCK), u);
+            }
+        }
+        a.s[b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3])));
+    }
+}
+
+static inline int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+#if defined(__AVX512VNNI__)
+/* ---- AVX-512 VNNI: 16 outputs per zmm; rows in groups that share each unpacked chunk
+ * and each broadcast activation group (R rows x P planes x 2 halves accumulators) ---- */
+#define I8_R(P) ((P) == 1 ? 4 : 2)
+#define INLINE static inline __attribute__((always_inline))
+
+/* The P planes' int32 sums of one (row, 16 outputs) -> float sum m q (see the top). */
+INLINE __m512 combine16(__m512i s0, __m512i s1, __m512i s2, int P) {
+    if (P == 1) return _mm512_cvtepi32_ps(s0);
+    const __m512i lo = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(s0, 8), s1)
+                              : _mm512_add_epi32(_mm512_slli_epi32(s1, 8), s2);
+    if (P == 2) return _mm512_cvtepi32_ps(lo);
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f)), _mm512_cvtepi32_ps(lo));
+}
+
+INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
+        __m512i s[4][3][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m512i v0 = _mm512_loadu_si512(rec + 128 + c * 64), v1 = _mm512_loadu_si512(rec + 128 + (4 + c) * 64);
+            const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+            const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) {
+                    const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                    const __m512i xl = _mm512_set1_epi32(load_i32(xq)), xh = _mm512_set1_epi32(load_i32(xq + 4));
+                    s[r][p][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][0], lo0, xl), hi0, xh);
+                    s[r][p][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][1], lo1, xl), hi1, xh);
+                }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512 d = load_half16(rec + 32 * h), m = load_half16(rec + 64 + 32 * h);
+            for (int r = 0; r < R; r++) {
+                const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
+                const __m512 tot = combine16(s[r][0][h], s[r][P > 1 ? 1 : 0][h], s[r][P > 2 ? 2 : 0][h], P);
+                acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
+                acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r].s[b]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+
+/* Q8_0: the digits + 128 (a[r].u) are vpdpbusd's unsigned side; 128 sum q comes back out. */
+INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
+        __m512i s[4][3][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            const __m512i q0 = _mm512_loadu_si512(rec + 128 + c * 64), q1 = _mm512_loadu_si512(rec + 128 + (8 + c) * 64);
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) {
+                    const __m512i xu = _mm512_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                    s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], xu, q0);
+                    s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], xu, q1);
+                }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512i off = _mm512_slli_epi32(
+                _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h))), 7);
+            const __m512 d = load_half16(rec + 32 * h);
+            for (int r = 0; r < R; r++) {
+                const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
+                const __m512 tot = combine16(_mm512_sub_epi32(s[r][0][h], off),
+                                             _mm512_sub_epi32(s[r][P > 1 ? 1 : 0][h], off),
+                                             _mm512_sub_epi32(s[r][P > 2 ? 2 : 0][h], off), P);
+                acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+#else
+/* ---- AVX2 (with or without AVX-VNNI): 8 outputs per ymm, one row at a time ---- */
+#define I8_R(P) 1
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVXVNNI__)
+#define DOT_ADD(s, u, x) s = _mm256_dpbusd_avx_epi32(s, u, x)
+#define DOT_DONE(s) (s)
+#else
+/* int16 partial sums: 8 pair sums of at most 2 x 15 x 128 stay below 2^15 */
+#define DOT_ADD(s, u, x) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x))
+#define DOT_DONE(s) _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+#endif
+
+INLINE __m256 combine8(const __m256i *s, int P) {
+    if (P == 1) return _mm256_cvtepi32_ps(s[0]);
+    const __m256i lo = _mm256_add_epi32(_mm256_slli_epi32(s[P - 2], 8), s[P - 1]); /* the two last */
+    if (P == 2) return _mm256_cvtepi32_ps(lo);
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_set1_ps(65536.0f)), _mm256_cvtepi32_ps(lo));
+}
+
+INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+    (void)R;
+    (void)ldy;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
+        const __m256 dx = _mm256_set1_ps(a[0].d[b]), sx = _mm256_set1_ps(a[0].s[b]);
+        for (int e = 0; e < 4; e++) { /* outputs 8e..8e+7: half h = e / 2, bytes 32 (e % 2) */
+            __m256i s[3];
+            for (int p = 0; p < P; p++) s[p] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 4 + c) * 64 + 32 * (e % 2)));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int p = 0; p < P; p++) {
+                    const int8_t *xq = a[0].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                    DOT_ADD(s[p], lo, _mm256_set1_epi32(load_i32(xq)));
+                    DOT_ADD(s[p], hi, _mm256_set1_epi32(load_i32(xq + 4)));
+                }
+            }
+            for (int p = 0; p < P; p++) s[p] = DOT_DONE(s[p]);
+            const __m256 dd = _mm256_mul_ps(load_half8(rec + 16 * e), dx);
+            acc[e] = _mm256_fmadd_ps(combine8(s, P), dd, acc[e]);
+            acc[e] = _mm256_fmadd_ps(load_half8(rec + 64 + 16 * e), sx, acc[e]);
+        }
+    }
+    for (int e = 0; e < 4; e++) _mm256_storeu_ps(y + 8 * e, acc[e]);
+}
+
+INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+    (void)R;
+    (void)ldy;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
+        const __m256 dx = _mm256_set1_ps(a[0].d[b]);
+        for (int e = 0; e < 4; e++) {
+            __m256i s[3];
+            for (int p = 0; p < P; p++) s[p] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 8 + c) * 64 + 32 * (e % 2)));
+                for (int p = 0; p < P; p++) {
+#if defined(__AVXVNNI__)
+                    const __m256i u4 = _mm256_set1_epi32(load_i32(a[0].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                    s[p] = _mm256_dpbusd_avx_epi32(s[p], u4, q);
+#else
+                    /* |digit| (unsigned) times q with the digit's sign: pair sums below 2^15
+                     * as long as no q is -128 (repack_int8 refuses those) */
+                    const __m256i x4 = _mm256_set1_epi32(load_i32(a[0].q + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                    s[p] = _mm256_add_epi32(s[p], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(x4, x4), _mm256_sign_epi8(q, x4)), _mm256_set1_epi16(1)));
+#endif
+                }
+            }
+#if defined(__AVXVNNI__)
+            const __m256i off = _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(rec + 64 + 16 * e))), 7);
+            for (int p = 0; p < P; p++) s[p] = _mm256_sub_epi32(s[p], off);
+#endif
+            const __m256 dd = _mm256_mul_ps(load_half8(rec + 16 * e), dx);
+            acc[e] = _mm256_fmadd_ps(combine8(s, P), dd, acc[e]);
+        }
+    }
+    for (int e = 0; e < 4; e++) _mm256_storeu_ps(y + 8 * e, acc[e]);
+}
+#endif
+
+/* Whether this build's Q8_0 kernel reads the digits + 128 (qact.u). */
+static inline int qi_needs_unsigned(void) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* R rows (a constant after inlining: the loops over rows and planes unroll) of one tile. */
+INLINE void qi_rows(const uint8_t *rec, int qtype, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+    if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, K, a, R, P, y, ldy);
+    else q8_0_i8_rows(rec, nb, K, a, R, P, y, ldy);
+}
+
+/* Tile t for rows 0..M-1 into yt[r * ldy + n] from their activations a in P planes. */
+static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, int M, float *yt, size_t ldy, int t) {
+    const int nb = K / I8_QBLOCK;
+    const int record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
+    const uint8_t *rec = w + (size_t)t * nb * record;
+    /* groups of I8_R(P) rows, then one at a time; every count a constant after inlining */
+#define ROWS(P)                                                                              \
+    {                                                                                        \
+        int r = 0;                                                                           \
+        for (; r + I8_R(P) <= M; r += I8_R(P))                                              \
+            qi_rows(rec, qtype, nb, K, a + r, I8_R(P), P, yt + (size_t)r * ldy, ldy);       \
+        for (; r < M; r++) qi_rows(rec, qtype, nb, K, a + r, 1, P, yt + (size_t)r * ldy, ldy); \
+    }
+    if (P == 1) ROWS(1)
+    else if (P == 2) ROWS(2)
+    else ROWS(3)
+#undef ROWS
+}
+
+/* Row r's view into buffers for M rows: planes q [M][P K], u likewise, d and s [M][K / 32]. */
+static inline qact qa_view(int8_t *q, uint8_t *u, float *d, float *s, int r, int K, int P) {
+    const size_t nb = (size_t)K / I8_QBLOCK;
+    const qact v = {q + (size_t)r * qa_bytes(K, P), d + (size_t)r * nb, s + (size_t)r * nb,
+                    u ? u + (size_t)r * qa_bytes(K, P) : NULL};
+    return v;
+}
+
+static int qi_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype, int P) {
+    if (K % I8_QBLOCK || N % I8_TILE || M < 1 || P < 1 || P > 3) return -1;
+    const int nb = K / I8_QBLOCK;
+    const int unsigned_x = qtype == QT_Q8_0_I8 && qi_needs_unsigned();
+    int8_t *q = malloc((size_t)M * qa_bytes(K, P));
+    uint8_t *u = unsigned_x ? malloc((size_t)M * qa_bytes(K, P)) : NULL;
+    float *ds = malloc(sizeof(float) * 2 * (size_t)M * nb);
+    qact *views = malloc(sizeof(qact) * (size_t)M);
+    int rc = 0;
+    if (!q || !ds || !views || (unsigned_x && !u)) {
+        rc = -3;
+    } else {
+#pragma omp parallel num_threads(nthreads)
+        {
+#pragma omp for schedule(static)
+            for (int r = 0; r < M; r++) {
+                views[r] = qa_view(q, u, ds, ds + (size_t)M * nb, r, K, P);
+                qa_row(x + (size_t)r * K, K, P, views[r]);
+            }
+#pragma omp for schedule(static)
+            for (int t = 0; t < N / I8_TILE; t++) qi_tile(w, qtype, K, views, P, M, y + (size_t)t * I8_TILE, (size_t)N, t);
+        }
+    }
+    free(q);
+    free(u);
+    free(ds);
+    free(views);
+    return rc;
+}
+
+/* `planes`: P above (1 = int8 activations, 3 = about float32's precision). */
+int q4_1_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int planes) {
+    return qi_matmul(x, M, K, w, N, y, nthreads, QT_Q4_1_I8, planes);
+}
+
+int q8_0_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int planes) {
+    return qi_matmul(x, M, K, w, N, y, nthreads, QT_Q8_0_I8, planes);
+}
+
+#endif

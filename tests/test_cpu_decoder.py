@@ -1,0 +1,118 @@
+"""The fused CPU decoder (ops/cpu_decoder.py): the model's forward pass as a few native calls.
+Its hidden states match the op-by-op model's; a row's bits are the same alone, in decode
+batches of 2 to 64 and beside prefill chunks (float32, int24 and int8 activations); the runner
+takes it, and `--kernels torch` does not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ops
+from ops import cpu_decoder
+from ops import quantized_linear as ql
+from worker.config import ModelConfig, WorkerConfig
+from worker.engine import Engine
+from worker.models.llama import AttentionMetadata
+from worker.weights import load_model
+
+pytestmark = pytest.mark.skipif(not ql.available(), reason="no gcc or no AVX2/FMA/F16C here")
+
+BS = 16
+
+
+@pytest.fixture(scope="module", params=["float32", "int24", "int8"])
+def decoder(request):
+    """A fresh model (layers are swapped in place), quantized, and its decoder."""
+    loaded = load_model("default")
+    engine = Engine(WorkerConfig(model=ModelConfig(cpu_activations=request.param)), loaded=loaded)
+    assert engine.runner.cpu_decoder is not None
+    return engine.runner.cpu_decoder, loaded.model
+
+
+class _Requests:
+    """Requests with random prompts, each with blocks of its own in a private paged cache."""
+
+    def __init__(self, model, lens: list[int], seed: int) -> None:
+        cfg = model.config
+        rng = random.Random(seed)
+        self.lens = lens
+        self.ids = [[rng.randrange(100, 40000) for _ in range(n + 1)] for n in lens]
+        self.max_blocks = max(-(-(n + 1) // BS) for n in lens)
+        blocks = list(range(len(lens) * self.max_blocks))
+        rng.shuffle(blocks)
+        self.tables = [blocks[i * self.max_blocks : (i + 1) * self.max_blocks] for i in range(len(lens))]
+        shape = (len(blocks), BS, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+
+    def step(self, chunks: list[tuple[int, int, int]]) -> tuple:
+        """(request, first position, count) per request -> the forward pass's arguments."""
+        ids, pos, slots, starts, lens, tables = [], [], [], [0], [], []
+        for r, p0, n in chunks:
+            ids += self.ids[r][p0 : p0 + n]
+            pos += range(p0, p0 + n)
+            slots += [self.tables[r][p // BS] * BS + p % BS for p in range(p0, p0 + n)]
+            starts.append(len(ids))
+            lens.append(p0 + n)
+            tables.append(self.tables[r])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=torch.tensor(lens), query_start_loc=torch.tensor(starts),
+            max_query_len=max(n for _, _, n in chunks), max_seq_len=max(lens))
+        return torch.tensor(ids), torch.tensor(pos), meta, self.kv
+
+
+def test_matches_the_op_by_op_model(decoder) -> None:
+    dec, model = decoder
+    reqs = _Requests(model, [37, 5, 70], seed=1)
+    # prefill chunks only, then decodes beside a chunk, then decodes only
+    for chunks in ([(0, 0, 37), (1, 0, 5)], [(0, 37, 1), (1, 5, 1), (2, 0, 70)], [(0, 37, 1), (1, 5, 1), (2, 70, 1)]):
+        fused = dec(*reqs.step(chunks))
+        with torch.inference_mode():
+            ref = model(*reqs.step(chunks))
+        rel = ((fused - ref).abs().max() / ref.abs().max()).item()
+        # float32 differs only in the rounding of the norms and SiLU; int24 keeps 23 bits of
+        # each block's largest activation. With int8 activations a last-bit difference flips
+        # the rounding of a few int8 values, each worth 1/127 of its block's largest (SmolLM2
+        # has outliers), and 30 layers amplify it: two int8 runs differ about as much as each
+        # differs from float32 (about 7% of the largest logit).
+        bound = {"float32": 1e-4, "int24": 1e-4, "int8": 0.25}[dec.activations]
+        assert rel < bound, f"{chunks}: relative error {rel:.2e}"
+
+
+def test_a_rows_bits_do_not_depend_on_its_batch(decoder) -> None:
+    """64 requests with contexts of 1 to 40 tokens: each decode alone, in every batch size
+    2..64, and beside another request's prefill chunk (the staged entry points) gives the
+    same hidden state bits."""
+    dec, model = decoder
+    rng = random.Random(7)
+    lens = [rng.randint(1, 40) for _ in range(64)]
+    reqs = _Requests(model, lens, seed=2)
+    dec(*reqs.step([(r, 0, n) for r, n in enumerate(lens)]))  # fill every request's cache
+    alone = torch.cat([dec(*reqs.step([(r, n, 1)])) for r, n in enumerate(lens)])
+    for b in range(2, 65):
+        first = (b * 7) % 64  # batches start at different requests and wrap around
+        members = [(first + i) % 64 for i in range(b)]
+        out = dec(*reqs.step([(r, lens[r], 1) for r in members]))
+        assert torch.equal(out, alone[members]), f"a batch of {b} differs from its rows alone"
+    # Decodes beside a prefill chunk: rows 0 and 2 are decodes, row 1.. a 20-token chunk
+    # that rewrites request 5's first 20 positions with the same values.
+    out = dec(*reqs.step([(3, lens[3], 1), (5, 0, 20), (9, lens[9], 1)]))
+    assert torch.equal(out[0], alone[3]) and torch.equal(out[-1], alone[9])
+
+
+def test_the_runner_takes_it_and_the_torch_backend_does_not() -> None:
+    loaded = load_model("default")
+    engine = Engine(WorkerConfig(), loaded=loaded)
+    assert "decoder: fused C (" in engine.runner.describe_kernels()
+    assert cpu_decoder.unsupported(loaded.model) is None
+    try:
+        engine = Engine(WorkerConfig(model=ModelConfig(kernels="torch")), loaded=load_model("default"))
+        assert engine.runner.cpu_decoder is None and "decoder: op by op" in engine.runner.describe_kernels()
+    finally:
+        ops.set_backend("auto")
+    engine = Engine(WorkerConfig(model=ModelConfig(cpu_quantized_linear=False)), loaded=load_model("default"))
+    assert engine.runner.cpu_decoder is None
+    assert cpu_decoder.unsupported(engine.runner.model) == "a linear layer is not quantized"

@@ -1,0 +1,82 @@
+"""The C kernels built per instruction set (ops/cpu_kernels): the best ISA the CPU has is
+taken, each ISA's build is its own cached file, and every build this CPU can run gives the
+same bits as the AVX2 one (float32 and integer-activation matmuls, decode attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops import cpu_attention, cpu_kernels
+from ops import quantized_linear as ql
+from tests.test_quantized_linear import _q8_0_without_minus_128, _random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.supported_isas(), reason="no AVX2/FMA/F16C here")
+
+
+@pytest.fixture
+def restore_isa():
+    yield
+    cpu_kernels.force_isa(None)
+    ql._library.cache_clear()
+    ql._library_int8.cache_clear()
+    cpu_attention._library.cache_clear()
+
+
+def test_the_best_isa_is_taken_and_named_in_the_build(restore_isa) -> None:
+    flags = cpu_kernels._cpu_flags()
+    best = cpu_kernels.isa()
+    assert best == cpu_kernels.supported_isas()[0]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
+        assert best == "avx512-vnni"
+    elif "avx512f" not in flags:
+        assert not best.startswith("avx512")
+    paths = set()
+    for name in cpu_kernels.supported_isas():
+        cpu_kernels.force_isa(name)
+        lib = cpu_kernels.load("quant_matmul")
+        assert lib is not None and f"quant_matmul-{name}-" in lib._name
+        paths.add(lib._name)
+    # One file per ISA: a cache shared by different machines never mixes them up.
+    assert len(paths) == len(cpu_kernels.supported_isas())
+
+
+def test_an_isa_the_cpu_lacks_is_refused(restore_isa, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    assert cpu_kernels.supported_isas() == ["avx2"]
+    with pytest.raises(ValueError, match="'avx512-vnni' is not one this CPU supports"):
+        cpu_kernels.force_isa("avx512-vnni")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"sse4_2"})
+    cpu_kernels.load.cache_clear()
+    assert cpu_kernels.isa() is None and cpu_kernels.load("quant_matmul") is None
+
+
+def _outputs() -> list[torch.Tensor]:
+    """Every kernel's output on fixed inputs, with the libraries of the current ISA."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for qw in (_random_blocks("Q4_1", 96, 576, seed=3), _q8_0_without_minus_128(64, 192, seed=4)):
+        x = torch.randn(11, qw.shape[1], generator=g)
+        for activations in ql.ACTIVATIONS:
+            out.append(ql.QuantLinear(qw, activations=activations)(x))
+    q = torch.randn(5, 9, 64, generator=g)
+    k, v = torch.randn(2, 40, 16, 3, 64, generator=g)
+    o = torch.empty_like(q)
+    cpu_attention.decode(q, k, v, torch.arange(5), torch.randperm(40, generator=g)[:25].view(5, 5),
+                         torch.tensor([1, 9, 17, 50, 80]), 0.125, o)
+    out.append(o)
+    return out
+
+
+def test_every_isa_gives_the_avx2_bits(restore_isa) -> None:
+    results = {}
+    for name in cpu_kernels.supported_isas():
+        cpu_kernels.force_isa(name)
+        ql._library.cache_clear()
+        ql._library_int8.cache_clear()
+        cpu_attention._library.cache_clear()
+        assert f"-{name}-" in ql._library()._name
+        results[name] = _outputs()
+    for name, outs in results.items():
+        for i, (a, b) in enumerate(zip(outs, results["avx2"], strict=True)):
+            assert torch.equal(a, b), f"{name}: output {i} differs from the AVX2 build's"

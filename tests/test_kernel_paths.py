@@ -1,0 +1,42 @@
+"""Greedy tokens on every CPU kernel path equal transformers': `--kernels torch` with
+torch's own linears (the pure reference model) and `--kernels c` (the C kernels: decode
+attention, quantized linears). The Triton path is checked on a GPU (test_gpu_e2e.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import ops
+from scheduler.request import SamplingParams
+from tests.helpers import hf_greedy
+from worker.config import ModelConfig, WorkerConfig
+from worker.engine import Engine
+from worker.weights import load_model
+
+NEW_TOKENS = 16
+PROMPTS = 4
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_model, chat_prompt_ids) -> list[list[int]]:
+    return [hf_greedy(hf_model, ids, NEW_TOKENS) for ids in chat_prompt_ids[:PROMPTS]]
+
+
+@pytest.mark.parametrize("model", [
+    ModelConfig(kernels="torch", cpu_quantized_linear=False, cpu_packed_linear=False),
+    pytest.param(ModelConfig(kernels="c"), marks=pytest.mark.skipif(
+        not ops.c_kernels_available(), reason="the C kernels cannot be built here")),
+], ids=["torch", "c"])
+def test_greedy_tokens_match_transformers_on_each_path(model, chat_prompt_ids, hf_outputs) -> None:
+    with ops.use_backend("auto"):  # restored after the engine sets its own
+        engine = Engine(WorkerConfig(model=model), loaded=load_model("default"))
+        kernels = engine.runner.describe_kernels()
+        if model.kernels == "torch":
+            assert "linear layers: 120 Linear; embedding: table; decode attention: torch;" in kernels
+        else:
+            assert "decode attention: C kernel" in kernels and "QuantLinear" in kernels
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+        done = engine.generate([engine.make_request(ids, params) for ids in chat_prompt_ids[:PROMPTS]])
+        assert engine.kv.num_free_blocks == engine.budget.num_blocks
+    for i, (c, want) in enumerate(zip(done, hf_outputs, strict=True)):
+        assert c.token_ids == want, f"prompt {i} ({model.kernels}): {c.token_ids} != {want}"
