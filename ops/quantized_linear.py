@@ -288,6 +288,13 @@ def resolve_activations(activations: str) -> str:
     return activations
 
 
+def held_bytes(qtype: str, gguf_nbytes: int, activations: str) -> int:
+    """Bytes a GGUF weight of `gguf_nbytes` holds once repacked into the tile records of
+    `activations` (resolved; the integer kernels' Q8_0 records add the blocks' sums)."""
+    record = _RECORD_INT8 if ACTIVATIONS[activations] else _RECORD
+    return gguf_nbytes * record[qtype] // (_GGUF_BLOCK[qtype] * TILE)
+
+
 def activations_for(weight: QuantizedWeight, activations: str) -> str:
     """`activations` resolved, or float32 where the integer kernels cannot take `weight`."""
     activations = resolve_activations(activations)

@@ -19,6 +19,7 @@ from llmworker.v1 import worker_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_server import GREEDY, Worker, run, wait_until
+from worker.config import CacheConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 PER_REQUEST_HISTOGRAMS = (
@@ -94,7 +95,8 @@ def test_fresh_worker_publishes_vllm_names_at_zero(metrics_worker: tuple[Worker,
     assert {k: info.labels[k] for k in ("block_size", "cache_dtype", "enable_prefix_caching",
                                         "swap_space", "gpu_memory_utilization")} == {
         "block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
-        "swap_space": "4.0", "gpu_memory_utilization": "0.85"}
+        "swap_space": "4.0",
+        "gpu_memory_utilization": str(CacheConfig().gpu_memory_utilization)}
     assert int(info.labels["num_cpu_blocks"]) > 0  # 4 GiB of swap space
     # The warm-up's steps are not counted; the buckets are vLLM's.
     assert m.families["vllm:iteration_tokens_total"].type == "histogram"

@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent('''
             engine.submit(r)
         tokens = {r.request_id: [] for r in reqs}
         for _ in range(10):
-            for out in engine.step():
+            for out in engine.step().outputs:
                 tokens[out.request_id] += out.new_token_ids
         assert all(len(t) == 3 for t in tokens.values()), tokens
         outputs[kernels] = sorted(tokens.values())

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ops import quantized_linear
-from worker import cli, plan
+from worker import cli, memory, plan
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.models.llama import LlamaForCausalLM
@@ -141,8 +141,12 @@ def test_llama_3_8b_on_h100_arithmetic() -> None:
                        plan.Workload(1024, 256, qps=10, ttft_slo=1.0, tpot_slo=0.05))
     kv, dev = p.kv_cache, plan.DEVICES["h100"]
     assert kv["bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, bf16
-    free = dev.memory_bytes - p.weights["held_total_bytes"] - plan.CUDA_CONTEXT_BYTES
-    assert kv["budget_bytes"] == int(free * CacheConfig().gpu_memory_utilization)
+    # vLLM's --gpu-memory-utilization: a share of the device's total memory, less the
+    # weights and the activation reserve (as the engine computes it, worker/memory.py).
+    cfg = plan.read_model("dummy:llama-3-8b").config
+    reserve = memory.activation_reserve(cfg, SchedulerConfig(), p.kv_cache["max_model_len"], 2)
+    assert kv["budget_bytes"] == (int(dev.memory_bytes * CacheConfig().gpu_memory_utilization)
+                                  - p.weights["held_total_bytes"] - reserve)
     assert kv["num_blocks"] == kv["budget_bytes"] // kv["bytes_per_block"]
     assert kv["max_concurrent_sequences"] == kv["num_blocks"] // math.ceil(1280 / 16)
     b1 = p.decode["batch_1"]
@@ -218,7 +222,7 @@ def test_serve_allocates_the_planned_blocks() -> None:
         assert proc.stderr is not None
         while time.monotonic() < deadline:
             line = proc.stderr.readline()
-            if not line or "KV cache:" in line:
+            if not line or re.search(r"KV cache: .* blocks x", line):
                 break
         match = re.search(r"= (\d+) blocks x (\d+) tokens", line)
         assert match, line

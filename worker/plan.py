@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.budget import GIB, fit_budget, kv_bytes_per_token
-from ops.quantized_linear import supports
+from ops.quantized_linear import ACTIVATIONS, held_bytes, resolve_activations, supports
 from worker import memory
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, human_readable_int
 from worker.models.llama import LlamaConfig, fuse_shards, our_name
@@ -248,7 +248,10 @@ def _linear_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
     return {f"layers.{i}.{k}": v for i in range(cfg.num_layers) for k, v in per_layer.items()}
 
 
-def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = True) -> Weights:
+def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = True,
+            cpu_activations: str = "auto") -> Weights:
+    """`cpu_activations` as serve's --cpu-activations (auto: resolved on this machine)."""
+    activations = resolve_activations(cpu_activations)
     cfg = model.config
     h, vocab = cfg.hidden_size, cfg.vocab_size
     linears = _linear_shapes(cfg)
@@ -275,17 +278,20 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
         held[kind] = held.get(kind, 0) + nbytes
         return nbytes
 
+    def qbytes(t: Tensor) -> int:  # as repacked for the kernel of `activations`
+        return held_bytes(t.dtype, t.nbytes, activations)
+
     read = 0
     for name, (o, i) in linears.items():
         q = quantized(name)
-        read += hold(q.dtype, q.nbytes) if q else hold(dtype, o * i * size)
+        read += hold(q.dtype, qbytes(q)) if q else hold(dtype, o * i * size)
     read += hold(dtype, (bias + norms) * size)
     embed = quantized("embed_tokens")
     if cfg.tie_word_embeddings:
         # The head multiplies with the embedding's weights: its GGUF blocks where the kernel
         # takes them; else (CPU float32) a oneDNN-packed float32 copy; else the table itself.
         if embed:
-            read += hold(embed.dtype, embed.nbytes)
+            read += hold(embed.dtype, qbytes(embed))
             if embed.dtype != "Q8_0":  # only a Q8_0 table is looked up in its blocks
                 hold(dtype, head * size)
         elif on_cpu_f32:
@@ -295,9 +301,9 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
             read += hold(dtype, head * size)
     else:
         lm = quantized("lm_head")
-        read += hold(lm.dtype, lm.nbytes) if lm else hold(dtype, head * size)
+        read += hold(lm.dtype, qbytes(lm)) if lm else hold(dtype, head * size)
         if embed and embed.dtype == "Q8_0":
-            hold(embed.dtype, embed.nbytes)
+            hold(embed.dtype, qbytes(embed))
         else:
             hold(dtype, head * size)
     how = (f"CPU {dtype}: Q4_1/Q8_0 linears kept quantized for the C kernel, the rest {dtype}"
@@ -367,7 +373,7 @@ class Roofline:
 
 def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "auto",
               max_model_len: int = 0, cache: CacheConfig | None = None,
-              sched: SchedulerConfig | None = None) -> Plan:
+              sched: SchedulerConfig | None = None, cpu_activations: str = "auto") -> Plan:
     cache, sched, cfg = cache or CacheConfig(), sched or SchedulerConfig(), model.config
     if dtype == "auto":  # as the engine resolves it
         dtype = "float32" if device.kind == "cpu" else "bfloat16"
@@ -380,7 +386,7 @@ def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "aut
     seq = req.prompt_len + req.output_len
     if seq > max_model_len:
         raise ValueError(f"--prompt-len + --output-len ({seq}) exceeds --max-model-len {max_model_len}")
-    w = weights(model, device, dtype)
+    w = weights(model, device, dtype, cpu_activations=cpu_activations)
     held = sum(w.held.values())
     if held >= device.memory_bytes:
         raise ValueError(f"the weights ({held / _GB:.1f} GB held) do not fit in {device.name}'s "
@@ -536,9 +542,11 @@ def _run(args: argparse.Namespace) -> int:
     req = Workload(args.prompt_len, args.output_len, args.qps, args.ttft_slo, args.tpot_slo)
     if min(req.qps, req.ttft_slo, req.tpot_slo) < 0:
         raise ValueError("--qps, --ttft-slo and --tpot-slo must be >= 0")
-    plan = make_plan(model, device, req, dtype, args.max_model_len, cache, sched)
+    plan = make_plan(model, device, req, dtype, args.max_model_len, cache, sched,
+                     args.cpu_activations)
     if args.compare_step:
-        rows = compare_step(args.compare_step, model, device, dtype, args.model)
+        rows = compare_step(args.compare_step, model, device, dtype, args.model,
+                            args.cpu_activations)
         if args.json:
             print(json.dumps({"plan": asdict(plan), "compare_step": rows}))
         else:
@@ -548,15 +556,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def compare_step(path: str, model: ModelInfo, device: Device, dtype: str, spec: str) -> list[dict[str, Any]]:
-    """The predicted decode step against `clients.bench_step --output-json`'s measured one, at
+def compare_step(path: str, model: ModelInfo, device: Device, dtype: str, spec: str,
+                 cpu_activations: str = "auto") -> list[dict[str, Any]]:
+    """The predicted decode step against `benchmarks.step --output-json`'s measured one, at
     the bench's batches and mean context (its prompt, +2 warm-up tokens, + half its timed steps)."""
     report = json.loads(Path(path).read_text())
     bench = report["info"]["args"]
     if bench["model"] != spec:
         raise ValueError(f"{path} measured --model {bench['model']!r}, not {spec!r}")
     cfg = model.config
-    w = weights(model, device, dtype)
+    w = weights(model, device, dtype, cpu_activations=cpu_activations)
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, DTYPE_BYTES[dtype])
     context = bench["context"] + 2 + (bench["steps"] - 1) / 2
     roof = Roofline(cfg, w, per_token, device, dtype, Workload(bench["context"], 1), 1)
@@ -610,6 +619,10 @@ def add_parser(sub: Any) -> None:
                    help="as serve's: the share of the GPU's total memory the worker may use")
     p.add_argument("--kv-cache-free-memory-fraction", type=float,
                    default=c.kv_cache_free_memory_fraction, help="as serve's")
+    p.add_argument("--cpu-activations", default=m.cpu_activations,
+                   choices=("auto", *ACTIVATIONS),
+                   help="as serve's: the CPU kernels' activation arithmetic (auto: int24 with "
+                   "AVX-512 VNNI, else float32; resolved on this machine)")
     p.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the text")
