@@ -582,7 +582,7 @@ def compare_step(path: str, model: ModelInfo, device: Device, dtype: str, spec: 
 
 
 def render_comparison(rows: list[dict[str, Any]], device: Device) -> str:
-    out = [f"decode step, predicted ({device.note or device.name}) against measured (clients.bench_step)",
+    out = [f"decode step, predicted ({device.note or device.name}) against measured (benchmarks.step)",
            "", "| batch | mean context | predicted ms (memory / compute) | measured ms | measured / predicted |",
            "|---|---|---|---|---|"]
     out += [f"| {r['batch']} | {r['context']:.1f} | {r['predicted_ms']:.1f} ({r['memory_ms']:.1f} / "
