@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import kubernetes_validate
@@ -375,8 +376,9 @@ def test_metrics_are_scraped_and_the_hpa_reads_the_waiting_gauge() -> None:
 
 def _load_families() -> list[Any]:
     """The gauge families the worker's collector yields (from an all-zero load)."""
-    collector = LoadCollector.__new__(LoadCollector)
-    collector.labels, collector.enable_prefix_caching = ["m", "0"], True
+    engine = SimpleNamespace(step_tokens={})  # what the collector reads of the engine
+    collector = LoadCollector(SimpleNamespace(engine=engine), None, ("m", "0"),  # type: ignore[arg-type]
+                              {"block_size": "16"})
     zero = Load(**{f.name: 0 for f in dataclasses.fields(Load)})
     collector.load = lambda: zero  # type: ignore[method-assign]
     return list(collector.collect())

@@ -1,0 +1,162 @@
+"""One stream, served against offline (issue 21): the same greedy chat request, decoded by the
+engine in this process (`Engine.generate`) and by an `llm-worker serve` process over gRPC, in
+alternating rounds on one machine. Decode speed is tokens after the first over the time from
+the first to the last (time to first token is reported apart), so prompt work does not blur it.
+
+    python -m benchmarks.served_vs_offline --max-tokens 128 --rounds 3 \\
+        --output-json bench-results/served-vs-offline.json
+
+Extra `--serve-arg` values go to `llm-worker serve` (e.g. `--serve-arg=--kernels=torch`); the
+offline engine takes the same settings from `--engine-arg` (`ModelConfig` field=value pairs).
+Prefix caching is off on both, so every round computes its prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from clients.bench.environment import environment, recorded
+from clients.client import WorkerClient
+from scheduler.request import SamplingParams
+from worker.config import CacheConfig, ModelConfig, WorkerConfig
+from worker.engine import Engine
+from worker.weights import load_model
+
+PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a "
+          "bottle, with many characters and places.")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _decode_rate(times: list[float], counts: list[int]) -> tuple[float, float]:
+    """(time to first token from the start, tokens/s after the first) from (time, tokens) pairs
+    whose first time is the request's start."""
+    start, first = times[0], times[1]
+    after = sum(counts[2:]) + counts[1] - 1  # tokens after the first one
+    return first - start, after / (times[-1] - first)
+
+
+def offline_round(engine: Engine, ids: list[int], max_tokens: int) -> dict[str, float]:
+    req = engine.make_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                  ignore_eos=True))
+    times, counts = [time.perf_counter()], [0]
+
+    def on_output(outs: list[Any]) -> None:
+        n = sum(len(o.new_token_ids) for o in outs)
+        if n:
+            times.append(time.perf_counter())
+            counts.append(n)
+
+    (done,) = engine.generate([req], on_output=on_output)
+    assert len(done.token_ids) == max_tokens, len(done.token_ids)
+    ttft, rate = _decode_rate(times, counts)
+    return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": len(done.token_ids)}
+
+
+class Served:
+    """An `llm-worker serve` child on a free loopback port."""
+
+    def __init__(self, serve_args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "worker.cli", "serve", "--port", "0",
+               "--no-enable-prefix-caching", *serve_args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        address, deadline = None, time.monotonic() + 300
+        assert self.proc.stderr is not None
+        while address is None and time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("llm-worker serve exited before listening")
+            if m := re.search(r"listening on (\S+):(\d+)", line):
+                address = f"{m.group(1)}:{m.group(2)}"
+        if address is None:
+            raise RuntimeError("llm-worker serve did not listen within 300 s")
+        # Keep draining its log so that it never blocks on a full pipe.
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+        self.client = WorkerClient(address, timeout=600, retry=False)
+        deadline = time.monotonic() + 300
+        while self.client.health() != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def round(self, max_tokens: int) -> dict[str, float]:
+        times, counts = [time.perf_counter()], [0]
+        tokens = 0
+        for resp in self.client.generate(messages=[{"role": "user", "content": PROMPT}],
+                                         max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+            if resp.HasField("chunk") and resp.chunk.token_ids:
+                times.append(time.perf_counter())
+                counts.append(len(resp.chunk.token_ids))
+                tokens += len(resp.chunk.token_ids)
+        assert tokens == max_tokens, tokens
+        ttft, rate = _decode_rate(times, counts)
+        return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": tokens}
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def _engine_args(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p in pairs:
+        k, _, v = p.partition("=")
+        out[k] = {"true": True, "false": False}.get(v.lower(), v)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="alternating offline/served rounds")
+    p.add_argument("--serve-arg", action="append", default=[], help="an extra serve flag")
+    p.add_argument("--engine-arg", action="append", default=[], help="ModelConfig field=value")
+    p.add_argument("--output-json", type=Path)
+    a = p.parse_args()
+
+    model = ModelConfig(**_engine_args(a.engine_arg))
+    loaded = load_model(model.model, "cpu", __import__("torch").float32)
+    engine = Engine(WorkerConfig(model=model, cache=CacheConfig(enable_prefix_caching=False)),
+                    loaded=loaded)
+    assert engine.tokenizer is not None
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    offline_round(engine, ids, 8)  # warm-up
+    served = Served(a.serve_arg)
+    rounds: dict[str, list[dict[str, float]]] = {"offline": [], "served": []}
+    try:
+        served.round(8)  # warm-up
+        for r in range(a.rounds):
+            rounds["offline"].append(offline_round(engine, ids, a.max_tokens))
+            rounds["served"].append(served.round(a.max_tokens))
+            print(f"round {r + 1}: offline {rounds['offline'][-1]['decode_tok_s']:.1f} tok/s, "
+                  f"served {rounds['served'][-1]['decode_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        served.close()
+    summary = {mode: {"decode_tok_s": statistics.median(x["decode_tok_s"] for x in rs),
+                      "ttft_s": statistics.median(x["ttft_s"] for x in rs)}
+               for mode, rs in rounds.items()}
+    ratio = summary["served"]["decode_tok_s"] / summary["offline"]["decode_tok_s"]
+    print(f"median decode tok/s after the first: offline {summary['offline']['decode_tok_s']:.1f}, "
+          f"served {summary['served']['decode_tok_s']:.1f}; served / offline {ratio:.3f}")
+    if a.output_json:
+        result = {"command": recorded(" ".join(["python -m benchmarks.served_vs_offline", *sys.argv[1:]])),
+                  "prompt_tokens": len(ids), "max_tokens": a.max_tokens, "rounds": rounds,
+                  "summary": summary, "served_over_offline": ratio,
+                  "kernels": engine.runner.describe_kernels(), "environment": environment(),
+                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+        a.output_json.parent.mkdir(parents=True, exist_ok=True)
+        a.output_json.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {a.output_json}")
+
+
+if __name__ == "__main__":
+    main()
