@@ -134,13 +134,11 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        if tokenizer.vocab_size > vocab_size:
-            raise ValueError(f"the tokenizer's vocabulary ({tokenizer.vocab_size}) is larger "
-                             f"than the model's ({vocab_size})")
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width: ids past the tokenizer's never match
         self._eos = list(eos_token_ids)
         self._ll: llg.LLTokenizer | None = None
+        self._ll_lock = threading.Lock()  # held while it is built: not the cache's lock
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self.cache_size = cache_size
@@ -148,7 +146,7 @@ class GrammarCompiler:
         self.num_hits = 0
 
     def ll_tokenizer(self) -> llg.LLTokenizer:
-        with self._lock:
+        with self._ll_lock:
             if self._ll is None:
                 # n_vocab: the model's width, so that a mask row covers the logits and the
                 # padding ids past the tokenizer's vocabulary are never allowed.
@@ -180,6 +178,10 @@ class GrammarCompiler:
         return grammar
 
     def _compile(self, constraint: Constraint) -> Grammar:
+        if self._tokenizer.vocab_size > self.vocab_size:  # a mask row must cover the logits
+            raise ConstraintError(f"cannot be served by this model: its tokenizer has "
+                                  f"{self._tokenizer.vocab_size} tokens, its logits "
+                                  f"{self.vocab_size}")
         ll = self.ll_tokenizer()
         start = time.perf_counter()
         if constraint.kind == "choice":
