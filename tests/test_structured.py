@@ -188,16 +188,20 @@ def test_logit_bias_and_min_tokens_rows() -> None:
     assert masks.start(reqs[1:]) is None
 
 
-def test_padding_ids_are_never_allowed(tok) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
+def test_padding_ids_are_never_allowed(tok, overlap) -> None:
     """A model vocabulary wider than the tokenizer's (padded, as many GGUFs are): a row's
-    bitmask allows no id past the tokenizer, even where a grammar allows anything."""
+    bitmask allows no id past the tokenizer, even where a grammar allows anything. Filled
+    in apply (the CPU's way) and in a helper thread during the forward pass (a GPU's)."""
     padded = tok.vocab_size + 40
     grammar = GrammarCompiler(tok, padded, tok.eos_token_ids).compile(
         Constraint("regex", r"(.|\n)*"))
     req = Request("p", [1], SamplingParams(), eos_token_ids=tok.eos_token_ids)
     req.grammar = grammar.matcher()
-    masks = LogitsMasks(padded, torch.device("cpu"))
-    got = masks.apply(torch.zeros(1, padded), masks.start([req]))[0]
+    masks = LogitsMasks(padded, torch.device("cpu"), overlap=overlap)
+    step = masks.start([req])
+    assert step is not None and (step.fill is not None) == overlap
+    got = masks.apply(torch.zeros(1, padded), step)[0]
     assert torch.isinf(got[tok.vocab_size :]).all()
     assert torch.isfinite(got[: tok.vocab_size]).sum() > tok.vocab_size // 2
 
@@ -283,6 +287,44 @@ def test_greedy_under_a_constraint_is_transformers_and_batch_invariant(
     assert engine.kv.num_free_blocks == engine.budget.num_blocks
     stats = engine.runner.logits_masks.stats
     assert stats.num_rows > 0 and stats.fill_s > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_constrained_requests_survive_preemption(default_model, chat_prompt_ids, mode) -> None:
+    """A 24-block cache for 10 JSON requests: preemption is constant (recomputed requests
+    keep their tokens, so their matchers stay where they were); every output is the one
+    the request gets alone in a large cache, and valid."""
+    tok = default_model.tokenizer
+    compiler = GrammarCompiler(tok, default_model.config.vocab_size, default_model.eos_token_ids)
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(SCHEMA)))
+    block = 16 * 2 * 30 * 3 * 64 * 4  # a 16-token block of SmolLM2-135M in float32
+
+    def engine(blocks: int, swap: int = 0) -> Engine:
+        return Engine(WorkerConfig(
+            cache=CacheConfig(kv_cache_memory=blocks * block / (1 << 30),
+                              swap_space=swap * block / (1 << 30)),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=128,
+                                      preemption_mode=mode)), loaded=default_model)
+
+    def requests(e: Engine) -> list[Request]:
+        reqs = []
+        for i, ids in enumerate(chat_prompt_ids):
+            r = e.make_request(ids, SamplingParams(temperature=0.8, seed=i, max_tokens=160))
+            r.grammar = grammar.matcher()
+            reqs.append(r)
+        return reqs
+
+    big = engine(400)
+    want = [c.token_ids for c in big.generate(requests(big))]
+    small = engine(24, swap=200 if mode == "swap" else 0)
+    got = small.generate(requests(small))
+    assert small.num_preemptions > 0
+    assert [c.token_ids for c in got] == want
+    for c in got:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert sum(c.finish_reason == "stop" for c in got) >= len(got) - 1
+    assert small.kv.num_free_blocks == small.kv.num_blocks
 
 
 # ----- a real worker --------------------------------------------------------------------------

@@ -6,12 +6,14 @@ masked logits too).
 
 One step::
 
-    execute(step)                 start(): fill the bitmask of every constrained row at once
-      |                           (llguidance's executor, in a helper thread: overlaps the
-      forward pass                forward pass; the matchers are the engine thread's, and it
-      |                           does not touch them until the fill is done)
-      apply(logits) -------------> wait for the fill, bitmask rows -> -inf where not allowed;
-      ops.sample                  + logit_bias; -inf on EOS/stop ids below min_tokens
+    execute(step)                 start(): on a GPU, fill the bitmask of every constrained
+      |                           row at once (llguidance's executor, from a helper thread),
+      forward pass                while the GPU runs the forward pass; the matchers are the
+      |                           engine thread's, and it does not touch them until then
+      apply(logits) -------------> (on the CPU, the fill happens here: the forward pass has
+      ops.sample                  every core, and a fill beside it would stall torch's
+                                  threads); bitmask rows -> -inf where not allowed;
+                                  + logit_bias; -inf on EOS/stop ids below min_tokens
 
 Logprobs are then of this distribution (the one the token is drawn from, before penalties
 and temperature), as vLLM reports them under a grammar.
@@ -49,7 +51,8 @@ class StepMasks:
 
     reqs: Sequence[Request]
     grammar_rows: list[int] = field(default_factory=list)  # indices into reqs
-    fill: Future[float] | None = None  # the fill's duration, when done
+    matchers: list = field(default_factory=list)  # (llguidance matcher, bitmask row)
+    fill: Future[float] | None = None  # the fill begun in start(): its duration, when done
 
 
 def _needs_min_tokens(r: Request) -> bool:
@@ -60,8 +63,11 @@ class LogitsMasks:
     """The runner's hook; `vocab_size` is the logits' width (the bitmask's too: llguidance's
     tokenizer is built with the model's vocabulary size, so padding ids are never allowed)."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device,
+                 overlap: bool | None = None) -> None:
         self.vocab_size = vocab_size
+        # Fill during the forward pass: where the forward pass leaves the CPU free.
+        self.overlap = device.type == "cuda" if overlap is None else overlap
         self.words = (vocab_size + 31) // 32
         self.device = device
         self.stats = MaskStats()
@@ -83,13 +89,15 @@ class LogitsMasks:
                 n = max(len(rows), 2 * self._bitmask.shape[0], 8)
                 self._bitmask = torch.empty(n, self.words, dtype=torch.int32,
                                             pin_memory=self.device.type == "cuda")
-            if self._pool is None:
+            if self._executor is None:
                 import llguidance as llg
 
                 self._executor = llg.LLExecutor()
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-            matchers = [(reqs[i].grammar.matcher, k) for k, i in enumerate(rows)]
-            step.fill = self._pool.submit(self._fill, matchers)
+            step.matchers = [(reqs[i].grammar.matcher, k) for k, i in enumerate(rows)]
+            if self.overlap:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+                step.fill = self._pool.submit(self._fill, step.matchers)
         return step
 
     def _fill(self, matchers: list) -> float:
@@ -109,6 +117,10 @@ class LogitsMasks:
             waited = time.perf_counter()
             st.fill_s += step.fill.result()
             st.wait_s += time.perf_counter() - waited
+        elif step.matchers:
+            filled = self._fill(step.matchers)
+            st.fill_s += filled
+            st.wait_s += filled  # the engine thread did it
         start = time.perf_counter()
         if step.grammar_rows:
             n = len(step.grammar_rows)

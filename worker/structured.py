@@ -208,4 +208,9 @@ class GrammarCompiler:
         matcher = llg.LLMatcher(ll, spec, log_level=0)
         if matcher.is_error():
             raise ConstraintError(f"does not compile: {_bounded(matcher.get_error())}")
+        # The first mask builds lazy lexer state that the requests' copies share: built
+        # here, off the engine thread.
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise ConstraintError(f"does not compile: {_bounded(matcher.get_error())}")
         return Grammar(constraint, matcher, time.perf_counter() - start)
