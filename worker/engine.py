@@ -305,8 +305,8 @@ class Engine:
             elif req.grammar is not None and not req.is_finished:
                 # The grammar advances over the token; complete, it ends the request.
                 if not req.grammar.accept(res.token_id):
-                    failed[req.request_id] = f"the grammar refused token {res.token_id}: " \
-                                             f"{req.grammar.error}"
+                    failed[req.request_id] = (f"the grammar refused token {res.token_id}: "
+                                              f"{req.grammar.error}")
                 elif req.grammar.done:
                     stopped.append(req.request_id)
         if stopped:

@@ -174,7 +174,7 @@ class ModelRunner:
             if s.will_sample:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s.request)
-        # Grammar bitmasks are filled while the model runs.
+        # Grammar bitmasks: on a GPU filled while the model runs (worker/logits_masks.py).
         masks = self.logits_masks.start(sampling)
         if self.graphs is not None and len(sample_rows) == len(input_ids) and self.graphs.can_run(
             len(input_ids)
