@@ -6,7 +6,7 @@ Whatever a request owns ends with it."""
 import enum
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,9 @@ SAMPLING_EPS = 1e-5
 # Repetition penalties beyond these bounds change nothing more (a logit divided or
 # multiplied by 100 already dominates any gap between logits) but can overflow float32.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# logit_bias: OpenAI's range of a bias (-100 bans a token, +100 all but forces it), and
+# at most this many tokens (a small vocabulary's worth; more is a mistake or an attack).
+MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 100.0, 1024
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +59,11 @@ _LIMITS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("stop", lambda v: all(isinstance(s, str) and s for s in v), "non-empty strings"),
     ("stop_token_ids", lambda v: all(isinstance(t, int) and t >= 0 for t in v), "ints >= 0"),
     ("logprobs", lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
+    ("min_tokens", lambda v: v >= 0, ">= 0"),
+    ("logit_bias", lambda v: len(v) <= MAX_LOGIT_BIAS_TOKENS and all(
+        isinstance(t, int) and t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in v),
+     f"at most {MAX_LOGIT_BIAS_TOKENS} token ids >= 0 with biases in "
+     f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
 )
 
 
@@ -85,15 +93,27 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True  # in the returned text (e.g. <|im_end|>)
     logprobs: int | None = None  # None = off; n = chosen token's logprob plus top-n others
+    # EOS and stop_token_ids are masked until this many tokens are out (ignore_eos: EOS is
+    # no stop, so only the stop ids are).
+    min_tokens: int = 0
+    # (token id, bias) pairs, sorted; added to the logits before sampling. A mapping is
+    # accepted. The vocabulary is checked by the engine (Engine.make_request).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers; keep the frozen value hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in pairs)))
         for name, valid, limit in _LIMITS:
             value = getattr(self, name)
             if not valid(value):
                 raise SamplingParamsError(name, f"must be {limit}, got {_bounded(value)}")
+        if self.min_tokens > self.max_tokens:
+            raise SamplingParamsError(
+                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +164,9 @@ class Request:
     # The engine's per-request output state (worker.outputs.OutputState: detokenizer and
     # stop-string matching); lives and dies with the request.
     output_state: Any = field(default=None, init=False, repr=False)
+    # Its structured-output constraint's matcher (worker.structured.GrammarMatcher), set at
+    # admission; advanced by the engine over each accepted token. None = unconstrained.
+    grammar: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -184,13 +184,15 @@ def _set(field: str, value):
 
 REFUSED = [
     ("sampling_params.n", _set("sampling_params.n", 2)),
-    ("sampling_params.json_schema", _set("sampling_params.json_schema", "{}")),
-    ("sampling_params.regex", _set("sampling_params.regex", "a+")),
-    ("sampling_params.choice", _set("sampling_params.choice", lambda c: c.choices.append("x"))),
-    ("sampling_params.json_object", _set("sampling_params.json_object", True)),
+    ("sampling_params.structural_tag", _set("sampling_params.structural_tag", "{}")),
     ("sampling_params.prompt_logprobs", _set("sampling_params.prompt_logprobs", 1)),
-    ("sampling_params.logit_bias", _set("sampling_params.logit_bias", {5: 1.0})),
-    ("sampling_params.min_tokens", _set("sampling_params.min_tokens", 3)),
+    # Structured outputs and the bias are taken (tests/test_structured.py); bad ones are not.
+    ("sampling_params.json_schema", _set("sampling_params.json_schema", '{"type": "foo"}')),
+    ("sampling_params.regex", _set("sampling_params.regex", "[a-")),
+    ("sampling_params.choice", _set("sampling_params.choice", lambda c: c.choices.append(""))),
+    ("sampling_params.grammar", _set("sampling_params.grammar", "root ::= undefined")),
+    ("sampling_params.logit_bias", _set("sampling_params.logit_bias", {5: 101.0})),
+    ("sampling_params.min_tokens", _set("sampling_params.min_tokens", 3)),  # > max_tokens 2
     ("sampling_params.logprobs", _set("sampling_params.logprobs", -1)),
     ("sampling_params.logprobs", _set("sampling_params.logprobs", 21)),
     ("mm_inputs", _set("mm_inputs", lambda m: m.mm_hashes.append("h"))),

@@ -257,6 +257,9 @@ class ServerConfig:
     max_prompt_chars: int = opt(0, "most characters of prompt text (or chat content) one "
                                 "request may send, refused before tokenizing; 0 = 32 per "
                                 "allowed prompt token")
+    max_structured_bytes: int = opt(64 << 10, "largest structured-output constraint (JSON "
+                                    "schema, regex, grammar, choices) one request may send, "
+                                    "in UTF-8 bytes")
     max_generation_time_s: float = opt(600.0, "a request still generating after this many "
                                        "seconds is ended (finish reason length); 0 = no limit")
     tls_cert: str = opt("", "PEM certificate chain: serve TLS (with --tls-key)")
@@ -297,6 +300,8 @@ class ServerConfig:
             raise ValueError("--max-message-bytes must be >= 1024 and --max-chat-messages >= 1")
         if self.max_prompt_tokens < 0 or self.max_generation_time_s < 0:
             raise ValueError("--max-prompt-tokens and --max-generation-time-s must be >= 0")
+        if self.max_structured_bytes < 1:
+            raise ValueError(f"--max-structured-bytes must be >= 1, got {self.max_structured_bytes}")
         if self.max_prompt_chars < 0:
             raise ValueError(f"--max-prompt-chars must be >= 0, got {self.max_prompt_chars}")
         if not 0 <= self.health_port <= 65535:

@@ -30,7 +30,10 @@ Hostile input this door turns away, and how:
   status message is cut to `MAX_STATUS_CHARS`, so no message can outgrow gRPC's metadata;
 - special-token strings typed in text or chat content stay text unless the caller sets
   `parse_special_tokens` (a trusted caller: a gateway that rendered the prompt itself);
-- extreme sampling values: `SamplingParams` bounds them, the sampler is immune to the rest.
+- extreme sampling values: `SamplingParams` bounds them, the sampler is immune to the rest;
+- structured-output constraints: sized before anything else (--max-structured-bytes),
+  compiled in the same worker thread (llguidance; a cache keyed by kind and text spares the
+  repeats), refused here when they do not compile, quoting a bounded part of the reason.
 """
 
 from __future__ import annotations
@@ -46,12 +49,13 @@ from typing import Any, NoReturn
 
 import grpc
 
-from scheduler.request import Request, SamplingParams, SamplingParamsError
+from scheduler.request import MAX_LOGIT_BIAS_TOKENS, Request, SamplingParams, SamplingParamsError
 from worker import telemetry
 from worker.bridge import DuplicateRequestError, EngineBridge, RequestStream
 from worker.config import WorkerConfig
 from worker.load import Load, snapshot
 from worker.outputs import RequestOutput
+from worker.structured import Constraint, ConstraintError, Grammar, GrammarCompiler
 from worker.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -96,6 +100,11 @@ class FieldNames:
     truncate_prompt_tokens: str = "truncate_prompt_tokens"
     # SamplingParams' field -> the wire's name for it, where they differ.
     sampling: Mapping[str, str] = field(default_factory=dict)
+    # Constraint kind (worker.structured.KINDS) -> the wire's field that carries it.
+    constraint: Mapping[str, str] = field(default_factory=lambda: {
+        "json_schema": "json_schema", "json_object": "json_object", "regex": "regex",
+        "choice": "choice.choices", "grammar": "grammar.text", "lark": "grammar.text",
+        "gbnf": "grammar.text"})
 
 
 @dataclass
@@ -113,6 +122,7 @@ class Submission:
     priority: int = 0
     cache_salt: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    constraint: Constraint | None = None  # structured output; None = unconstrained
     names: FieldNames = field(default_factory=FieldNames)
 
     @property
@@ -170,6 +180,7 @@ class Door:
         self.on_drain = on_drain  # e.g. health NOT_SERVING
         self.bridge: EngineBridge | None = None
         self.model: ModelInfo | None = None
+        self.grammars: GrammarCompiler | None = None  # with a tokenizer, at attach
         self.draining = False
         self.started_at = time.monotonic()
         self.last_receive = 0.0  # wall time of the last generation request
@@ -193,6 +204,8 @@ class Door:
             block_size=engine.kv.block_size, source=loaded.source,
             num_parameters=loaded.config.num_params,
             max_num_seqs=self.config.scheduler.max_num_seqs, has_tokenizer=tok is not None)
+        if tok is not None:
+            self.grammars = GrammarCompiler(tok, loaded.config.vocab_size, loaded.eos_token_ids)
 
     def max_prompt_tokens(self, max_model_len: int) -> int:
         return self.sc.max_prompt_tokens or max_model_len
@@ -326,8 +339,27 @@ class Door:
             params = SamplingParams(max_tokens=max_tokens, **sub.sampling)
         except SamplingParamsError as e:  # said in the wire's names
             raise InvalidArgument(f"{n.sampling.get(e.field, e.field)} {e.problem}") from None
-        return engine.make_request(ids, params, request_id=sub.request_id or uuid.uuid4().hex,
-                                   priority=sub.priority, cache_salt=sub.cache_salt or None)
+        req = engine.make_request(ids, params, request_id=sub.request_id or uuid.uuid4().hex,
+                                  priority=sub.priority, cache_salt=sub.cache_salt or None)
+        if sub.constraint is not None:  # last: the cheap checks came first
+            req.grammar = (await self._grammar(sub, sub.constraint, engine.model_name)).matcher()
+        return req
+
+    async def _grammar(self, sub: Submission, constraint: Constraint, model: str) -> Grammar:
+        """The compiled constraint: from the cache, or compiled in the door's worker thread
+        (other requests and health checks go on meanwhile)."""
+        what = sub.names.constraint[constraint.kind]
+        grammars = self.grammars
+        if grammars is None:
+            raise InvalidArgument(f"{what} needs a tokenizer; model {model} has none")
+        grammar = grammars.cached(constraint)
+        if grammar is not None:
+            return grammar
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._prep, grammars.compile, constraint)
+        except ConstraintError as e:
+            raise InvalidArgument(f"{what} {e.problem}") from None
 
     @property
     def _prompt_limit_flag(self) -> str:
@@ -353,6 +385,16 @@ class Door:
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidArgument(f"stop_token_ids has {len(stop_ids)} ids; at most "
                                   f"{MAX_STOP_TOKEN_IDS} are allowed")
+        bias = sub.sampling.get("logit_bias", ())
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:  # counted before SamplingParams sorts it
+            raise InvalidArgument(f"{n.sampling.get('logit_bias', 'logit_bias')} has "
+                                  f"{len(bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are "
+                                  "allowed")
+        c = sub.constraint
+        if c is not None and c.num_bytes > sc.max_structured_bytes:
+            raise InvalidArgument(f"{n.constraint[c.kind]} is {c.num_bytes} bytes; at most "
+                                  f"{sc.max_structured_bytes} are allowed "
+                                  "(--max-structured-bytes)")
         kind = sub.kind
         if kind is None:
             raise InvalidArgument(f"{n.input} is missing: set exactly one")

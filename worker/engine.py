@@ -184,6 +184,9 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is out of the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is out of the vocabulary [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -289,6 +292,7 @@ class Engine:
         self.step_tokens[step.num_batched_tokens] = self.step_tokens.get(step.num_batched_tokens, 0) + 1
         updated = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
         stopped: list[str] = []
+        failed: dict[str, str] = {}
         for req in updated:
             state = req.output_state
             res = sampled[req.request_id]
@@ -298,10 +302,20 @@ class Engine:
             if stop is not None and not req.is_finished:
                 req.stop_reason = stop
                 stopped.append(req.request_id)
+            elif req.grammar is not None and not req.is_finished:
+                # The grammar advances over the token; complete, it ends the request.
+                if not req.grammar.accept(res.token_id):
+                    failed[req.request_id] = (f"the grammar refused token {res.token_id}: "
+                                              f"{req.grammar.error}")
+                elif req.grammar.done:
+                    stopped.append(req.request_id)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if failed:
+            self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
         for req in updated:
-            outputs.append(self._output(req, [req.output_token_ids[-1]], finished=req.is_finished))
+            outputs.append(self._output(req, [req.output_token_ids[-1]], finished=req.is_finished,
+                                        error=failed.get(req.request_id)))
 
     def _output(self, req: Request, new_ids: list[int], finished: bool, error: str | None = None) -> RequestOutput:
         state: OutputState = req.output_state

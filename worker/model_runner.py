@@ -28,6 +28,7 @@ from ops.sampling import SamplingTensors
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request
 from worker.cuda_graphs import DecodeGraphs
+from worker.logits_masks import LogitsMasks, StepMasks
 from worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 
 
@@ -93,6 +94,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
+        # Grammar bitmasks, logit_bias and min_tokens, applied to the logits before sampling.
+        self.logits_masks = LogitsMasks(cfg.vocab_size, device)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: list[KVCache] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -171,13 +174,15 @@ class ModelRunner:
             if s.will_sample:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s.request)
+        # Grammar bitmasks: on a GPU filled while the model runs (worker/logits_masks.py).
+        masks = self.logits_masks.start(sampling)
         if self.graphs is not None and len(sample_rows) == len(input_ids) and self.graphs.can_run(
             len(input_ids)
         ):
             # Every request decodes one token: replay a captured graph.
             logits = self.graphs.run(input_ids, positions, seq_lens,
                                      [s.block_table for s in step.scheduled])
-            return self._sample(sampling, logits)
+            return self._sample(sampling, logits, masks)
         max_blocks = max(len(s.block_table) for s in step.scheduled)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in step.scheduled]
 
@@ -200,9 +205,11 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
-        return self._sample(sampling, logits)
+        return self._sample(sampling, logits, masks)
 
-    def _sample(self, sampling: list[Request], logits: torch.Tensor) -> dict[str, SampleResult]:
+    def _sample(self, sampling: list[Request], logits: torch.Tensor,
+                masks: StepMasks | None = None) -> dict[str, SampleResult]:
+        logits = self.logits_masks.apply(logits, masks)
         out = ops.sample(logits, self._sampling_tensors(sampling))
         return self._results(sampling, out)
 

@@ -12,7 +12,10 @@ INVALID_ARGUMENT            bad input; the message names the field and the limit
                             prompt + max_tokens over max_model_len, any sampling value
                             out of range, too many or too long stop strings,
                             top_logprobs > 20, request_id too long, text or chat sent to
-                            a model without a tokenizer)
+                            a model without a tokenizer; a structured-output constraint
+                            that does not compile, or is over --max-structured-bytes;
+                            more than 1024 logit_bias tokens or a bias outside
+                            [-100, 100]; min_tokens > max_tokens)
 ALREADY_EXISTS              a request_id that is still in flight
 RESOURCE_EXHAUSTED          the waiting queue is at --max-waiting; trailing metadata
                             ``grpc-retry-pushback-ms`` (gRPC's retry design, gRFC A6)
@@ -70,8 +73,9 @@ from llmworker.v1 import worker_pb2 as pb
 from llmworker.v1 import worker_pb2_grpc
 
 from worker import telemetry
-from worker.door import Door, FieldNames, Submission, abort
+from worker.door import Door, FieldNames, InvalidArgument, Submission, abort
 from worker.outputs import RequestOutput
+from worker.structured import Constraint
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 FINISH_REASONS = {
@@ -86,7 +90,10 @@ NAMES = FieldNames(sampling={
                                            "repetition_penalty", "presence_penalty",
                                            "frequency_penalty", "seed")},
     "stop_token_ids": "stopping.stop_token_ids", "ignore_eos": "stopping.ignore_eos",
-    "logprobs": "top_logprobs"})
+    "logprobs": "top_logprobs", "logit_bias": "sampling_params.logit_bias",
+    "min_tokens": "stopping.min_tokens"})
+_GRAMMAR_KINDS = {pb.GRAMMAR_SYNTAX_UNSPECIFIED: "grammar", pb.GRAMMAR_SYNTAX_LARK: "lark",
+                  pb.GRAMMAR_SYNTAX_GBNF: "gbnf"}
 
 
 def traced(handler):
@@ -119,6 +126,23 @@ def _ms(seconds: float | None) -> float:
     return 0.0 if seconds is None else seconds * 1000.0
 
 
+def constraint(msg: pb.GenerateRequest) -> Constraint | None:
+    """The request's structured-output constraint, as sent (the door checks it)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "choice":
+        return Constraint("choice", choices=msg.choice.choices)
+    if kind == "grammar":
+        syntax = _GRAMMAR_KINDS.get(msg.grammar.syntax)
+        if syntax is None:
+            raise InvalidArgument(f"grammar.syntax {msg.grammar.syntax} is unknown")
+        return Constraint(syntax, msg.grammar.text)
+    return Constraint(kind, getattr(msg, kind))
+
+
 def submission(msg: pb.GenerateRequest) -> Submission:
     """Our wire message as the door takes it (the door checks every value)."""
     kind = msg.WhichOneof("input")
@@ -133,6 +157,7 @@ def submission(msg: pb.GenerateRequest) -> Submission:
         priority=msg.priority,
         cache_salt=msg.cache_salt or None,
         names=NAMES,
+        constraint=constraint(msg),
         sampling=dict(
             temperature=s.temperature if s.HasField("temperature") else 1.0,
             top_p=s.top_p if s.HasField("top_p") else 1.0,
@@ -147,6 +172,8 @@ def submission(msg: pb.GenerateRequest) -> Submission:
             ignore_eos=stopping.ignore_eos,
             logprobs=msg.top_logprobs if msg.logprobs or msg.top_logprobs else None,
             skip_special_tokens=not msg.include_special_tokens,
+            min_tokens=stopping.min_tokens,
+            logit_bias=dict(s.logit_bias),
         ),
     )
 
@@ -191,7 +218,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         method = f"/{SERVICE_NAME}/Generate"
         with telemetry.rpc_span(method, context.invocation_metadata(), context=context):
-            gen = await self.door.admit(context, submission(request))
+            try:
+                sub = submission(request)
+            except ValueError as e:  # what this adapter cannot read (an unknown enum value)
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            gen = await self.door.admit(context, sub)
             rid, logprobs = gen.request_id, gen.wants_logprobs
             async with contextlib.aclosing(gen.outputs()) as outs:
                 async for out in outs:

@@ -14,6 +14,7 @@ from scheduler.request import MAX_LOGPROBS
 from worker.door import FieldNames, InvalidArgument, Submission
 from worker.model_runner import SampleResult
 from worker.outputs import RequestOutput
+from worker.structured import Constraint
 
 _SEED_MASK = 0xFFFF_FFFF  # the proto's int32 seed, read as the uint32 of its bits
 NAMES = FieldNames(input="input (tokenized or text)", token_ids="tokenized.input_ids",
@@ -23,7 +24,11 @@ NAMES = FieldNames(input="input (tokenized or text)", token_ids="tokenized.input
                    sampling={f: f"sampling_params.{f}" for f in (
                        "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                        "presence_penalty", "frequency_penalty", "seed", "stop_token_ids",
-                       "ignore_eos", "skip_special_tokens", "logprobs")})
+                       "ignore_eos", "skip_special_tokens", "logprobs", "logit_bias",
+                       "min_tokens")},
+                   constraint={k: f"sampling_params.{k}" for k in (
+                       "json_schema", "json_object", "regex", "grammar")}
+                   | {"choice": "sampling_params.choice.choices"})
 
 # Request fields with no meaning here (one text model, one device, no KV transfer): sent
 # set, they are refused, never ignored.
@@ -50,16 +55,11 @@ def unsupported(msg: vpb.GenerateRequest) -> None:
     if p.n > 1:
         raise InvalidArgument(f"sampling_params.n = {p.n} is not supported: one sequence per "
                               "request (send n requests)")
-    if (kind := p.WhichOneof("constraint")) is not None:
-        raise InvalidArgument(f"sampling_params.{kind} is not supported: no structured-output "
-                              "constraints")
+    if p.WhichOneof("constraint") == "structural_tag":
+        raise InvalidArgument("sampling_params.structural_tag is not supported (json_schema, "
+                              "regex, grammar, choice and json_object are)")
     if p.HasField("prompt_logprobs"):
         raise InvalidArgument("sampling_params.prompt_logprobs is not supported")
-    if p.logit_bias:
-        raise InvalidArgument("sampling_params.logit_bias is not supported")
-    if p.min_tokens:
-        raise InvalidArgument(f"sampling_params.min_tokens = {p.min_tokens} is not supported "
-                              "(only 0)")
     if p.HasField("logprobs") and not 0 <= p.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(f"sampling_params.logprobs must be in [0, {MAX_LOGPROBS}], got "
                               f"{p.logprobs} (-1, all of them, is not supported)")
@@ -78,8 +78,22 @@ def submission(msg: vpb.GenerateRequest) -> Submission:
         truncate_prompt_tokens=(p.truncate_prompt_tokens
                                 if p.HasField("truncate_prompt_tokens") else None),
         sampling=sampling_fields(p),
+        constraint=constraint(p),
         names=NAMES,
     )
+
+
+def constraint(p: vpb.SamplingParams) -> Constraint | None:
+    """The structured-output constraint, as vLLM's StructuredOutputsParams reads the oneof
+    (`grammar`: Lark or EBNF/GBNF, told apart by its syntax; `json_object` false = none)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "choice":
+        return Constraint("choice", choices=p.choice.choices)
+    return Constraint(kind, getattr(p, kind))
 
 
 def sampling_fields(p: vpb.SamplingParams) -> dict[str, Any]:
@@ -99,6 +113,9 @@ def sampling_fields(p: vpb.SamplingParams) -> dict[str, Any]:
         ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        min_tokens=p.min_tokens,
+        # int32 keys: a negative id reaches SamplingParams, which names it.
+        logit_bias=dict(p.logit_bias),
     )
 
 

@@ -26,16 +26,18 @@ frequency penalties as given; max_tokens unset = --default-max-tokens clipped to
 (an explicit 0 is refused); stop, stop_token_ids, ignore_eos, skip_special_tokens as
 given; seed: the int32's bits read as a uint32 (so -1 and 4294967295 are one seed);
 logprobs 0..20; truncate_prompt_tokens k keeps the prompt's last k tokens (-1: as many as
-allowed). Accepted with no effect, since we return token ids and no text:
+allowed); min_tokens and logit_bias (bounded by the door: 1024 tokens, [-100, 100]); the
+structured-output constraints json_schema, regex, grammar (Lark or EBNF/GBNF), choice and
+json_object (worker.structured; compiled at the door, INVALID_ARGUMENT when they do not).
+Accepted with no effect, since we return token ids and no text:
 ``include_stop_str_in_output`` (the ids always include the tokens that completed a stop
 string; the stop string is matched in our detokenized text) and
-``spaces_between_special_tokens``; ``grammar_from_first_token`` (no constraint can be
-set); ``n`` 0 or 1; ``data_parallel_rank`` 0.
+``spaces_between_special_tokens``; ``grammar_from_first_token`` (we run no reasoning
+parser: a grammar always starts at the first generated token, as GetServerInfo's
+``constrained_decoding_start`` "first_token" says); ``n`` 0 or 1; ``data_parallel_rank`` 0.
 
-Refused with INVALID_ARGUMENT naming the field: n > 1, any structured-output constraint
-(json_schema, regex, grammar, structural_tag, json_object, choice), prompt_logprobs,
-logit_bias, min_tokens > 0 (our sampler cannot mask EOS until a minimum), logprobs -1 or
-> 20, mm_inputs, extra_mm_inputs, media_refs, kv_transfer_params(_json), a
+Refused with INVALID_ARGUMENT naming the field: n > 1, structural_tag, prompt_logprobs,
+logprobs -1 or > 20, mm_inputs, extra_mm_inputs, media_refs, kv_transfer_params(_json), a
 data_parallel_rank other than 0; and every bad value our own service refuses, with the
 same limits and messages.
 
@@ -197,6 +199,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             block_size=cfg.cache.block_size,
             model_dtype=f"torch.{m.dtype}" if m else "",
             max_num_seqs=cfg.scheduler.max_num_seqs,
+            constrained_decoding_start="first_token",  # no reasoning parser holds it back
         )
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext):
