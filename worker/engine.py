@@ -32,6 +32,7 @@ from worker import memory
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.outputs import OutputState, RequestOutput
+from worker.spec_decode import NgramProposer
 from worker.weights import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class StepOutput:
     kv_events: list[KVEvent] = field(default_factory=list)
     num_batched_tokens: int = 0  # tokens the model computed (prefill chunks + decodes)
     num_preempted: int = 0  # requests preempted by this step's schedule (swap or recompute)
+    num_draft_tokens: int = 0  # speculative drafts the step verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
     def __bool__(self) -> bool:
         return bool(self.outputs or self.kv_events or self.num_preempted)
@@ -141,6 +144,15 @@ class Engine:
             cpu_activations=config.model.cpu_activations,
         )
         log.info(self.runner.describe_kernels())
+        spec = config.speculative.speculative_config
+        self.speculation = spec
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max) if spec is not None else None)
+        if spec is not None:
+            log.info("speculative decoding: n-gram drafts of up to %d tokens (suffixes of %d..%d "
+                     "tokens), off in steps with more than %d running requests",
+                     spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                     spec.disable_by_batch_size)
         torch.manual_seed(config.model.seed)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -153,6 +165,11 @@ class Engine:
         # counted when the scheduler makes them, and how many steps ran each token count.
         self.num_preemptions = 0
         self.step_tokens: dict[int, int] = {}  # tokens the model ran in a step -> steps
+        # Speculative decoding: drafts verified (one per request and step that had some),
+        # draft tokens verified, and of those accepted.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ----- sizing -----
 
@@ -262,8 +279,20 @@ class Engine:
         step.kv_events = self.kv.take_events()
         return step
 
+    def _propose(self) -> None:
+        """Draft tokens for every running request that decodes next, unless the batch is
+        larger than speculation pays for (then none: the step runs as without it)."""
+        assert self.proposer is not None and self.speculation is not None
+        running = self.scheduler.running
+        on = len(running) <= self.speculation.disable_by_batch_size
+        for req in running:
+            decoding = req.num_computed_tokens == req.num_tokens - 1
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids) if on and decoding else []
+
     def _run(self, step: StepOutput) -> None:
         outputs = step.outputs
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         step.num_preempted = len(sched.preempted_ids)
         self.num_preemptions += step.num_preempted  # for the metrics, when made
@@ -287,21 +316,45 @@ class Engine:
         self.num_failed_steps = 0
         step.num_batched_tokens = sched.num_batched_tokens
         self.step_tokens[step.num_batched_tokens] = self.step_tokens.get(step.num_batched_tokens, 0) + 1
-        updated = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
+        before = {s.request_id: s.request.num_output_tokens for s in sched.scheduled if s.will_sample}
+        drafted = sum(len(s.spec_token_ids) for s in sched.scheduled)
+        if drafted:
+            accepted = sum(len(sampled[s.request_id]) - 1 for s in sched.scheduled if s.spec_token_ids)
+            self.num_drafts += sum(1 for s in sched.scheduled if s.spec_token_ids)
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += accepted
+            step.num_draft_tokens, step.num_accepted_tokens = drafted, accepted
+        updated = self.scheduler.update_from_output(
+            sched, {k: [r.token_id for r in v] for k, v in sampled.items()})
         stopped: list[str] = []
+        new_ids: dict[str, list[int]] = {}
         for req in updated:
             state = req.output_state
-            res = sampled[req.request_id]
-            if req.sampling_params.logprobs is not None:
-                state.pending_logprobs.append(res)
-            stop = state.add_token(res.token_id)
-            if stop is not None and not req.is_finished:
+            first = before[req.request_id]
+            ids = new_ids[req.request_id] = req.output_token_ids[first:]
+            for j, token in enumerate(ids):
+                if req.sampling_params.logprobs is not None:
+                    state.pending_logprobs.append(sampled[req.request_id][j])
+                stop = state.add_token(token)
+                if stop is None:
+                    continue
+                last = j == len(ids) - 1
+                if req.is_finished and last:
+                    break  # its stop token or length ended it at this very token: that stands
+                # A stop string ends the request at this token; tokens after it (accepted
+                # drafts) are dropped, as if they had never been sampled.
+                del ids[j + 1 :]
+                req.truncate_output(first + j + 1)
                 req.stop_reason = stop
-                stopped.append(req.request_id)
+                if req.is_finished:  # ended later in the dropped tokens; already released
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    stopped.append(req.request_id)
+                break
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for req in updated:
-            outputs.append(self._output(req, [req.output_token_ids[-1]], finished=req.is_finished))
+            outputs.append(self._output(req, new_ids[req.request_id], finished=req.is_finished))
 
     def _output(self, req: Request, new_ids: list[int], finished: bool, error: str | None = None) -> RequestOutput:
         state: OutputState = req.output_state

@@ -32,6 +32,12 @@ vllm:iteration_tokens_total                 histogram  tokens the model ran per 
                                                        (prefill chunks + decodes), vLLM's
                                                        buckets; steps since the metrics
                                                        server started (not the warm-up's)
+vllm:spec_decode_num_drafts_total           counter    with --speculative-config only:
+                                                       drafts verified (one per request and
+                                                       step that had draft tokens)
+vllm:spec_decode_num_draft_tokens_total     counter    draft tokens verified
+vllm:spec_decode_num_accepted_tokens_total  counter    of those, accepted (equal to the
+                                                       model's own token there)
 vllm:cache_config_info                      gauge      always 1; the cache configuration in
                                                        labels, under vLLM's CacheConfig
                                                        names: block_size, cache_dtype,
@@ -163,6 +169,11 @@ class LoadCollector(Collector):
         self._last: Load | None = None
         # What the engine ran before metrics existed (the warm-up) is left out.
         self._base_step_tokens = dict(bridge.engine.step_tokens)
+        self._base_spec = self._spec_tallies()
+
+    def _spec_tallies(self) -> tuple[int, int, int]:
+        e = self.bridge.engine
+        return e.num_drafts, e.num_draft_tokens, e.num_accepted_tokens
 
     def load(self) -> Load | None:
         if self._on_loop():
@@ -226,6 +237,13 @@ class LoadCollector(Collector):
         yield counter("vllm:num_preemptions", "Preemptions, counted when they are made.",
                       load.num_preemptions)
         yield self._iteration_tokens()
+        if self.bridge.engine.speculation is not None:  # as vLLM: only when speculating
+            drafts, tokens, accepted = (n - b for n, b in zip(self._spec_tallies(), self._base_spec,
+                                                              strict=True))
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          accepted)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the cache config.",
                                  labels=[*self.cache_info, *names])
         info.add_metric([*self.cache_info.values(), *self.labels], 1)
