@@ -15,6 +15,18 @@ tokens [t, d1..dk] that samples at every position: sample row j draws the model'
 position N + j as the sampler would if d1..dj were already output (its penalties count
 them, a seeded request uses that output index's generator). The drafts are accepted while
 they equal those tokens; the request gets the accepted drafts and the next token.
+
+Attention sees such a chunk as 1 + k decodes of one token each, sharing the request's block
+table, each with the context up to its own position (a request c with drafts d1 d2)::
+
+    input_ids      | c29 d1 d2 |            positions 29 30 31
+    seq_lens       | 30  31 32 |            one attention row per token
+    block_tables   | c   c  c  |
+
+The step's keys and values are all written before any row attends (in every kernel path),
+so each row sees exactly its causal context: the same arithmetic as decoding those tokens
+one by one, and a step of decodes with drafts stays a decode step (the CPU's fused decoder
+runs it as one call).
 """
 
 from __future__ import annotations
@@ -169,13 +181,21 @@ class ModelRunner:
         query_start_loc = [0]
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
-        for i, s in enumerate(step.scheduled):
+        tables: list[list[int]] = []  # one per attention row: a request, or a drafted token
+        for s in step.scheduled:
             end = s.start + s.num_new_tokens
             input_ids += s.token_ids
             positions += range(s.start, end)
-            req_index += [i] * s.num_new_tokens
-            seq_lens.append(end)
-            query_start_loc.append(len(input_ids))
+            if s.spec_token_ids:  # a decode row per token (see the top)
+                req_index += range(len(tables), len(tables) + s.num_new_tokens)
+                tables += [s.block_table] * s.num_new_tokens
+                seq_lens += range(s.start + 1, end + 1)
+                query_start_loc += range(query_start_loc[-1] + 1, len(input_ids) + 1)
+            else:
+                req_index += [len(tables)] * s.num_new_tokens
+                tables.append(s.block_table)
+                seq_lens.append(end)
+                query_start_loc.append(len(input_ids))
             if s.will_sample:
                 sample_rows += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
                 sampling.append(s)
@@ -187,8 +207,8 @@ class ModelRunner:
             logits = self.graphs.run(input_ids, positions, seq_lens,
                                      [s.block_table for s in step.scheduled])
             return self._one_each(self._sample([s.request for s in sampling], logits))
-        max_blocks = max(len(s.block_table) for s in step.scheduled)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in step.scheduled]
+        max_blocks = max(len(t) for t in tables)
+        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
 
         pos_t = self._tensor(positions)
         block_tables = torch.tensor(tables, dtype=torch.int32).to(self.device, non_blocking=True)
@@ -202,7 +222,7 @@ class ModelRunner:
             block_tables=block_tables,
             seq_lens=self._tensor(seq_lens),
             query_start_loc=self._tensor(query_start_loc),
-            max_query_len=max(s.num_new_tokens for s in step.scheduled),
+            max_query_len=max(1 if s.spec_token_ids else s.num_new_tokens for s in step.scheduled),
             max_seq_len=max(seq_lens),
         )
         hidden = (self.cpu_decoder or self.model)(self._tensor(input_ids), pos_t, meta, self.kv_caches)

@@ -5,9 +5,11 @@ target model in one step.
                on the request (`Request.spec_token_ids`)
                the scheduler gives it 1 + k tokens [t, d1..dk] (fewer drafts when the token
                budget, max_tokens or max_model_len leave less room) and KV slots for them
-               the runner computes the chunk like a small prefill chunk and samples every
-               position with the normal sampler, as if each draft before it were already
-               output (`worker.model_runner`, `accepted`)
+               the runner computes the chunk as 1 + k decodes sharing the request's block
+               table (each token attends to its own causal context: the arithmetic of
+               decoding them one by one) and samples every position with the normal
+               sampler, as if each draft before it were already output
+               (`worker.model_runner`, `accepted`)
                accepted drafts + one token of the model's own are appended; the KV of the
                rejected drafts is past num_computed_tokens, overwritten by later steps
 
