@@ -678,5 +678,10 @@ def test_served_counts_reach_the_metrics_and_the_vllm_protocol(grounded_ids) -> 
         assert values["vllm:spec_decode_num_draft_tokens_total"] == complete.spec_draft_tokens
         assert values["vllm:spec_decode_num_accepted_tokens_total"] == complete.spec_accepted_tokens
         assert 0 < values["vllm:spec_decode_num_drafts_total"] <= complete.spec_draft_tokens
+        per_pos = {s.labels["position"]: s.value for f in text_string_to_metric_families(text)
+                   for s in f.samples if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+        assert sorted(per_pos) == ["0", "1", "2", "3"]
+        assert sum(per_pos.values()) == complete.spec_accepted_tokens
+        assert per_pos["0"] >= per_pos["1"] >= per_pos["2"] >= per_pos["3"]
     finally:
         w.close()

@@ -170,6 +170,9 @@ class Engine:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # accepted_per_position[j]: drafts accepted at position j of their draft (vLLM's
+        # per-position counter); as long as the longest draft.
+        self.accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
 
     # ----- sizing -----
 
@@ -319,8 +322,14 @@ class Engine:
         before = {s.request_id: s.request.num_output_tokens for s in sched.scheduled if s.will_sample}
         drafted = sum(len(s.spec_token_ids) for s in sched.scheduled)
         if drafted:
-            accepted = sum(len(sampled[s.request_id]) - 1 for s in sched.scheduled if s.spec_token_ids)
-            self.num_drafts += sum(1 for s in sched.scheduled if s.spec_token_ids)
+            accepted = 0
+            for s in sched.scheduled:
+                if s.spec_token_ids:
+                    n = len(sampled[s.request_id]) - 1
+                    accepted += n
+                    self.num_drafts += 1
+                    for j in range(n):
+                        self.accepted_per_position[j] += 1
             self.num_draft_tokens += drafted
             self.num_accepted_tokens += accepted
             step.num_draft_tokens, step.num_accepted_tokens = drafted, accepted
