@@ -210,14 +210,14 @@ def test_drafts_under_pressure_give_the_same_tokens_and_free_every_block(seed: i
     end."""
     rng = random.Random(seed)
     bs = 4
-    kv = KVCacheManager(num_blocks=rng.choice([24, 40, 80]), block_size=bs,
-                        enable_prefix_caching=True, num_cpu_blocks=rng.choice([0, 16, 64]))
-    sched = Scheduler(kv, max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([6, 16, 64]),
-                      max_model_len=64, preemption_mode=rng.choice(["auto", "recompute"]))
+    kv = KVCacheManager(num_blocks=18 + 2 * (seed % 3), block_size=bs, enable_prefix_caching=True,
+                        num_cpu_blocks=(0, 64)[seed % 2])
+    sched = Scheduler(kv, max_num_seqs=(4, 8)[seed % 2], max_num_batched_tokens=(6, 16, 64)[seed % 3],
+                      max_model_len=64, preemption_mode="auto")
     runner = SpecKVRunner(bs)
     reqs = []
     shared = [rng.randrange(1000) for _ in range(8)]  # a prefix some prompts share
-    for i in range(12):
+    for i in range(16):
         rid = f"r{seed}-{i}"
         prompt = (shared if i % 3 == 0 else []) + [rng.randrange(1000) for _ in range(rng.randint(1, 30))]
         max_tokens = min(rng.randint(1, 30), 64 - len(prompt))
@@ -226,13 +226,16 @@ def test_drafts_under_pressure_give_the_same_tokens_and_free_every_block(seed: i
                     arrival_time=float(i))
         sched.add_request(r)
         reqs.append(r)
-    propose = propose_mixed(runner, rng, k=rng.choice([1, 3, 6]), p_right=0.7)
-    steps = 0
+    propose = propose_mixed(runner, rng, k=(1, 3, 6)[seed % 3], p_right=0.7)
+    steps = preempted = swapped_in = 0
     while sched.has_unfinished_requests():
         out = spec_step(sched, runner, propose, now=100.0 + steps)
         assert not out.is_empty
+        preempted += len(out.preempted_ids)
+        swapped_in += len(out.blocks_to_swap_in)
         steps += 1
         assert steps < 10_000
+    assert preempted > 0 and (swapped_in > 0) == (kv.num_cpu_blocks > 0)
     for r in reqs:
         assert r.output_token_ids == _expected(runner, r), r.request_id
         assert r.num_accepted_tokens <= r.num_draft_tokens
