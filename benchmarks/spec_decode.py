@@ -36,6 +36,7 @@ from clients.bench.environment import environment, recorded
 from scheduler.request import SamplingParams
 from worker.config import (
     CacheConfig,
+    ModelConfig,
     NgramSpeculation,
     SchedulerConfig,
     SpeculativeConfig,
@@ -100,7 +101,7 @@ DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup
 
 
 def _engine(loaded: LoadedModel, spec: NgramSpeculation | None, seqs: int) -> Engine:
-    conf = WorkerConfig(cache=CacheConfig(kv_cache_memory=0.25),
+    conf = WorkerConfig(model=ModelConfig(max_model_len=2048), cache=CacheConfig(kv_cache_memory=0.25),
                         scheduler=SchedulerConfig(max_num_seqs=max(seqs, 1)),
                         speculative=SpeculativeConfig(spec))
     return Engine(conf, loaded=loaded)
