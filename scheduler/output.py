@@ -14,6 +14,15 @@ class ScheduledRequest:
 
     `will_sample` is True iff the chunk reaches ``num_tokens``: the runner then samples one
     token from the logits at the chunk's last position.
+
+    With speculative decoding, a decode's chunk runs past ``num_tokens`` by its draft tokens
+    `spec_token_ids` (k of them: `num_new_tokens` = 1 + k, KV slots allocated for all):
+
+        positions      N-1  N    ...  N-1+k          (N = num_tokens)
+        token_ids      t    d1   ...  dk
+        sampled        x0   x1   ...  xk             x_j is the model's token at N + j
+
+    The runner samples every position; d_j is accepted while it equals x_{j-1}.
     """
 
     request: Request
@@ -21,6 +30,7 @@ class ScheduledRequest:
     start: int  # == request.num_computed_tokens at schedule time
     block_table: list[int]  # a copy, covering at least start + num_new_tokens positions
     will_sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts, the chunk's last tokens
 
     @property
     def request_id(self) -> str:
@@ -28,7 +38,9 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+        """The chunk's input tokens: the request's own, then the drafts."""
+        own = self.start + self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[self.start : own] + self.spec_token_ids
 
 
 @dataclass

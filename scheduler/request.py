@@ -167,6 +167,12 @@ class Request:
     # Its structured-output constraint's matcher (worker.structured.GrammarMatcher), set at
     # admission; advanced by the engine over each accepted token. None = unconstrained.
     grammar: Any = field(default=None, init=False, repr=False)
+    # Speculative decoding (worker/spec_decode): draft tokens proposed for the next step,
+    # which the scheduler may schedule after the last token (all, some, or none of them);
+    # and, for the usage figures, drafts verified so far and how many were accepted.
+    spec_token_ids: list[int] = field(default_factory=list, init=False)
+    num_draft_tokens: int = field(default=0, init=False)
+    num_accepted_tokens: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -199,6 +205,23 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.hash_block_size and self.num_tokens % self.hash_block_size == 0:
             self.update_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens past the first `num_output_tokens`: a stop string ended the
+        request inside the tokens one speculative step appended. Their keys and values stay
+        where they were written (blocks cached then hold real tokens of this request); only
+        the token lists, the hashes of blocks no longer full, and `num_computed_tokens` (at
+        most the tokens left but the last) follow."""
+        assert 1 <= num_output_tokens <= self.num_output_tokens, (
+            f"{self.request_id}: cannot keep {num_output_tokens} of {self.num_output_tokens} tokens")
+        drop = self.num_output_tokens - num_output_tokens
+        if not drop:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_tokens - drop:]
+        if self.hash_block_size:
+            del self.block_hashes[self.num_tokens // self.hash_block_size:]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens - 1)
 
     def start_block_hashes(self, block_size: int) -> None:
         """Hash the full blocks of the tokens so far, and every block that fills later."""

@@ -62,11 +62,21 @@ takes the longest cached prefix of its tokens (prompt, plus output when it was r
 so `num_computed_tokens` starts there; `num_cached_tokens` records the first admission's
 hit. After each step, blocks that filled up with computed tokens are registered under those
 hashes for later requests (`KVCacheManager.cache_full_blocks`).
+
+Speculative decoding (worker/spec_decode). A running request whose chunk reaches its last
+token may carry draft tokens (`Request.spec_token_ids`, proposed before the step): it is
+given 1 + k tokens and KV slots for them, k cut to the budget left after its own tokens and
+to the room its max_tokens and max_model_len leave after the step's token. Drafts never
+preempt anyone: when their blocks are short, the request runs without them. After the step,
+its accepted drafts and the model's next token are appended, and `num_computed_tokens` is
+the tokens minus the last, as for any decode: the rejected drafts' keys and values lie past
+it, in blocks that are the request's own and never cached, and later steps overwrite them.
 """
 
 import bisect
 import itertools
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvcache.manager import KVCacheManager, cdiv
@@ -245,9 +255,13 @@ class Scheduler:
             if not self.chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
                 i += 1  # unchunked (a static batch's member not yet started): a later step
                 continue
+            drafts = self._drafts(req, num_new, budget)
+            num_total = req.num_computed_tokens + num_new
+            if drafts and not self.kv.allocate_slots(req.request_id, num_total + len(drafts)):
+                drafts = []  # drafts preempt nobody: short of blocks, it runs without them
             victim = None
             while victim is not req and not self.kv.allocate_slots(
-                req.request_id, req.num_computed_tokens + num_new
+                req.request_id, num_total + len(drafts)
             ):
                 victim = self._pick_victim(req)
                 if self.running.index(victim) < i:
@@ -255,8 +269,8 @@ class Scheduler:
                 budget += self._preempt(victim, scheduled, preempted)
             if victim is req:
                 continue  # it preempted itself; running[i] is now the next one
-            scheduled[req.request_id] = self._scheduled(req, num_new, now)
-            budget -= num_new
+            scheduled[req.request_id] = self._scheduled(req, num_new, now, drafts)
+            budget -= num_new + len(drafts)
             i += 1
 
         # 2. Swapped and waiting requests, unless blocks just ran out (re-admitting a victim
@@ -291,6 +305,8 @@ class Scheduler:
             assert all(a <= b for a, b in itertools.pairwise(ranks)), "queue out of order"
         for s in out.scheduled:
             assert s.num_new_tokens >= 1 and s.request.status is RequestStatus.RUNNING
+            assert not s.spec_token_ids or (s.will_sample and len(s.spec_token_ids) < s.num_new_tokens)
+            assert s.start + s.num_new_tokens - len(s.spec_token_ids) <= s.request.num_tokens
             assert len(s.block_table) * self.kv.block_size >= s.start + s.num_new_tokens
             self.kv.check_writable(s.request_id, s.start, s.start + s.num_new_tokens)
 
@@ -358,6 +374,18 @@ class Scheduler:
                 scheduled[req.request_id] = self._scheduled(req, num_new, now)
                 budget -= num_new
         return budget
+
+    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts of `req` this step takes (see the module docstring): none unless its
+        chunk of `num_new` tokens reaches its last token; at most the budget left after
+        them; and at most what leaves room, once all are accepted and the model's token
+        appended, within max_tokens and max_model_len."""
+        spec = req.spec_token_ids
+        if not spec or req.num_computed_tokens + num_new != req.num_tokens:
+            return []
+        room = min(req.sampling_params.max_tokens - req.num_output_tokens,
+                   self.max_model_len - req.num_tokens) - 1
+        return spec[: max(0, min(room, budget - num_new))]
 
     def _allocate(self, req: Request, num_total_tokens: int, hit: PrefixHit | None) -> bool:
         if req.status is RequestStatus.SWAPPED:
@@ -443,6 +471,7 @@ class Scheduler:
         tokens it was given this step, handed back."""
         self.running.remove(req)
         preempted.append(req.request_id)
+        req.spec_token_ids = []
         rid = req.request_id
         if self.preemption_mode != "recompute" and self.kv.can_swap_out(
             rid, req.num_computed_tokens
@@ -465,26 +494,34 @@ class Scheduler:
         req.num_preemptions += 1
         self._enqueue(req)
 
-    def _scheduled(self, req: Request, num_new: int, now: float) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int, now: float,
+                   drafts: Sequence[int] = ()) -> ScheduledRequest:
+        """`num_new` of the request's own tokens, then `drafts` (taken off the request)."""
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         start = req.num_computed_tokens
+        req.spec_token_ids = []
         return ScheduledRequest(
             request=req,
-            num_new_tokens=num_new,
+            num_new_tokens=num_new + len(drafts),
             start=start,
             block_table=self.kv.block_table(req.request_id),
             will_sample=start + num_new == req.num_tokens,
+            spec_token_ids=list(drafts),
         )
 
     # -- after the model ran ---------------------------------------------------------------
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int], now: float | None = None
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]],
+        now: float | None = None,
     ) -> list[Request]:
-        """Advance each scheduled request; returns those that got a new token (finished or
-        not), for the engine to publish. Finished ones leave running with their blocks freed.
-        Blocks that filled up this step are hashed into the prefix cache."""
+        """Advance each scheduled request; returns those that got new tokens (finished or
+        not), for the engine to publish. `sampled` gives each sampling request's token, or
+        with drafts its tokens: the accepted drafts, then the model's own. They are appended
+        in order up to the first that ends the request (stop token, max_tokens); the rest
+        are dropped. Finished ones leave running with their blocks freed. Blocks that filled
+        up this step are hashed into the prefix cache."""
         now = time.monotonic() if now is None else now
         self.kv.moves_done()  # the runner made the step's moves before its forward pass
         updated = []
@@ -494,17 +531,35 @@ class Scheduler:
             if req.is_finished:
                 continue  # aborted or stopped by the engine while the step ran
             assert req.status is RequestStatus.RUNNING and req.num_computed_tokens == s.start
-            req.num_computed_tokens += s.num_new_tokens
+            if s.will_sample:
+                got = sampled[req.request_id]
+                tokens = [got] if isinstance(got, int) else list(got)
+                drafts = s.spec_token_ids
+                assert 1 <= len(tokens) <= len(drafts) + 1 and tokens[:-1] == drafts[: len(tokens) - 1], (
+                    f"{req.request_id}: tokens {tokens[:8]} do not follow the drafts {drafts[:8]}")
+                if drafts:
+                    req.num_draft_tokens += len(drafts)
+                    req.num_accepted_tokens += len(tokens) - 1
+                for token in tokens:
+                    req.append_output_token(token)
+                    if req.check_stop(self.max_model_len):
+                        break
+                # Every token but the last now has its keys and values (rejected drafts'
+                # lie past it); without drafts that is the whole chunk.
+                req.num_computed_tokens = req.num_tokens - 1
+                assert (s.start + s.num_new_tokens - len(drafts) <= req.num_computed_tokens
+                        <= s.start + s.num_new_tokens)
+            else:
+                req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(req.request_id, req.block_hashes, s.start,
                                       req.num_computed_tokens, req.all_token_ids,
                                       req.cache_salt)
             if not s.will_sample:
                 continue
-            req.append_output_token(sampled[req.request_id])
             if req.first_token_time is None:
                 req.first_token_time = now
             updated.append(req)
-            if req.check_stop(self.max_model_len):
+            if req.is_finished:
                 self._release(req, now)
                 any_finished = True
         if any_finished:

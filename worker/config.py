@@ -45,12 +45,15 @@ def opt(
     alias: Alias | None = None,
     short: str | None = None,
     several: bool = False,
+    metavar: str | None = None,
 ) -> Any:
     """A leaf setting. `parse` reads the flag's and the variable's text (default: the
     field's type); `short` is a second spelling of the same flag (vLLM's ``-tp``);
-    `several` takes vLLM's list form (``--served-model-name A B``) to refuse it clearly."""
+    `several` takes vLLM's list form (``--served-model-name A B``) to refuse it clearly;
+    `metavar` names the value in --help (default: the field's type)."""
     return field(default=default, metadata={"help": help, "choices": choices, "parse": parse,
-                                            "alias": alias, "short": short, "several": several})
+                                            "alias": alias, "short": short, "several": several,
+                                            "metavar": metavar})
 
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -237,6 +240,101 @@ class SchedulerConfig:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+# vLLM's other methods need a second model (a draft, EAGLE heads, MTP layers); we have one.
+SPECULATIVE_METHODS = ("ngram",)
+# A step with more running requests than this does not speculate: measured on a 2-core CPU
+# (BENCHMARKS.md, "n-gram speculative decoding"), where verifying drafts for a larger batch
+# costs more than the tokens it saves.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class NgramSpeculation:
+    """The value of --speculative-config, under vLLM's SpeculativeConfig names: n-gram
+    (prompt-lookup) drafts of up to `num_speculative_tokens` tokens, from the longest suffix
+    of a request's tokens, between `prompt_lookup_min` and `prompt_lookup_max` tokens long,
+    that occurred earlier in them (worker/spec_decode/ngram.py). A step with more than
+    `disable_by_batch_size` running requests does not speculate."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    method: str = "ngram"
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got "
+                                 f"{str(value)[:40]!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"--speculative-config: prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-config: method {str(self.method)[:40]!r} is not "
+                             "supported; only 'ngram' (prompt lookup, no draft model) is")
+
+
+def parse_speculative_config(text: str) -> NgramSpeculation | None:
+    """vLLM's --speculative-config JSON, e.g. ``{"method": "ngram", "num_speculative_tokens": 5,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; empty = off. As vLLM: a missing
+    lookup bound takes the other's value, and 5 when both are missing."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        spec = json.loads(text)
+    except ValueError as e:
+        raise BadValue(f"--speculative-config is not JSON ({e}): {text[:80]!r}") from None
+    if not isinstance(spec, dict):
+        raise BadValue(f"--speculative-config must be a JSON object, got {text[:80]!r}")
+    method = spec.get("method")
+    if method is None and spec.get("model") == "[ngram]":  # vLLM's older spelling
+        method = "ngram"
+    if method is None:
+        raise BadValue('--speculative-config: give the method: "method": "ngram"')
+    if method != "ngram":
+        raise BadValue(f"--speculative-config: method {str(method)[:40]!r} is not supported; "
+                       "only 'ngram' (prompt lookup: drafts copied from the request's own "
+                       "tokens, no draft model) is")
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max",
+             "prompt_lookup_min", "disable_by_batch_size"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise BadValue(f"--speculative-config: unsupported keys {', '.join(unknown)[:120]} "
+                       f"(known: {', '.join(sorted(known))})")
+    if "num_speculative_tokens" not in spec:
+        raise BadValue("--speculative-config: num_speculative_tokens is required")
+    lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    if lo is None and hi is None:
+        lo = hi = 5
+    lo = hi if lo is None else lo
+    hi = lo if hi is None else hi
+    kw: dict[str, Any] = {"num_speculative_tokens": spec["num_speculative_tokens"],
+                          "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+    if spec.get("disable_by_batch_size") is not None:
+        kw["disable_by_batch_size"] = spec["disable_by_batch_size"]
+    try:
+        return NgramSpeculation(**kw)
+    except ValueError as e:
+        raise BadValue(str(e)) from None
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    # opt() returns a dataclass field (as for every leaf); ruff cannot tell for this type.
+    speculative_config: NgramSpeculation | None = opt(  # noqa: RUF009
+        None, "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}': "
+        "drafts copied from the request's own prompt and output where its last tokens occurred "
+        "before, verified by the model in one step (greedy and sampled outputs keep the "
+        "model's distribution); only method ngram. disable_by_batch_size (default "
+        f"{DEFAULT_DISABLE_BY_BATCH_SIZE}): a step with more running requests does not "
+        "speculate. Empty = off", parse=parse_speculative_config, metavar="JSON")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
@@ -316,6 +414,7 @@ class WorkerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -390,7 +489,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
                 type=conv,
                 default=default,
                 choices=meta["choices"],
-                metavar=typ.__name__.upper() if typ is not bool else "BOOL",
+                metavar=meta["metavar"] or (typ.__name__.upper() if typ is not bool else "BOOL"),
                 help=f"{meta['help']} (default {f.default!r}; env {env})",
                 **kind,
             )

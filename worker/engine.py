@@ -32,6 +32,7 @@ from worker import memory
 from worker.config import WorkerConfig
 from worker.model_runner import ModelRunner
 from worker.outputs import OutputState, RequestOutput
+from worker.spec_decode import NgramProposer
 from worker.weights import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class StepOutput:
     kv_events: list[KVEvent] = field(default_factory=list)
     num_batched_tokens: int = 0  # tokens the model computed (prefill chunks + decodes)
     num_preempted: int = 0  # requests preempted by this step's schedule (swap or recompute)
+    num_draft_tokens: int = 0  # speculative drafts the step verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
     def __bool__(self) -> bool:
         return bool(self.outputs or self.kv_events or self.num_preempted)
@@ -141,6 +144,15 @@ class Engine:
             cpu_activations=config.model.cpu_activations,
         )
         log.info(self.runner.describe_kernels())
+        spec = config.speculative.speculative_config
+        self.speculation = spec
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max) if spec is not None else None)
+        if spec is not None:
+            log.info("speculative decoding: n-gram drafts of up to %d tokens (suffixes of %d..%d "
+                     "tokens), off in steps with more than %d running requests",
+                     spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                     spec.disable_by_batch_size)
         torch.manual_seed(config.model.seed)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -153,6 +165,14 @@ class Engine:
         # counted when the scheduler makes them, and how many steps ran each token count.
         self.num_preemptions = 0
         self.step_tokens: dict[int, int] = {}  # tokens the model ran in a step -> steps
+        # Speculative decoding: drafts verified (one per request and step that had some),
+        # draft tokens verified, and of those accepted.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        # accepted_per_position[j]: drafts accepted at position j of their draft (vLLM's
+        # per-position counter); as long as the longest draft.
+        self.accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
 
     # ----- sizing -----
 
@@ -265,8 +285,24 @@ class Engine:
         step.kv_events = self.kv.take_events()
         return step
 
+    def _propose(self) -> None:
+        """Draft tokens for every running request that decodes next, unless the batch is
+        larger than speculation pays for (then none: the step runs as without it)."""
+        assert self.proposer is not None and self.speculation is not None
+        running = self.scheduler.running
+        on = len(running) <= self.speculation.disable_by_batch_size
+        for req in running:
+            decoding = req.num_computed_tokens == req.num_tokens - 1
+            # Not under a grammar (a draft would need the matcher advanced over it to mask the
+            # next position) nor before min_tokens (its EOS mask depends on the position).
+            plain = req.grammar is None and req.num_output_tokens >= req.sampling_params.min_tokens
+            req.spec_token_ids = (self.proposer.propose(req.all_token_ids)
+                                  if on and decoding and plain else [])
+
     def _run(self, step: StepOutput) -> None:
         outputs = step.outputs
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         step.num_preempted = len(sched.preempted_ids)
         self.num_preemptions += step.num_preempted  # for the metrics, when made
@@ -290,31 +326,64 @@ class Engine:
         self.num_failed_steps = 0
         step.num_batched_tokens = sched.num_batched_tokens
         self.step_tokens[step.num_batched_tokens] = self.step_tokens.get(step.num_batched_tokens, 0) + 1
-        updated = self.scheduler.update_from_output(sched, {k: v.token_id for k, v in sampled.items()})
+        before = {s.request_id: s.request.num_output_tokens for s in sched.scheduled if s.will_sample}
+        drafted = sum(len(s.spec_token_ids) for s in sched.scheduled)
+        if drafted:
+            accepted = 0
+            for s in sched.scheduled:
+                if s.spec_token_ids:
+                    n = len(sampled[s.request_id]) - 1
+                    accepted += n
+                    self.num_drafts += 1
+                    for j in range(n):
+                        self.accepted_per_position[j] += 1
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += accepted
+            step.num_draft_tokens, step.num_accepted_tokens = drafted, accepted
+        updated = self.scheduler.update_from_output(
+            sched, {k: [r.token_id for r in v] for k, v in sampled.items()})
         stopped: list[str] = []
         failed: dict[str, str] = {}
+        new_ids: dict[str, list[int]] = {}
         for req in updated:
             state = req.output_state
-            res = sampled[req.request_id]
-            if req.sampling_params.logprobs is not None:
-                state.pending_logprobs.append(res)
-            stop = state.add_token(res.token_id)
-            if stop is not None and not req.is_finished:
+            first = before[req.request_id]
+            ids = new_ids[req.request_id] = req.output_token_ids[first:]
+            for j, token in enumerate(ids):
+                if req.sampling_params.logprobs is not None:
+                    state.pending_logprobs.append(sampled[req.request_id][j])
+                stop = state.add_token(token)
+                if stop is None:
+                    continue
+                last = j == len(ids) - 1
+                if req.is_finished and last:
+                    break  # its stop token or length ended it at this very token: that stands
+                # A stop string ends the request at this token; tokens after it (accepted
+                # drafts) are dropped, as if they had never been sampled.
+                del ids[j + 1 :]
+                req.truncate_output(first + j + 1)
                 req.stop_reason = stop
-                stopped.append(req.request_id)
-            elif req.grammar is not None and not req.is_finished:
-                # The grammar advances over the token; complete, it ends the request.
-                if not req.grammar.accept(res.token_id):
-                    failed[req.request_id] = (f"the grammar refused token {res.token_id}: "
-                                              f"{req.grammar.error}")
-                elif req.grammar.done:
+                if req.is_finished:  # ended later in the dropped tokens; already released
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
                     stopped.append(req.request_id)
+                break
+            else:
+                # No stop string ended it. A grammar's request (never drafted: one token here)
+                # advances its matcher over the token; complete, the grammar ends the request.
+                if req.grammar is not None and not req.is_finished:
+                    assert len(ids) == 1, "a constrained request got drafts"
+                    if not req.grammar.accept(ids[0]):
+                        failed[req.request_id] = (f"the grammar refused token {ids[0]}: "
+                                                  f"{req.grammar.error}")
+                    elif req.grammar.done:
+                        stopped.append(req.request_id)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if failed:
             self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
         for req in updated:
-            outputs.append(self._output(req, [req.output_token_ids[-1]], finished=req.is_finished,
+            outputs.append(self._output(req, new_ids[req.request_id], finished=req.is_finished,
                                         error=failed.get(req.request_id)))
 
     def _output(self, req: Request, new_ids: list[int], finished: bool, error: str | None = None) -> RequestOutput:

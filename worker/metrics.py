@@ -32,6 +32,15 @@ vllm:iteration_tokens_total                 histogram  tokens the model ran per 
                                                        (prefill chunks + decodes), vLLM's
                                                        buckets; steps since the metrics
                                                        server started (not the warm-up's)
+vllm:spec_decode_num_drafts_total           counter    with --speculative-config only:
+                                                       drafts verified (one per request and
+                                                       step that had draft tokens)
+vllm:spec_decode_num_draft_tokens_total     counter    draft tokens verified
+vllm:spec_decode_num_accepted_tokens_total  counter    of those, accepted (equal to the
+                                                       model's own token there)
+vllm:spec_decode_num_accepted_tokens_per_pos_total
+                                            counter    accepted drafts by their position in
+                                                       the draft (label position: 0, 1, ...)
 vllm:cache_config_info                      gauge      always 1; the cache configuration in
                                                        labels, under vLLM's CacheConfig
                                                        names: block_size, cache_dtype,
@@ -163,6 +172,11 @@ class LoadCollector(Collector):
         self._last: Load | None = None
         # What the engine ran before metrics existed (the warm-up) is left out.
         self._base_step_tokens = dict(bridge.engine.step_tokens)
+        self._base_spec = self._spec_tallies()
+
+    def _spec_tallies(self) -> tuple[int, int, int, list[int]]:
+        e = self.bridge.engine
+        return e.num_drafts, e.num_draft_tokens, e.num_accepted_tokens, list(e.accepted_per_position)
 
     def load(self) -> Load | None:
         if self._on_loop():
@@ -226,6 +240,20 @@ class LoadCollector(Collector):
         yield counter("vllm:num_preemptions", "Preemptions, counted when they are made.",
                       load.num_preemptions)
         yield self._iteration_tokens()
+        if self.bridge.engine.speculation is not None:  # as vLLM: only when speculating
+            *now, per_pos = self._spec_tallies()
+            *base, base_per_pos = self._base_spec
+            drafts, tokens, accepted = (n - b for n, b in zip(now, base, strict=True))
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          accepted)
+            pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=[*names, "position"])
+            for j, (n, b) in enumerate(zip(per_pos, base_per_pos, strict=True)):
+                pos.add_metric([*self.labels, str(j)], n - b)
+            yield pos
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the cache config.",
                                  labels=[*self.cache_info, *names])
         info.add_metric([*self.cache_info.values(), *self.labels], 1)

@@ -9,6 +9,24 @@ A step over requests a (decode), b (prefill chunk of 4), c (decode)::
 
 Logits are computed only for the sample rows; a prefill chunk that does not reach
 the end of its prompt samples nothing.
+
+A decode with k draft tokens (speculative decoding, worker/spec_decode) is a chunk of 1 + k
+tokens [t, d1..dk] that samples at every position: sample row j draws the model's token at
+position N + j as the sampler would if d1..dj were already output (its penalties count
+them, a seeded request uses that output index's generator). The drafts are accepted while
+they equal those tokens; the request gets the accepted drafts and the next token.
+
+Attention sees such a chunk as 1 + k decodes of one token each, sharing the request's block
+table, each with the context up to its own position (a request c with drafts d1 d2)::
+
+    input_ids      | c29 d1 d2 |            positions 29 30 31
+    seq_lens       | 30  31 32 |            one attention row per token
+    block_tables   | c   c  c  |
+
+The step's keys and values are all written before any row attends (in every kernel path),
+so each row sees exactly its causal context: the same arithmetic as decoding those tokens
+one by one, and a step of decodes with drafts stays a decode step (the CPU's fused decoder
+runs it as one call).
 """
 
 from __future__ import annotations
@@ -25,11 +43,12 @@ from ops import cpu_attention, cpu_decoder, quantized_linear
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
 from ops.sampling import SamplingTensors
-from scheduler.output import SchedulerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from worker.cuda_graphs import DecodeGraphs
 from worker.logits_masks import LogitsMasks, StepMasks
 from worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
+from worker.spec_decode import accepted
 
 
 @dataclass
@@ -153,8 +172,9 @@ class ModelRunner:
                     ops.copy_blocks(g, src, dst)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> dict[str, SampleResult]:
-        """Run one step; return the sampled token of every request that samples."""
+    def execute(self, step: SchedulerOutput) -> dict[str, list[SampleResult]]:
+        """Run one step; return the tokens of every request that samples: one, or with
+        drafts the accepted drafts and then the model's own token."""
         if step.blocks_to_swap_out or step.blocks_to_swap_in or step.blocks_to_copy:
             self.move_blocks(step)
         input_ids: list[int] = []
@@ -163,28 +183,41 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_start_loc = [0]
         sample_rows: list[int] = []
-        sampling: list[Request] = []
-        for i, s in enumerate(step.scheduled):
+        sampling: list[ScheduledRequest] = []
+        tables: list[list[int]] = []  # one per attention row: a request, or a drafted token
+        for s in step.scheduled:
             end = s.start + s.num_new_tokens
-            input_ids += s.request.all_token_ids[s.start : end]
+            input_ids += s.token_ids
             positions += range(s.start, end)
-            req_index += [i] * s.num_new_tokens
-            seq_lens.append(end)
-            query_start_loc.append(len(input_ids))
+            if s.spec_token_ids:  # a decode row per token (see the top)
+                req_index += range(len(tables), len(tables) + s.num_new_tokens)
+                tables += [s.block_table] * s.num_new_tokens
+                seq_lens += range(s.start + 1, end + 1)
+                query_start_loc += range(query_start_loc[-1] + 1, len(input_ids) + 1)
+            else:
+                req_index += [len(tables)] * s.num_new_tokens
+                tables.append(s.block_table)
+                seq_lens.append(end)
+                query_start_loc.append(len(input_ids))
             if s.will_sample:
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(s.request)
-        # Grammar bitmasks: on a GPU filled while the model runs (worker/logits_masks.py).
-        masks = self.logits_masks.start(sampling)
-        if self.graphs is not None and len(sample_rows) == len(input_ids) and self.graphs.can_run(
-            len(input_ids)
+                sample_rows += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
+                sampling.append(s)
+        spec = len(sample_rows) > len(sampling)
+        # Grammar bitmasks (on a GPU filled while the model runs; worker/logits_masks.py), one
+        # per sampled row: a drafted position is a row too. Requests with a grammar or an
+        # unmet min_tokens get no drafts (Engine._propose), so their one row's mask is right;
+        # logit_bias is the same at every position.
+        masks = self.logits_masks.start(
+            [s.request for s in sampling for _ in range(len(s.spec_token_ids) + 1)])
+        if self.graphs is not None and not spec and len(sample_rows) == len(input_ids) and (
+            self.graphs.can_run(len(input_ids))
         ):
             # Every request decodes one token: replay a captured graph.
             logits = self.graphs.run(input_ids, positions, seq_lens,
                                      [s.block_table for s in step.scheduled])
-            return self._sample(sampling, logits, masks)
-        max_blocks = max(len(s.block_table) for s in step.scheduled)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in step.scheduled]
+            return self._one_each(self._sample([s.request for s in sampling], logits, masks))
+        max_blocks = max(len(t) for t in tables)
+        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
 
         pos_t = self._tensor(positions)
         block_tables = torch.tensor(tables, dtype=torch.int32).to(self.device, non_blocking=True)
@@ -198,14 +231,16 @@ class ModelRunner:
             block_tables=block_tables,
             seq_lens=self._tensor(seq_lens),
             query_start_loc=self._tensor(query_start_loc),
-            max_query_len=max(s.num_new_tokens for s in step.scheduled),
+            max_query_len=max(1 if s.spec_token_ids else s.num_new_tokens for s in step.scheduled),
             max_seq_len=max(seq_lens),
         )
         hidden = (self.cpu_decoder or self.model)(self._tensor(input_ids), pos_t, meta, self.kv_caches)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
-        return self._sample(sampling, logits, masks)
+        if spec:
+            return self._verify(sampling, logits, masks)
+        return self._one_each(self._sample([s.request for s in sampling], logits, masks))
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor,
                 masks: StepMasks | None = None) -> dict[str, SampleResult]:
@@ -213,7 +248,32 @@ class ModelRunner:
         out = ops.sample(logits, self._sampling_tensors(sampling))
         return self._results(sampling, out)
 
-    def _sampling_tensors(self, reqs: list[Request]) -> SamplingTensors:
+    @staticmethod
+    def _one_each(results: dict[str, SampleResult]) -> dict[str, list[SampleResult]]:
+        return {rid: [r] for rid, r in results.items()}
+
+    def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor,
+                masks: StepMasks | None = None) -> dict[str, list[SampleResult]]:
+        """Sample every row of a step with drafts, row j of a request as if its drafts d1..dj
+        were output, and keep each request's accepted drafts and next token."""
+        logits = self.logits_masks.apply(logits, masks)
+        reqs = [s.request for s in sampling for _ in range(len(s.spec_token_ids) + 1)]
+        prior = [s.spec_token_ids[:j] for s in sampling for j in range(len(s.spec_token_ids) + 1)]
+        out = ops.sample(logits, self._sampling_tensors(reqs, prior))
+        rows = self._row_results(reqs, out)
+        results: dict[str, list[SampleResult]] = {}
+        first = 0
+        for s in sampling:
+            mine = rows[first : first + len(s.spec_token_ids) + 1]
+            first += len(mine)
+            n = accepted(s.spec_token_ids, [r.token_id for r in mine])
+            results[s.request_id] = mine[: n + 1]
+        return results
+
+    def _sampling_tensors(self, reqs: list[Request], prior: list[list[int]] | None = None) -> SamplingTensors:
+        """One row per entry of `reqs`; `prior[i]` (drafts) counts as output after row i's
+        request's own, for its penalties and its seeded generator's output index."""
+        prior = prior or [[] for _ in reqs]
         ps = [r.sampling_params for r in reqs]
         # The per-row floats travel as one tensor: one host-to-device copy, not six.
         floats = torch.tensor(
@@ -232,8 +292,8 @@ class ModelRunner:
             output_counts = torch.zeros(b, v, dtype=torch.float32, device=self.device)
             for i, r in enumerate(reqs):
                 prompt_mask[i, self._tensor(r.prompt_token_ids)] = True
-                if r.output_token_ids:
-                    out = self._tensor(r.output_token_ids)
+                if r.output_token_ids or prior[i]:
+                    out = self._tensor(r.output_token_ids + prior[i])
                     output_counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
         wants = [p.logprobs for p in ps if p.logprobs is not None]
         return SamplingTensors(
@@ -247,26 +307,30 @@ class ModelRunner:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             seeds=[p.seed for p in ps],
-            steps=[r.num_output_tokens for r in reqs],
+            steps=[r.num_output_tokens + len(d) for r, d in zip(reqs, prior, strict=True)],
             all_greedy=all(p.greedy for p in ps),
             num_logprobs=max(wants) if wants else -1,
         )
 
+    @classmethod
+    def _results(cls, reqs: list[Request], out) -> dict[str, SampleResult]:
+        return {r.request_id: res for r, res in zip(reqs, cls._row_results(reqs, out), strict=True)}
+
     @staticmethod
-    def _results(reqs: list[Request], out) -> dict[str, SampleResult]:
+    def _row_results(reqs: list[Request], out) -> list[SampleResult]:
         # One device-to-host copy per step, not one per request.
         tokens = out.token_ids.tolist()
         chosen = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        results = {}
+        results = []
         for i, r in enumerate(reqs):
             res = SampleResult(tokens[i])
             n = r.sampling_params.logprobs
             if n is not None and chosen is not None:
                 res.logprob = chosen[i]
                 res.top_logprobs = list(zip(top_ids[i][:n], top_lp[i][:n], strict=True)) if top_ids else []
-            results[r.request_id] = res
+            results.append(res)
         return results
 
 

@@ -161,6 +161,9 @@ def complete_response(out: RequestOutput, output_ids: list[int],
         cached_tokens=out.cached_tokens,
         output_logprobs=output_logprobs(logprobs),
     )
+    if out.request is not None:  # speculative decoding's usage (0 without it)
+        complete.spec_accepted_tokens = out.request.num_accepted_tokens
+        complete.spec_draft_tokens = out.request.num_draft_tokens
     if isinstance(out.stop_reason, int):
         complete.matched_token_id = out.stop_reason
     elif isinstance(out.stop_reason, str):

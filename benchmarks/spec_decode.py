@@ -1,0 +1,264 @@
+"""N-gram speculative decoding against plain decoding, in-process, on an input-grounded
+workload: rewrite a paragraph with one name replaced, fix the typos of a paragraph, extract
+the fields of an invoice as JSON, rename a parameter in a function. Every answer copies
+much of its prompt, which is where prompt-lookup drafts are accepted.
+
+One stream: each prompt alone (greedy, up to --max-tokens, EOS ends it), on one engine per
+side (plain, and one per --speculative-config), the sides alternating prompt by prompt in
+each of --rounds rounds so that all see the same machine. Per side: output tokens/s after
+the first token (decode) and from submission (end to end), the acceptance rate (accepted
+draft tokens / draft tokens), output tokens per model step, and whether every side gave the
+plain side's tokens (greedy: they must).
+
+With --batch-sizes B,...: B streams at once (the workload's prompts, repeated), plain
+against speculation forced on (disable_by_batch_size above B): output tokens/s, to see
+above which batch size verifying drafts costs more than it saves.
+
+    python -m benchmarks.spec_decode --rounds 3 --output-json bench-results/spec-decode.json
+    python -m benchmarks.spec_decode --speculative-config \\
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    python -m benchmarks.spec_decode --rounds 1 --batch-sizes 2,4,8 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clients.bench.environment import environment, recorded
+from scheduler.request import SamplingParams
+from worker.config import (
+    CacheConfig,
+    ModelConfig,
+    NgramSpeculation,
+    SchedulerConfig,
+    SpeculativeConfig,
+    WorkerConfig,
+    parse_speculative_config,
+)
+from worker.engine import Engine
+from worker.weights import LoadedModel, load_model
+
+TASKS = {
+    "rewrite": (
+        "Rewrite the following paragraph, replacing the name 'Northwind' with 'Contoso' "
+        "everywhere. Change nothing else.\n\n"
+        "Northwind was founded in 1987 as a small shipping company in Rotterdam. In its first "
+        "decade Northwind grew from three ships to forty, carrying grain, timber and machine "
+        "parts across the North Sea. When the market for bulk freight collapsed in 1998, "
+        "Northwind sold half of its fleet and invested in refrigerated containers, which "
+        "turned out to be the best decision in the history of the company. Today Northwind "
+        "employs two thousand people in eleven countries, and its blue and white containers "
+        "can be seen in almost every major port of Europe."
+    ),
+    "typos": (
+        "Correct the spelling mistakes in this paragraph and return the corrected paragraph "
+        "only.\n\n"
+        "The library will be closed on Monday becuase of the public holliday. All books that "
+        "are due on that day can be returned on Tuesday without any late fee. The reading room "
+        "on the second floor will open again on Wednesday morning at nine oclock, and the "
+        "childrens section will hold its weekly story hour at four in the afternoon as usual. "
+        "We thank you for your patience and wish you a plesant long weekend."
+    ),
+    "extract": (
+        "Extract the following fields from the invoice below and answer in JSON with the keys "
+        "invoice_number, date, customer, address, items (each with description, quantity and "
+        "price) and total.\n\n"
+        "INVOICE No. 2024-0387\nDate: 14 March 2024\nBill to: Greenfield Gardening Supplies "
+        "Ltd.\nAddress: 42 Orchard Lane, Bristol BS1 4DJ, United Kingdom\n\n"
+        "Description                     Qty   Price\n"
+        "Terracotta pot, 30 cm            12   8.50\n"
+        "Organic compost, 50 l bag         6  11.20\n"
+        "Stainless steel garden trowel     4  14.99\n\n"
+        "Total due: 229.16 GBP\nPayment within 30 days."
+    ),
+    "code": (
+        "Rename the parameter `items` to `orders` in this Python function and show the whole "
+        "function.\n\n"
+        "def summarize(items, currency='EUR'):\n"
+        "    total = 0.0\n"
+        "    count = 0\n"
+        "    largest = None\n"
+        "    for item in items:\n"
+        "        total += item.price * item.quantity\n"
+        "        count += item.quantity\n"
+        "        if largest is None or item.price > largest.price:\n"
+        "            largest = item\n"
+        "    average = total / count if count else 0.0\n"
+        "    return {'total': round(total, 2), 'count': count, 'average': round(average, 2),\n"
+        "            'largest': largest.name if largest else None, 'currency': currency}\n"
+    ),
+}
+DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
+                '"prompt_lookup_min": 2}')
+
+
+def _engine(loaded: LoadedModel, spec: NgramSpeculation | None, seqs: int) -> Engine:
+    conf = WorkerConfig(model=ModelConfig(max_model_len=2048), cache=CacheConfig(kv_cache_memory=0.25),
+                        scheduler=SchedulerConfig(max_num_seqs=max(seqs, 1)),
+                        speculative=SpeculativeConfig(spec))
+    return Engine(conf, loaded=loaded)
+
+
+def _one_stream(engine: Engine, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One request alone: its tokens and times, and the engine's step and draft counts."""
+    steps, drafted, accepted = engine.num_steps, engine.num_draft_tokens, engine.num_accepted_tokens
+    first: list[float] = []
+
+    def on_output(outs: list) -> None:
+        if not first and any(o.new_token_ids for o in outs):
+            first.append(time.perf_counter())
+
+    req = engine.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    t0 = time.perf_counter()
+    (done,) = engine.generate([req], on_output)
+    t1 = time.perf_counter()
+    n = len(done.token_ids)
+    return {
+        "tokens": done.token_ids, "num_tokens": n, "e2e_s": t1 - t0, "decode_s": t1 - first[0],
+        "steps": engine.num_steps - steps, "draft_tokens": engine.num_draft_tokens - drafted,
+        "accepted_tokens": engine.num_accepted_tokens - accepted,
+    }
+
+
+def _batch(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, float]:
+    reqs = [engine.make_request(prompts[i % len(prompts)],
+                                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+            for i in range(batch)]
+    drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+    t0 = time.perf_counter()
+    done = engine.generate(reqs)
+    dt = time.perf_counter() - t0
+    return {"output_tokens_per_s": sum(len(d.token_ids) for d in done) / dt, "seconds": dt,
+            "draft_tokens": engine.num_draft_tokens - drafted,
+            "accepted_tokens": engine.num_accepted_tokens - accepted}
+
+
+def summarize(report: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per side: decode and end-to-end tokens/s (all prompts of a round together, median over
+    rounds), acceptance rate, tokens per step, and agreement with the plain side."""
+    out = {}
+    plain = report["sides"][0]
+    for side in report["sides"]:
+        runs = [r[side] for r in report["rounds"]]
+        decode = [sum(p["num_tokens"] - 1 for p in r.values()) / sum(p["decode_s"] for p in r.values())
+                  for r in runs]
+        e2e = [sum(p["num_tokens"] for p in r.values()) / sum(p["e2e_s"] for p in r.values()) for r in runs]
+        drafted = sum(p["draft_tokens"] for r in runs for p in r.values())
+        accepted = sum(p["accepted_tokens"] for r in runs for p in r.values())
+        tokens = sum(p["num_tokens"] for r in runs for p in r.values())
+        steps = sum(p["steps"] for r in runs for p in r.values())
+        same = all(r[side][t]["tokens"] == r[plain][t]["tokens"] for r in report["rounds"] for t in r[side])
+        out[side] = {"decode_tokens_per_s": statistics.median(decode),
+                     "e2e_tokens_per_s": statistics.median(e2e),
+                     "acceptance_rate": accepted / drafted if drafted else 0.0,
+                     "draft_tokens": drafted, "accepted_tokens": accepted,
+                     "tokens_per_step": tokens / steps, "same_tokens_as_plain": same}
+    base = out[plain]["decode_tokens_per_s"]
+    for s in out.values():
+        s["decode_speedup"] = s["decode_tokens_per_s"] / base
+    return out
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    summary = summarize(report)
+    lines = ["| side | decode tokens/s | end-to-end tokens/s | speedup (decode) | acceptance | "
+             "tokens per step | same tokens as plain |", "|---|---|---|---|---|---|---|"]
+    for side, s in summary.items():
+        acc = f"{s['acceptance_rate']:.0%} ({s['accepted_tokens']}/{s['draft_tokens']})" if s["draft_tokens"] else "-"
+        lines.append(f"| {side} | {s['decode_tokens_per_s']:.1f} | {s['e2e_tokens_per_s']:.1f} | "
+                     f"**{s['decode_speedup']:.2f}x** | {acc} | {s['tokens_per_step']:.2f} | "
+                     f"{'yes' if s['same_tokens_as_plain'] else 'NO'} |")
+    per_task = ["", "| task | output tokens | " + " | ".join(f"{s} decode tok/s" for s in report["sides"]) + " |",
+                "|---|---|" + "---|" * len(report["sides"])]
+    for task in report["tasks"]:
+        cells = []
+        for side in report["sides"]:
+            runs = [r[side][task] for r in report["rounds"]]
+            cells.append(f"{statistics.median((p['num_tokens'] - 1) / p['decode_s'] for p in runs):.1f}")
+        n = report["rounds"][0][report["sides"][0]][task]["num_tokens"]
+        per_task.append(f"| {task} | {n} | " + " | ".join(cells) + " |")
+    out = "\n".join(lines + per_task)
+    if report.get("batches"):
+        out += "\n\n| streams at once | plain tokens/s | speculation forced on tokens/s | ratio | acceptance |\n"
+        out += "|---|---|---|---|---|\n"
+        for b, r in report["batches"].items():
+            acc = r["spec"]["accepted_tokens"] / r["spec"]["draft_tokens"] if r["spec"]["draft_tokens"] else 0
+            out += (f"| {b} | {r['plain']['output_tokens_per_s']:.1f} | {r['spec']['output_tokens_per_s']:.1f} | "
+                    f"{r['spec']['output_tokens_per_s'] / r['plain']['output_tokens_per_s']:.2f}x | {acc:.0%} |\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--speculative-config", action="append", default=[],
+                    help=f"a speculation side, vLLM's JSON (repeat for several; default {DEFAULT_SPEC})")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
+    ap.add_argument("--batch-sizes", default="", help="also B streams at once, e.g. 2,4,8")
+    ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
+    ap.add_argument("--output-json")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of an --output-json file and exit")
+    args = ap.parse_args(argv)
+    if args.report:
+        print(render_markdown(json.loads(Path(args.report).read_text())))
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    specs = [parse_speculative_config(s) for s in args.speculative_config or [DEFAULT_SPEC]]
+    loaded = load_model(args.model)
+    tok = loaded.tokenizer
+    assert tok is not None, "the workload is text: the model needs a tokenizer"
+    tasks = [t for t in args.tasks.split(",") if t]
+    prompts = {t: tok.encode(tok.apply_chat_template([{"role": "user", "content": TASKS[t]}],
+                                                     add_generation_prompt=True)) for t in tasks}
+    sides: dict[str, Engine] = {"plain": _engine(loaded, None, 1)}
+    for spec in specs:
+        assert spec is not None
+        name = f"ngram k={spec.num_speculative_tokens} n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+        sides[name] = _engine(loaded, spec, 1)
+    report: dict[str, Any] = {
+        "info": {**environment(), "args": recorded(vars(args)), "threads": torch.get_num_threads(),
+                 "kernels": sides["plain"].runner.describe_kernels()},
+        "sides": list(sides), "specs": [dataclasses.asdict(s) for s in specs if s is not None],
+        "tasks": tasks, "prompt_tokens": {t: len(p) for t, p in prompts.items()}, "rounds": [],
+    }
+    for engine in sides.values():  # warm-up: first calls build kernels and caches
+        _one_stream(engine, prompts[tasks[0]], 8)
+    for r in range(args.rounds):
+        results: dict[str, dict[str, Any]] = {s: {} for s in sides}
+        for task in tasks:
+            for side, engine in sides.items():
+                results[side][task] = res = _one_stream(engine, prompts[task], args.max_tokens)
+                print(f"round {r + 1} {task:>8} {side:>24}: {res['num_tokens']} tokens, "
+                      f"{(res['num_tokens'] - 1) / res['decode_s']:.1f} tok/s decode, "
+                      f"{res['accepted_tokens']}/{res['draft_tokens']} drafts accepted", flush=True)
+        report["rounds"].append(results)
+    batches = [int(b) for b in args.batch_sizes.split(",") if b]
+    if batches:
+        report["batches"] = {}
+        forced = dataclasses.replace(specs[0], disable_by_batch_size=max(batches))
+        plain_b, spec_b = _engine(loaded, None, max(batches)), _engine(loaded, forced, max(batches))
+        for b in batches:
+            ps = list(prompts.values())
+            report["batches"][str(b)] = res = {"plain": _batch(plain_b, ps, b, args.max_tokens),
+                                                "spec": _batch(spec_b, ps, b, args.max_tokens)}
+            print(f"batch {b}: plain {res['plain']['output_tokens_per_s']:.1f} tok/s, speculation "
+                  f"{res['spec']['output_tokens_per_s']:.1f} tok/s", flush=True)
+    report["summary"] = summarize(report)
+    print(render_markdown(report))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

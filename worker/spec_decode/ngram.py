@@ -1,0 +1,64 @@
+"""N-gram (prompt-lookup) drafts: where the last n tokens of a request occurred before in its
+own prompt or output, guess that what followed them then follows them now.
+
+    tokens   ... the cat sat on the mat . The cat sat on the | ?
+                     ^^^^^^^^^^^^ earlier occurrence of "cat sat on the" (n = 4)
+    drafts   mat . The ...      (the k tokens after that occurrence)
+
+The longest suffix n-gram wins (n from `prompt_lookup_max` down to `prompt_lookup_min`), and
+among its occurrences the earliest, as vLLM's n-gram proposer chooses. Pure Python: the
+search is `bytes.find` over the token ids as 4-byte words (C speed, no copy per n).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+_WORD = 4  # bytes per token id in the search buffer ("I": uint32, ids < 2**32)
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        assert num_speculative_tokens >= 1 and 1 <= prompt_lookup_min <= prompt_lookup_max
+        self.k = num_speculative_tokens
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+
+    def propose(self, token_ids: Sequence[int], max_drafts: int | None = None) -> list[int]:
+        """Up to min(k, `max_drafts`) tokens that followed the earliest earlier occurrence of
+        the longest suffix n-gram of `token_ids`; [] when no suffix of an allowed length
+        occurred before. The tokens following an occurrence may run into the suffix itself
+        (a repeating pattern), never past the end."""
+        k = self.k if max_drafts is None else min(self.k, max_drafts)
+        total = len(token_ids)
+        if k <= 0 or total <= self.min_n:
+            return []
+        buf = array("I", token_ids).tobytes()
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            start = _find_aligned(buf, buf[(total - n) * _WORD :], (total - 1) * _WORD)
+            if start >= 0:
+                follow = start + n
+                return list(token_ids[follow : follow + k])
+        return []
+
+
+def _find_aligned(buf: bytes, pattern: bytes, end: int) -> int:
+    """The first token index whose words start `pattern` and end at or before byte `end`
+    (so an occurrence is never the suffix itself); -1 if none. A byte match that straddles
+    two token ids is skipped."""
+    pos = buf.find(pattern, 0, end)
+    while pos >= 0 and pos % _WORD:
+        pos = buf.find(pattern, pos + 1, end)
+    return pos // _WORD if pos >= 0 else -1
+
+
+def accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many drafts the target accepts: `sampled[j]` is the model's token at the position
+    of `drafts[j]` (drawn as if drafts[:j] were output); drafts are accepted while they
+    equal it. The step then emits drafts[:a] + [sampled[a]]."""
+    assert len(sampled) == len(drafts) + 1, (len(drafts), len(sampled))
+    a = 0
+    while a < len(drafts) and drafts[a] == sampled[a]:
+        a += 1
+    return a
