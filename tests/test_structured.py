@@ -406,7 +406,10 @@ def test_lark_and_json_object(worker) -> None:
         assert text in ("yes!", "no!")
     outs = sample_ours(worker, n=6, max_tokens=256, chat=_chat("Give me a JSON object."),
                        json_object=True)
-    for text, _ in outs:
+    # Any object: its strings are unbounded, so some may run out of max_tokens.
+    done = [t for t, c in outs if c.finish_reason == pb.FINISH_REASON_STOP]
+    assert len(done) >= len(outs) // 2, outs
+    for text in done:
         assert isinstance(json.loads(text), dict), text
 
 
