@@ -89,23 +89,29 @@ class LogitsMasks:
                 n = max(len(rows), 2 * self._bitmask.shape[0], 8)
                 self._bitmask = torch.empty(n, self.words, dtype=torch.int32,
                                             pin_memory=self.device.type == "cuda")
-            if self._executor is None:
-                import llguidance as llg
-
-                self._executor = llg.LLExecutor()
             step.matchers = [(reqs[i].grammar.matcher, k) for k, i in enumerate(rows)]
             if self.overlap:
                 if self._pool is None:
+                    import llguidance as llg
+
+                    self._executor = llg.LLExecutor()
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
                 step.fill = self._pool.submit(self._fill, step.matchers)
         return step
 
     def _fill(self, matchers: list) -> float:
+        """Rows k < len(matchers) of the bitmask; llguidance drops the GIL while it fills.
+        Overlapped (a GPU): its executor, rows in parallel on its own threads. Inline (the
+        CPU): one row after another on this thread, with no extra threads to contend with
+        torch's (a few hundredths of a millisecond a row)."""
         start = time.perf_counter()
-        bm = self._bitmask
-        # Rows k < len(matchers) of the bitmask; llguidance drops the GIL while it fills.
-        self._executor.unsafe_compute_mask_ptr(  # type: ignore[union-attr]
-            matchers, bm.data_ptr(), self.words * 4, bm.shape[0])
+        bm, row_bytes = self._bitmask, self.words * 4
+        if self._executor is not None:
+            self._executor.unsafe_compute_mask_ptr(matchers, bm.data_ptr(), row_bytes,
+                                                   bm.shape[0])
+        else:
+            for matcher, k in matchers:
+                matcher.unsafe_compute_mask_ptr(bm[k].data_ptr(), row_bytes)
         return time.perf_counter() - start
 
     def apply(self, logits: torch.Tensor, step: StepMasks | None) -> torch.Tensor:
