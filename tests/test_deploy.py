@@ -376,7 +376,9 @@ def test_metrics_are_scraped_and_the_hpa_reads_the_waiting_gauge() -> None:
 
 def _load_families() -> list[Any]:
     """The gauge families the worker's collector yields (from an all-zero load)."""
-    engine = SimpleNamespace(step_tokens={})  # what the collector reads of the engine
+    # What the collector reads of the engine (no speculative decoding: no spec_decode series).
+    engine = SimpleNamespace(step_tokens={}, speculation=None, num_drafts=0, num_draft_tokens=0,
+                             num_accepted_tokens=0, accepted_per_position=[])
     collector = LoadCollector(SimpleNamespace(engine=engine), None, ("m", "0"),  # type: ignore[arg-type]
                               {"block_size": "16"})
     zero = Load(**{f.name: 0 for f in dataclasses.fields(Load)})
