@@ -10,14 +10,17 @@ the first token (decode) and from submission (end to end), the acceptance rate (
 draft tokens / draft tokens), output tokens per model step, and whether every side gave the
 plain side's tokens (greedy: they must).
 
-With --batch-sizes B,...: B streams at once (the workload's prompts, repeated), plain
-against speculation forced on (disable_by_batch_size above B): output tokens/s, to see
-above which batch size verifying drafts costs more than it saves.
+With --batch-sizes B,...: B streams at once (the workload's prompts, repeated, EOS
+ignored), plain against the first --speculative-config as configured (its
+disable_by_batch_size turns it off above that many running requests) and, up to
+--forced-max-batch streams, against speculation forced on: output tokens/s, to see above
+which batch size verifying drafts costs more than it saves, and that a large batch loses
+nothing once it turns itself off.
 
     python -m benchmarks.spec_decode --rounds 3 --output-json bench-results/spec-decode.json
     python -m benchmarks.spec_decode --speculative-config \\
         '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-    python -m benchmarks.spec_decode --rounds 1 --batch-sizes 2,4,8 --max-tokens 64
+    python -m benchmarks.spec_decode --rounds 1 --batch-sizes 2,4,8,64 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -187,12 +190,18 @@ def render_markdown(report: dict[str, Any]) -> str:
         per_task.append(f"| {task} | {n} | " + " | ".join(cells) + " |")
     out = "\n".join(lines + per_task)
     if report.get("batches"):
-        out += "\n\n| streams at once | plain tokens/s | speculation forced on tokens/s | ratio | acceptance |\n"
-        out += "|---|---|---|---|---|\n"
+        out += ("\n\n| streams at once | plain tokens/s | speculation as configured tokens/s (ratio) | "
+                "forced on tokens/s (ratio) | forced on: acceptance |\n|---|---|---|---|---|\n")
         for b, r in report["batches"].items():
-            acc = r["spec"]["accepted_tokens"] / r["spec"]["draft_tokens"] if r["spec"]["draft_tokens"] else 0
-            out += (f"| {b} | {r['plain']['output_tokens_per_s']:.1f} | {r['spec']['output_tokens_per_s']:.1f} | "
-                    f"{r['spec']['output_tokens_per_s'] / r['plain']['output_tokens_per_s']:.2f}x | {acc:.0%} |\n")
+            base = r["plain"]["output_tokens_per_s"]
+
+            def cell(side: dict | None, base: float = base) -> str:
+                return "-" if side is None else f"{side['output_tokens_per_s']:.1f} ({side['output_tokens_per_s'] / base:.2f}x)"
+
+            forced = r.get("forced")
+            acc = (f"{forced['accepted_tokens'] / forced['draft_tokens']:.0%}"
+                   if forced and forced["draft_tokens"] else "-")
+            out += f"| {b} | {base:.1f} | {cell(r['configured'])} | {cell(forced)} | {acc} |\n"
     return out
 
 
@@ -204,7 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
-    ap.add_argument("--batch-sizes", default="", help="also B streams at once, e.g. 2,4,8")
+    ap.add_argument("--batch-sizes", default="", help="also B streams at once, e.g. 2,4,8,64")
+    ap.add_argument("--forced-max-batch", type=int, default=16,
+                    help="largest batch size also run with speculation forced on")
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
     ap.add_argument("--output-json")
     ap.add_argument("--report", metavar="JSON", help="print the tables of an --output-json file and exit")
@@ -246,14 +257,19 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     if batches:
         report["batches"] = {}
-        forced = dataclasses.replace(specs[0], disable_by_batch_size=max(batches))
-        plain_b, spec_b = _engine(loaded, None, max(batches)), _engine(loaded, forced, max(batches))
+        seqs = max(batches)
+        assert specs[0] is not None
+        forced = dataclasses.replace(specs[0], disable_by_batch_size=seqs)
+        plain_b, configured_b = _engine(loaded, None, seqs), _engine(loaded, specs[0], seqs)
+        forced_b = _engine(loaded, forced, seqs)
+        ps = list(prompts.values())
         for b in batches:
-            ps = list(prompts.values())
-            report["batches"][str(b)] = res = {"plain": _batch(plain_b, ps, b, args.max_tokens),
-                                                "spec": _batch(spec_b, ps, b, args.max_tokens)}
-            print(f"batch {b}: plain {res['plain']['output_tokens_per_s']:.1f} tok/s, speculation "
-                  f"{res['spec']['output_tokens_per_s']:.1f} tok/s", flush=True)
+            res = {"plain": _batch(plain_b, ps, b, args.max_tokens),
+                   "configured": _batch(configured_b, ps, b, args.max_tokens),
+                   "forced": _batch(forced_b, ps, b, args.max_tokens) if b <= args.forced_max_batch else None}
+            report["batches"][str(b)] = res
+            print(f"batch {b}: " + ", ".join(f"{k} {v['output_tokens_per_s']:.1f} tok/s"
+                                             for k, v in res.items() if v), flush=True)
     report["summary"] = summarize(report)
     print(render_markdown(report))
     if args.output_json:
