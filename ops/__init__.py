@@ -42,6 +42,7 @@ import torch
 from ops.activation import silu_and_mul_ref
 from ops.attention import StepPlan, paged_attention_ref
 from ops.block_copy import copy_blocks_ref, swap_blocks
+from ops.lora import LoraRows, LoraStack, lora_add_ref
 from ops.norm import rms_norm_ref
 from ops.rotary import RopeScaling, rope_cos_sin_cache, rotary_kv_write_ref
 from ops.sampling import SAMPLING_EPS, SamplerOutput, SamplingTensors, sample_ref
@@ -118,17 +119,18 @@ def _load(module: str, name: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def _op(ref: Callable[P, R], triton: tuple[str, str], c: tuple[str, str] | None = None) -> Callable[P, R]:
+def _op(ref: Callable[P, R], triton: tuple[str, str] | None,
+        c: tuple[str, str] | None = None) -> Callable[P, R]:
     """The op with `ref`'s signature: by `kernel_path` of the first argument's device, the
     Triton kernel `triton` or the C kernel `c` (module, name; imported on first use), else
-    `ref` itself."""
+    `ref` itself (also where the op has no such kernel)."""
 
     @functools.wraps(ref)
     def op(*args: P.args, **kwargs: P.kwargs) -> R:
         first = args[0]
         assert isinstance(first, torch.Tensor)
         path = kernel_path(first.device)
-        if path == "triton":
+        if path == "triton" and triton is not None:
             return _load(*triton)(*args, **kwargs)
         if path == "c" and c is not None:
             return _load(*c)(*args, **kwargs)
@@ -146,11 +148,16 @@ paged_attention = _op(paged_attention_ref, ("ops.attention_triton", "paged_atten
                       c=("ops.cpu_attention", "paged_attention_c"))
 sample = _op(sample_ref, ("ops.sampling_triton", "sample_triton"))
 copy_blocks = _op(copy_blocks_ref, ("ops.block_copy_triton", "copy_blocks_triton"))
+# Each LoRA row's adapter delta added to a linear's output (ops/lora.py): gathered bmm in
+# torch on every path for now (on the CPU the C path's linears are the cost, not this).
+lora_add = _op(lora_add_ref, None)
 
 
 __all__ = [
     "BACKENDS",
     "SAMPLING_EPS",
+    "LoraRows",
+    "LoraStack",
     "RopeScaling",
     "SamplerOutput",
     "SamplingTensors",
@@ -159,6 +166,7 @@ __all__ = [
     "c_kernels_available",
     "copy_blocks",
     "kernel_path",
+    "lora_add",
     "paged_attention",
     "rms_norm",
     "rope_cos_sin_cache",

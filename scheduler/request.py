@@ -139,6 +139,11 @@ class Request:
     priority: int = 0  # lower = more urgent; negative allowed (see scheduler/scheduler.py)
     # Prefix-cache sharing happens only between requests with the same salt (tenants).
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (None: the base model): its name, and its registration's
+    # key (worker/lora/registry.py), which the prefix cache hashes like the salt and the
+    # scheduler counts against --max-loras.
+    lora_name: str | None = None
+    lora_key: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step
@@ -164,6 +169,9 @@ class Request:
     # The engine's per-request output state (worker.outputs.OutputState: detokenizer and
     # stop-string matching); lives and dies with the request.
     output_state: Any = field(default=None, init=False, repr=False)
+    # The adapter's weights (worker.lora.LoraAdapter), held from the engine's intake to the
+    # request's end; the runner copies them into a device slot. None: the base model.
+    lora: Any = field(default=None, init=False, repr=False)
     # Its structured-output constraint's matcher (worker.structured.GrammarMatcher), set at
     # admission; advanced by the engine over each accepted token. None = unconstrained.
     grammar: Any = field(default=None, init=False, repr=False)
@@ -235,7 +243,8 @@ class Request:
         if self.num_tokens // bs > done:
             parent = self.block_hashes[-1] if done else ROOT
             self.block_hashes.extend(
-                iter_block_hashes(self.all_token_ids, bs, self.cache_salt, parent, done))
+                iter_block_hashes(self.all_token_ids, bs, self.cache_salt, parent, done,
+                                  lora_key=self.lora_key))
 
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stop checks after a new token; sets the finished status.

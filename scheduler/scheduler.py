@@ -111,6 +111,7 @@ class Scheduler:
         aging_s: float | None = 30.0,
         preemption_mode: str = "auto",
         chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -133,6 +134,9 @@ class Scheduler:
         self.policy = policy
         self.aging_s = aging_s
         self.preemption_mode = preemption_mode
+        # LoRA: at most this many distinct adapters (Request.lora_key) among the running
+        # requests, so in any step; None = no adapters served.
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}  # unfinished ones, by id
         self.waiting: list[Request] = []  # in _rank order, front = next to admit
         self.swapped: list[Request] = []  # in _rank order too
@@ -297,6 +301,9 @@ class Scheduler:
         assert sum(s.num_new_tokens for s in out.scheduled) == out.num_batched_tokens
         assert 0 <= out.num_batched_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
+        if self.max_loras is not None:
+            loras = {r.lora_key for r in self.running if r.lora_key is not None}
+            assert len(loras) <= self.max_loras, f"{len(loras)} adapters running, max {self.max_loras}"
         assert out.scheduled or not (
             out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
         ), "KV moves in a step that runs nothing"
@@ -330,6 +337,10 @@ class Scheduler:
                 break
             if req.request_id in preempted:
                 break  # preempted by someone this step; re-admitting it now would thrash
+            if not self._lora_fits(req):
+                # Its adapter cannot join the running ones': it waits, and nobody skips ahead
+                # of it (FCFS), so running adapters drain and it gets its turn: no starvation.
+                break
             need_seat = len(self.running) >= self.max_num_seqs
             if need_seat or (budget <= 0 and not static):
                 # A strictly more urgent request takes the seat (and the tokens this step
@@ -374,6 +385,13 @@ class Scheduler:
                 scheduled[req.request_id] = self._scheduled(req, num_new, now)
                 budget -= num_new
         return budget
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether `req` may run beside the running requests under max_loras."""
+        if req.lora_key is None or self.max_loras is None:
+            return True
+        keys = {r.lora_key for r in self.running if r.lora_key is not None}
+        return req.lora_key in keys or len(keys) < self.max_loras
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The drafts of `req` this step takes (see the module docstring): none unless its

@@ -46,14 +46,17 @@ def opt(
     short: str | None = None,
     several: bool = False,
     metavar: str | None = None,
+    many: bool = False,
 ) -> Any:
     """A leaf setting. `parse` reads the flag's and the variable's text (default: the
     field's type); `short` is a second spelling of the same flag (vLLM's ``-tp``);
     `several` takes vLLM's list form (``--served-model-name A B``) to refuse it clearly;
-    `metavar` names the value in --help (default: the field's type)."""
+    `metavar` names the value in --help (default: the field's type); `many` makes a tuple
+    field of several values (``--lora-modules a=/p b=/q``; its variable separates them by
+    spaces), each read by `parse`."""
     return field(default=default, metadata={"help": help, "choices": choices, "parse": parse,
                                             "alias": alias, "short": short, "several": several,
-                                            "metavar": metavar})
+                                            "metavar": metavar, "many": many})
 
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -335,6 +338,43 @@ class SpeculativeConfig:
         "speculate. Empty = off", parse=parse_speculative_config, metavar="JSON")
 
 
+def _lora_module(text: str) -> str:
+    """One --lora-modules entry, vLLM's name=path form (its JSON form is not read here)."""
+    name, sep, path = text.strip().partition("=")
+    if not sep or not name or not path or any(c.isspace() for c in name):
+        raise BadValue(f"--lora-modules takes name=path entries, got {text[:80]!r}")
+    return f"{name}={path}"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enable_lora: bool = opt(False, "serve LoRA adapters (PEFT format: adapter_config.json + "
+                            "adapter_model.safetensors) on top of the base model; requests "
+                            "name one by lora_name. The CPU's fused decoder is off with it")
+    lora_modules: tuple[str, ...] = opt((), "adapters to load at start-up, as name=path "
+                                        "(several: --lora-modules a=/p b=/q; the variable: "
+                                        "space-separated)", parse=_lora_module, many=True,
+                                        metavar="NAME=PATH")
+    max_loras: int = opt(1, "most distinct adapters in one step (device slots); requests of "
+                         "another adapter wait for one to free")
+    max_lora_rank: int = opt(16, "largest adapter rank served (slots are this wide)")
+    max_cpu_loras: int = opt(0, "adapters kept in host memory (an LRU; an evicted one is read "
+                             "again when asked for); 0 = --max-loras")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1 or self.max_cpu_loras < 0:
+            raise ValueError("--max-loras and --max-lora-rank must be >= 1, --max-cpu-loras >= 0")
+        if self.max_cpu_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras "
+                             f"({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
@@ -415,6 +455,7 @@ class WorkerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -466,7 +507,12 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
             typ = hints[f.name]
             meta = f.metadata
             conv = _parse_bool if typ is bool else (meta["parse"] or typ)
+            if meta["many"]:
+                one = conv
+                conv = lambda text, one=one: tuple(one(t) for t in text.split())  # noqa: E731
             default = _env_default(parser, env, conv, f.default)
+            if meta["many"]:
+                conv = one  # argparse calls it per value
             flag = "--" + f.name.replace("_", "-")
             dest = f"{section}.{f.name}"
             alias: Alias | None = meta["alias"]
@@ -481,7 +527,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
                 default = adefault
             names = [flag] + ([meta["short"]] if meta["short"] else [])
             kind: dict[str, Any] = {"nargs": "?", "const": True} if typ is bool else {}
-            if meta["several"]:
+            if meta["several"] or meta["many"]:
                 kind = {"nargs": "+"}
             group.add_argument(
                 *names,
@@ -526,7 +572,8 @@ def from_args(args: argparse.Namespace) -> WorkerConfig:
     parts = {}
     for section, cls in _sections():
         keys = {f.name: f"{section}.{f.name}" for f in dataclasses.fields(cls)}
-        kw = {name: _one(name, values[key]) for name, key in keys.items()
-              if key in values}
+        many = {f.name for f in dataclasses.fields(cls) if f.metadata.get("many")}
+        kw = {name: tuple(values[key]) if name in many else _one(name, values[key])
+              for name, key in keys.items() if key in values}
         parts[section] = cls(**kw)
     return WorkerConfig(**parts)

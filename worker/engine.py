@@ -30,6 +30,8 @@ from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import PrefixCacheReset, Scheduler
 from worker import memory
 from worker.config import WorkerConfig
+from worker.lora.registry import LoraRegistry
+from worker.lora.slots import LoraSlots
 from worker.model_runner import ModelRunner
 from worker.outputs import OutputState, RequestOutput
 from worker.spec_decode import NgramProposer
@@ -131,7 +133,21 @@ class Engine:
             self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy,
             aging_s=sc.priority_aging_s or None, preemption_mode=sc.preemption_mode,
             chunked_prefill=sc.enable_chunked_prefill,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
+        # LoRA adapters (worker/lora): named in host memory, the step's in device slots.
+        lc = config.lora
+        self.loras: LoraRegistry | None = None
+        lora_slots = None
+        if lc.enable_lora:
+            self.loras = LoraRegistry(mcfg, lc.max_lora_rank, lc.cpu_loras)
+            for entry in lc.lora_modules:
+                name, _, path = entry.partition("=")
+                self.loras.load(name, path)
+            lora_slots = LoraSlots(mcfg, lc.max_loras, lc.max_lora_rank, loaded.device, loaded.dtype)
+            log.info("LoRA: %d adapter(s) loaded (%s); %d slots of rank %d (%.1f MiB)",
+                     len(lc.lora_modules), ", ".join(self.loras.names) or "none", lc.max_loras,
+                     lc.max_lora_rank, lora_slots.nbytes / (1 << 20))
         ops.set_backend(config.model.kernels)
         self.runner = ModelRunner(
             loaded.model, self.budget.num_blocks, cc.block_size, loaded.device, loaded.dtype,
@@ -142,6 +158,7 @@ class Engine:
             cpu_packed_linear=config.model.cpu_packed_linear,
             quantized=loaded.quantized if config.model.cpu_quantized_linear else None,
             cpu_activations=config.model.cpu_activations,
+            lora=lora_slots,
         )
         log.info(self.runner.describe_kernels())
         spec = config.speculative.speculative_config
@@ -193,6 +210,7 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> Request:
         """A request for this model; raises ValueError saying what is wrong. The model's
         concerns are checked here (the vocabulary, prompt + max_tokens within
@@ -214,6 +232,12 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (send stop_token_ids)")
+        lora_key = None
+        if lora_name:
+            if self.loras is None:
+                raise ValueError(f"LoRA adapter {lora_name[:64]!r} asked for, but this worker "
+                                 "serves none (start it with --enable-lora)")
+            lora_key = self.loras.key(lora_name)  # UnknownLoraError (a ValueError) names it
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_token_ids=ids,
@@ -221,6 +245,8 @@ class Engine:
             eos_token_ids=self.loaded.eos_token_ids,
             priority=priority,
             cache_salt=cache_salt or None,
+            lora_name=lora_name or None,
+            lora_key=lora_key,
         )
         self.scheduler.check_request(req)
         return req
@@ -253,8 +279,13 @@ class Engine:
             if kind == "add":
                 assert isinstance(item, Request)
                 try:
+                    if item.lora_key is not None:
+                        assert self.loras is not None
+                        # Held until it ends (_output): an adapter in use cannot be unloaded.
+                        item.lora = self.loras.acquire(item.lora_key)
                     self.scheduler.add_request(item)
                 except ValueError as e:  # refused: that request fails, the engine goes on
+                    self._release_lora(item)
                     item.status = RequestStatus.FINISHED_ERROR
                     outputs.append(RequestOutput(
                         item.request_id, [], "", finished=True, finish_reason="error",
@@ -386,7 +417,14 @@ class Engine:
             outputs.append(self._output(req, new_ids[req.request_id], finished=req.is_finished,
                                         error=failed.get(req.request_id)))
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora is not None and self.loras is not None:
+            self.loras.release(req.lora)
+            req.lora = None
+
     def _output(self, req: Request, new_ids: list[int], finished: bool, error: str | None = None) -> RequestOutput:
+        if finished:
+            self._release_lora(req)
         state: OutputState = req.output_state
         lps = state.pending_logprobs or None
         state.pending_logprobs = []

@@ -47,6 +47,7 @@ from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from worker.cuda_graphs import DecodeGraphs
 from worker.logits_masks import LogitsMasks, StepMasks
+from worker.lora.slots import LoraSlots
 from worker.models.llama import AttentionMetadata, KVCache, LlamaForCausalLM
 from worker.spec_decode import accepted
 
@@ -73,6 +74,7 @@ class ModelRunner:
         cpu_packed_linear: bool = False,
         quantized: Mapping[str, QuantizedWeight] | None = None,
         cpu_activations: str = "auto",
+        lora: LoraSlots | None = None,
     ) -> None:
         """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
         replay graphs captured here, over contexts up to `max_model_len`. `num_cpu_blocks`
@@ -82,7 +84,9 @@ class ModelRunner:
         `quantized` (CPU, float32, where the kernel compiles) runs the linears it names on
         their GGUF blocks instead (ops/quantized_linear.py), also in place; it goes first;
         `cpu_activations` is the arithmetic they multiply in. A model whose layers
-        are all quantized then runs as a few native calls per step (ops/cpu_decoder.py)."""
+        are all quantized then runs as a few native calls per step (ops/cpu_decoder.py).
+        `lora` (--enable-lora) holds the device slots of the LoRA adapters; requests that
+        name one get its delta on every adapted linear (ops/lora.py)."""
         cfg = model.config
         if quantized and device.type == "cpu" and dtype == torch.float32 and quantized_linear.available():
             quantized_linear.quantize_linears(model, quantized, cpu_activations)
@@ -106,9 +110,13 @@ class ModelRunner:
         self.model = model
         # The CPU decoder hook: every step through it, or none (its elementwise ops round
         # differently from torch's; see ops/cpu_decoder.py).
+        # With LoRA it is bypassed for every step, not only those with adapter rows: its C
+        # layers have no place for the delta, and a base request must get the same bits
+        # whether or not adapter rows share its step (the cost: BENCHMARKS.md, multi-LoRA).
         self.cpu_decoder = (cpu_decoder.CpuDecoder(model, block_size)
                             if ops.kernel_path(device) == "c" and dtype == torch.float32
-                            and cpu_decoder.unsupported(model) is None else None)
+                            and lora is None and cpu_decoder.unsupported(model) is None else None)
+        self.lora = lora
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -129,7 +137,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ] if num_cpu_blocks else []
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and device.type == "cuda":
+        # Captured graphs have no LoRA rows (their index tensors change with every step).
+        if cuda_graphs and device.type == "cuda" and lora is None:
             assert max_num_seqs > 0 and max_model_len > 0
             self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, max_model_len,
                                        block_size, device)
@@ -227,6 +236,7 @@ class ModelRunner:
             + pos_t % self.block_size
         )
         meta = AttentionMetadata(
+            lora=self._lora_step(step),
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             seq_lens=self._tensor(seq_lens),
@@ -241,6 +251,20 @@ class ModelRunner:
         if spec:
             return self._verify(sampling, logits, masks)
         return self._one_each(self._sample([s.request for s in sampling], logits, masks))
+
+    def _lora_step(self, step: SchedulerOutput):
+        """Slots for the step's adapters and each token's slot (-1: base), or None."""
+        if self.lora is None:
+            return None
+        adapters = [s.request.lora for s in step.scheduled if s.request.lora is not None]
+        if not adapters:
+            return None
+        slot_of = self.lora.assign(adapters)
+        token_slots: list[int] = []
+        for s in step.scheduled:
+            a = s.request.lora
+            token_slots += [-1 if a is None else slot_of[a.uid]] * s.num_new_tokens
+        return self.lora.step(token_slots)
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor,
                 masks: StepMasks | None = None) -> dict[str, SampleResult]:

@@ -10,7 +10,7 @@ touching this file.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -19,6 +19,7 @@ from torch import nn
 
 import ops
 from ops.attention import StepPlan
+from ops.lora import LoraRows, LoraStack
 from ops.rotary import RopeScaling
 
 T = TypeVar("T")
@@ -105,6 +106,30 @@ class LlamaConfig:
 
 
 @dataclass
+class StepLora:
+    """A step's LoRA input (worker/lora/slots.py): which rows use which adapter slot, and
+    each layer's slot stacks by linear name (qkv_proj, o_proj, gate_up_proj, down_proj)."""
+
+    rows: LoraRows
+    layers: list[Mapping[str, LoraStack]]
+
+
+# One layer's share of a StepLora: the rows and that layer's stacks.
+LayerLora = tuple[LoraRows, Mapping[str, LoraStack]]
+
+
+def _linear(module: nn.Module, x: torch.Tensor, lora: LayerLora | None, name: str) -> torch.Tensor:
+    """module(x), plus each LoRA row's adapter delta (ops/lora.py): one gathered computation
+    for all the step's adapters; fused q/k/v and gate/up add theirs per output slice."""
+    y = module(x)
+    if lora is not None:
+        rows, stacks = lora
+        stack = stacks[name]
+        y = ops.lora_add(y, x, stack.a, stack.bs, rows)
+    return y
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's tokens sit in the paged cache (see ops/attention.py). One per step:
     every layer of the step reads the same object."""
@@ -117,6 +142,8 @@ class AttentionMetadata:
     max_seq_len: int
     # The torch and C attention paths' grouping and masks, built by the step's first layer.
     plan: StepPlan = field(default_factory=StepPlan, repr=False, compare=False)
+    # LoRA adapters of this step's rows; None = every row runs the base model.
+    lora: StepLora | None = field(default=None, repr=False, compare=False)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, kv_heads, head_dim]
@@ -140,9 +167,10 @@ class Attention(nn.Module):
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = _linear(self.qkv_proj, x, lora, "qkv_proj").split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
@@ -160,7 +188,7 @@ class Attention(nn.Module):
             self.scale,
             plan=meta.plan,
         )
-        return self.o_proj(out.reshape(n, self.q_size))
+        return _linear(self.o_proj, out.reshape(n, self.q_size), lora, "o_proj")
 
 
 class MLP(nn.Module):
@@ -169,8 +197,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        h = ops.silu_and_mul(_linear(self.gate_up_proj, x, lora, "gate_up_proj"))
+        return _linear(self.down_proj, h, lora, "down_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -190,12 +219,13 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        lora: LayerLora | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Residual adds are fused into the norms: norm(x + residual) -> (h, new residual).
         h, residual = ops.rms_norm(x, self.input_layernorm, self.eps, residual)
-        h = self.self_attn(h, positions, cos_sin, meta, kv_cache)
+        h = self.self_attn(h, positions, cos_sin, meta, kv_cache, lora)
         h, residual = ops.rms_norm(h, self.post_attention_layernorm, self.eps, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -225,8 +255,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, meta, kv_cache)
+        step_lora = meta.lora
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            lora = None if step_lora is None else (step_lora.rows, step_lora.layers[i])
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, kv_cache, lora)
         x, _ = ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return x
 
