@@ -54,6 +54,8 @@ from worker import telemetry
 from worker.bridge import DuplicateRequestError, EngineBridge, RequestStream
 from worker.config import WorkerConfig
 from worker.load import Load, snapshot
+from worker.lora.adapter import LoraAdapterError
+from worker.lora.registry import LoraInfo, LoraInUseError, LoraRegistry, UnknownLoraError
 from worker.outputs import RequestOutput
 from worker.structured import Constraint, ConstraintError, Grammar, GrammarCompiler
 from worker.tokenizer import Tokenizer
@@ -98,6 +100,7 @@ class FieldNames:
     stop: str = "stopping.stop"
     max_tokens: str = "stopping.max_tokens"
     truncate_prompt_tokens: str = "truncate_prompt_tokens"
+    lora: str = "lora_name"
     # SamplingParams' field -> the wire's name for it, where they differ.
     sampling: Mapping[str, str] = field(default_factory=dict)
     # Constraint kind (worker.structured.KINDS) -> the wire's field that carries it.
@@ -123,6 +126,7 @@ class Submission:
     cache_salt: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     constraint: Constraint | None = None  # structured output; None = unconstrained
+    lora_name: str | None = None  # a loaded LoRA adapter; None = the base model
     names: FieldNames = field(default_factory=FieldNames)
 
     @property
@@ -339,11 +343,61 @@ class Door:
             params = SamplingParams(max_tokens=max_tokens, **sub.sampling)
         except SamplingParamsError as e:  # said in the wire's names
             raise InvalidArgument(f"{n.sampling.get(e.field, e.field)} {e.problem}") from None
+        if sub.lora_name:
+            await self._warm_lora(sub, engine.loras)
         req = engine.make_request(ids, params, request_id=sub.request_id or uuid.uuid4().hex,
-                                  priority=sub.priority, cache_salt=sub.cache_salt or None)
+                                  priority=sub.priority, cache_salt=sub.cache_salt or None,
+                                  lora_name=sub.lora_name or None)
         if sub.constraint is not None:  # last: the cheap checks came first
             req.grammar = (await self._grammar(sub, sub.constraint, engine.model_name)).matcher()
         return req
+
+    async def _warm_lora(self, sub: Submission, loras: LoraRegistry | None) -> None:
+        """Check the named adapter is loaded, and have its weights in host memory (read
+        again from disk, off the loop, when the LRU dropped them)."""
+        name = sub.lora_name or ""
+        if loras is None:
+            raise InvalidArgument(f"{sub.names.lora} {quote(name)}: this worker serves no LoRA "
+                                  "adapters (start it with --enable-lora)")
+        try:
+            if name not in loras.names:
+                loras.key(name)  # raises, naming it and the loaded ones
+            await asyncio.get_running_loop().run_in_executor(self._prep, loras.warm, name)
+        except UnknownLoraError as e:
+            raise InvalidArgument(f"{sub.names.lora}: {e}") from None
+        except LoraAdapterError as e:  # its folder changed since it was loaded
+            raise InvalidArgument(f"{sub.names.lora}: {e}") from None
+
+    # ----- LoRA adapters (admin) -----
+
+    async def loras(self, context: grpc.aio.ServicerContext) -> LoraRegistry:
+        bridge = await self.engine(context)
+        loras = bridge.engine.loras
+        if loras is None:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        "LoRA adapters are off; start the worker with --enable-lora")
+        return loras
+
+    async def load_lora(self, context: grpc.aio.ServicerContext, name: str, path: str) -> LoraInfo:
+        """Read and check the adapter off the loop; INVALID_ARGUMENT when it cannot be
+        served, ALREADY_EXISTS when the name is taken."""
+        loras = await self.loras(context)
+        if name in loras.names:
+            await abort(context, grpc.StatusCode.ALREADY_EXISTS,
+                        f"LoRA adapter {quote(name)} is already loaded; unload it first")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._prep, loras.load, name, path)
+        except ValueError as e:  # LoraAdapterError, a bad name, or loaded meanwhile
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def unload_lora(self, context: grpc.aio.ServicerContext, name: str) -> None:
+        loras = await self.loras(context)
+        try:
+            loras.unload(name)
+        except UnknownLoraError as e:
+            await abort(context, grpc.StatusCode.NOT_FOUND, str(e))
+        except LoraInUseError as e:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     async def _grammar(self, sub: Submission, constraint: Constraint, model: str) -> Grammar:
         """The compiled constraint: from the cache, or compiled in the door's worker thread
@@ -501,10 +555,11 @@ class Generation:
             operation=(telemetry.GenerationTrace.CHAT if chat
                        else telemetry.GenerationTrace.TEXT_COMPLETION),
             input_messages=sub.messages if record and chat else None,
-            prompt=sub.text if record else None)
+            prompt=sub.text if record else None, lora_name=req.lora_name)
         gen.event("queued", timestamp_s=telemetry.monotonic_to_wall(req.arrival_time),
                   prompt_tokens=req.num_prompt_tokens)
-        logger = telemetry.bind_request(rid, gen.span)
+        logger = telemetry.bind_request(
+            rid, gen.span, **({"lora_name": req.lora_name} if req.lora_name else {}))
         text: list[str] = []
         loop = asyncio.get_running_loop()
         remaining = context.time_remaining()

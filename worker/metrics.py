@@ -51,10 +51,16 @@ vllm:cache_config_info                      gauge      always 1; the cache confi
 vllm:lora_requests_info                     gauge      the scrape's time (vLLM sets it to
                                                        the time of its latest stats); labels
                                                        running_lora_adapters and
-                                                       waiting_lora_adapters (comma lists:
-                                                       empty, as no adapter exists yet) and
-                                                       max_lora ("0"), what endpoint pickers
-                                                       read for adapter affinity
+                                                       waiting_lora_adapters (comma lists of
+                                                       the adapters of running and of
+                                                       waiting requests; empty without
+                                                       --enable-lora) and max_lora
+                                                       (--max-loras, "0" without LoRA), what
+                                                       endpoint pickers read for adapter
+                                                       affinity
+llm_worker:lora_requests_total              counter    with --enable-lora: requests served
+                                                       with each loaded adapter since it was
+                                                       loaded (label lora_name)
 ==========================================  =========  ===================================
 
 The prefix-cache counters come from the KV cache's own statistics, which the warm-up's one
@@ -113,6 +119,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
@@ -157,6 +164,15 @@ def one_two_five(limit: int) -> list[int]:
                 return out
             out.append(m * scale)
         scale *= 10
+
+
+def lora_adapters(scheduler: Any) -> tuple[str, str]:
+    """The adapters of running and of waiting (or swapped) requests, as vLLM's comma lists.
+    Read from another thread: list() copies are single C calls, safe against the engine
+    thread changing the queues meanwhile."""
+    def names(reqs: list[Any]) -> str:
+        return ",".join(sorted({r.lora_name for r in reqs if r.lora_name}))
+    return names(list(scheduler.running)), names(list(scheduler.waiting) + list(scheduler.swapped))
 
 
 class LoadCollector(Collector):
@@ -261,8 +277,18 @@ class LoadCollector(Collector):
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                  labels=["running_lora_adapters", "waiting_lora_adapters",
                                          "max_lora", *names])
-        lora.add_metric(["", "", "0", *self.labels], time.time())
+        engine = self.bridge.engine
+        running, waiting = lora_adapters(engine.scheduler)
+        max_lora = str(engine.config.lora.max_loras) if engine.loras is not None else "0"
+        lora.add_metric([running, waiting, max_lora, *self.labels], time.time())
         yield lora
+        if engine.loras is not None:
+            per = CounterMetricFamily("llm_worker:lora_requests",
+                                      "Requests served with each LoRA adapter.",
+                                      labels=[*names, "lora_name"])
+            for info in engine.loras.infos():
+                per.add_metric([*self.labels, info.name], info.num_requests)
+            yield per
 
     def _iteration_tokens(self) -> HistogramMetricFamily:
         # A dict copy is one C call: safe against the engine thread adding a key meanwhile.

@@ -74,6 +74,7 @@ from llmworker.v1 import worker_pb2_grpc
 
 from worker import telemetry
 from worker.door import Door, FieldNames, InvalidArgument, Submission, abort
+from worker.lora.registry import LoraInfo
 from worker.outputs import RequestOutput
 from worker.structured import Constraint
 
@@ -156,6 +157,7 @@ def submission(msg: pb.GenerateRequest) -> Submission:
         max_tokens=stopping.max_tokens,
         priority=msg.priority,
         cache_salt=msg.cache_salt or None,
+        lora_name=msg.lora_name or None,
         names=NAMES,
         constraint=constraint(msg),
         sampling=dict(
@@ -203,6 +205,11 @@ def complete_response(rid: str, out: RequestOutput) -> pb.GenerateResponse:
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         error_message=out.error or "",
     ))
+
+
+def lora_adapter(info: LoraInfo) -> pb.LoraAdapter:
+    return pb.LoraAdapter(name=info.name, path=info.path, rank=info.rank, resident=info.resident,
+                          num_running=info.num_running, num_requests=info.num_requests)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -285,7 +292,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             prefix_cache_hit_tokens=st.prefix_cache_hit_tokens,
             num_steps=st.num_steps,
             draining=st.draining,
+            lora_adapters=self._lora_adapters(),
         )
+
+    def _lora_adapters(self) -> list[pb.LoraAdapter]:
+        bridge = self.door.bridge
+        loras = bridge.engine.loras if bridge is not None else None
+        return [] if loras is None else [lora_adapter(i) for i in loras.infos()]
+
+    @traced
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext):
+        info = await self.door.load_lora(context, request.lora_name, request.lora_path)
+        return pb.LoadLoraAdapterResponse(adapter=lora_adapter(info))
+
+    @traced
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext):
+        await self.door.unload_lora(context, request.lora_name)
+        return pb.UnloadLoraAdapterResponse()
+
+    @traced
+    async def ListLoraAdapters(self, request: pb.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext):
+        loras = await self.door.loras(context)
+        lc = self.door.config.lora
+        return pb.ListLoraAdaptersResponse(
+            adapters=[lora_adapter(i) for i in loras.infos()], max_loras=lc.max_loras,
+            max_lora_rank=lc.max_lora_rank, max_cpu_loras=lc.cpu_loras)
 
     @traced
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,

@@ -539,6 +539,7 @@ class GenerationTrace:
         stop_sequences: Sequence[str] | None = None,
         choice_count: int | None = None,
         stream: bool | None = None,
+        lora_name: str | None = None,
     ) -> None:
         if operation is None:
             operation = self.CHAT if input_messages is not None else self.TEXT_COMPLETION
@@ -566,6 +567,8 @@ class GenerationTrace:
             "gen_ai.request.choice.count": choice_count if choice_count and choice_count > 1 else None,
             "gen_ai.request.stream": stream,
             "llm_worker.request.priority": priority,
+            # The LoRA adapter the request ran with (absent: the base model).
+            "llm_worker.request.lora_name": lora_name,
         }
         attributes.update({k: v for k, v in optional.items() if v is not None})
         if record_content:

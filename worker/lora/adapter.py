@@ -185,15 +185,15 @@ def load_adapter(name: str, path: str | Path, model: LlamaConfig, max_rank: int)
             n_in, n_out = shapes[proj]
             pair = []
             for which, want in (("A", (cfg.rank, n_in)), ("B", (n_out, cfg.rank))):
-                name = f"{prefix}.{layer}.{_BLOCK[proj]}.{proj}.lora_{which}.weight"
+                key = f"{prefix}.{layer}.{_BLOCK[proj]}.{proj}.lora_{which}.weight"
                 t = found.get((layer, proj, which))
                 if t is None:
-                    raise _fail(folder, f"missing tensor {name}")
+                    raise _fail(folder, f"missing tensor {key}")
                 if tuple(t.shape) != want:
-                    raise _fail(folder, f"tensor {name} has shape {tuple(t.shape)}; rank "
+                    raise _fail(folder, f"tensor {key} has shape {tuple(t.shape)}; rank "
                                         f"{cfg.rank} on this base model needs {want}")
                 if not t.is_floating_point():
-                    raise _fail(folder, f"tensor {name} is {t.dtype}, not floating point")
+                    raise _fail(folder, f"tensor {key} is {t.dtype}, not floating point")
                 pair.append(t.to(torch.float32).contiguous())
             weights[layer, proj] = (pair[0], pair[1])
     return LoraAdapter(name, str(folder), cfg, weights)

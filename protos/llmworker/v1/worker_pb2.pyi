@@ -107,7 +107,7 @@ class GrammarConstraint(_message.Message):
     def __init__(self, text: _Optional[str] = ..., syntax: _Optional[_Union[GrammarSyntax, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_salt", "include_special_tokens", "parse_special_tokens", "json_schema", "regex", "choice", "grammar", "json_object")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_salt", "include_special_tokens", "parse_special_tokens", "json_schema", "regex", "choice", "grammar", "json_object", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class GenerateRequest(_message.Message):
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatInput
@@ -142,7 +143,8 @@ class GenerateRequest(_message.Message):
     choice: ChoiceConstraint
     grammar: GrammarConstraint
     json_object: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., include_special_tokens: _Optional[bool] = ..., parse_special_tokens: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceConstraint, _Mapping]] = ..., grammar: _Optional[_Union[GrammarConstraint, _Mapping]] = ..., json_object: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., include_special_tokens: _Optional[bool] = ..., parse_special_tokens: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceConstraint, _Mapping]] = ..., grammar: _Optional[_Union[GrammarConstraint, _Mapping]] = ..., json_object: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -287,7 +289,7 @@ class Counter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
 
 class GetServerStatusResponse(_message.Message):
-    __slots__ = ("uptime_s", "config_json", "versions", "requests_by_finish_reason", "num_preemptions", "prefix_cache_hit_tokens", "num_steps", "draining")
+    __slots__ = ("uptime_s", "config_json", "versions", "requests_by_finish_reason", "num_preemptions", "prefix_cache_hit_tokens", "num_steps", "draining", "lora_adapters")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +312,7 @@ class GetServerStatusResponse(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     uptime_s: float
     config_json: str
     versions: _containers.ScalarMap[str, str]
@@ -318,7 +321,8 @@ class GetServerStatusResponse(_message.Message):
     prefix_cache_hit_tokens: int
     num_steps: int
     draining: bool
-    def __init__(self, uptime_s: _Optional[float] = ..., config_json: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., requests_by_finish_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, uptime_s: _Optional[float] = ..., config_json: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., requests_by_finish_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., draining: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
@@ -343,3 +347,59 @@ class ResetPrefixCacheResponse(_message.Message):
     num_requeued: int
     num_blocks_dropped: int
     def __init__(self, num_requeued: _Optional[int] = ..., num_blocks_dropped: _Optional[int] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank", "resident", "num_running", "num_requests")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    resident: bool
+    num_running: int
+    num_requests: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., resident: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapter
+    def __init__(self, adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "max_loras", "max_lora_rank", "max_cpu_loras")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,21 @@ class WorkerServiceStub:
                 request_serializer=llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmworker.v1.WorkerService/LoadLoraAdapter',
+                request_serializer=llmworker_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmworker_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmworker.v1.WorkerService/UnloadLoraAdapter',
+                request_serializer=llmworker_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmworker_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/llmworker.v1.WorkerService/ListLoraAdapters',
+                request_serializer=llmworker_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=llmworker_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -122,6 +137,28 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters (with --enable-lora; else FAILED_PRECONDITION). Load reads and checks a
+        PEFT adapter folder on the worker's disk (INVALID_ARGUMENT when it cannot be served,
+        ALREADY_EXISTS for a name in use); Unload is refused (FAILED_PRECONDITION) while
+        requests use the adapter, NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +196,21 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=llmworker_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=llmworker_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=llmworker_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=llmworker_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=llmworker_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=llmworker_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +402,87 @@ class WorkerService:
             '/llmworker.v1.WorkerService/ResetPrefixCache',
             llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
             llmworker_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmworker.v1.WorkerService/LoadLoraAdapter',
+            llmworker_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            llmworker_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmworker.v1.WorkerService/UnloadLoraAdapter',
+            llmworker_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            llmworker_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmworker.v1.WorkerService/ListLoraAdapters',
+            llmworker_dot_v1_dot_worker__pb2.ListLoraAdaptersRequest.SerializeToString,
+            llmworker_dot_v1_dot_worker__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
