@@ -119,18 +119,17 @@ def _load(module: str, name: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def _op(ref: Callable[P, R], triton: tuple[str, str] | None,
-        c: tuple[str, str] | None = None) -> Callable[P, R]:
+def _op(ref: Callable[P, R], triton: tuple[str, str], c: tuple[str, str] | None = None) -> Callable[P, R]:
     """The op with `ref`'s signature: by `kernel_path` of the first argument's device, the
     Triton kernel `triton` or the C kernel `c` (module, name; imported on first use), else
-    `ref` itself (also where the op has no such kernel)."""
+    `ref` itself."""
 
     @functools.wraps(ref)
     def op(*args: P.args, **kwargs: P.kwargs) -> R:
         first = args[0]
         assert isinstance(first, torch.Tensor)
         path = kernel_path(first.device)
-        if path == "triton" and triton is not None:
+        if path == "triton":
             return _load(*triton)(*args, **kwargs)
         if path == "c" and c is not None:
             return _load(*c)(*args, **kwargs)
@@ -148,9 +147,10 @@ paged_attention = _op(paged_attention_ref, ("ops.attention_triton", "paged_atten
                       c=("ops.cpu_attention", "paged_attention_c"))
 sample = _op(sample_ref, ("ops.sampling_triton", "sample_triton"))
 copy_blocks = _op(copy_blocks_ref, ("ops.block_copy_triton", "copy_blocks_triton"))
-# Each LoRA row's adapter delta added to a linear's output (ops/lora.py): gathered bmm in
-# torch on every path for now (on the CPU the C path's linears are the cost, not this).
-lora_add = _op(lora_add_ref, None)
+# Each LoRA row's adapter delta added to a linear's output (ops/lora.py): one gathered bmm
+# per layer in torch on the CPU (the C path has no kernel of its own: the linears are the
+# cost there, not this), segmented Triton kernels on CUDA.
+lora_add = _op(lora_add_ref, ("ops.lora_triton", "lora_add_triton"))
 
 
 __all__ = [
