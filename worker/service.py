@@ -15,7 +15,8 @@ INVALID_ARGUMENT            bad input; the message names the field and the limit
                             a model without a tokenizer; a structured-output constraint
                             that does not compile, or is over --max-structured-bytes;
                             more than 1024 logit_bias tokens or a bias outside
-                            [-100, 100]; min_tokens > max_tokens)
+                            [-100, 100]; min_tokens > max_tokens; a lora_name that
+                            is not loaded, or sent without --enable-lora)
 ALREADY_EXISTS              a request_id that is still in flight
 RESOURCE_EXHAUSTED          the waiting queue is at --max-waiting; trailing metadata
                             ``grpc-retry-pushback-ms`` (gRPC's retry design, gRFC A6)
