@@ -256,3 +256,16 @@ def test_lora_flags_and_variables(monkeypatch) -> None:
         parser.parse_args(["--lora-modules", "nopath"])
     with pytest.raises(ValueError, match=r"--max-cpu-loras .* must be >= --max-loras"):
         LoraConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_a_step_skips_linears_its_adapters_do_not_target(tmp_path) -> None:
+    reg = LoraRegistry(CFG, 16, 4)
+    reg.load("attn", str(write_adapter(tmp_path / "attn", targets=("q_proj",))))
+    reg.load("mlp", str(write_adapter(tmp_path / "mlp", targets=("down_proj",), seed=1)))
+    attn, mlp = (reg.acquire(reg.key(n)) for n in ("attn", "mlp"))
+    slots = LoraSlots(CFG, max_loras=2, max_rank=4, device=torch.device("cpu"), dtype=torch.float32)
+    slot_of = slots.assign([attn, mlp])
+    step = slots.step([slot_of[attn.uid], -1])
+    assert step is not None and set(step.layers[0]) == {"qkv_proj"}
+    step = slots.step([slot_of[mlp.uid], slot_of[attn.uid]])
+    assert step is not None and set(step.layers[1]) == {"qkv_proj", "down_proj"}

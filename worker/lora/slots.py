@@ -46,6 +46,8 @@ class LoraSlots:
                 stacks[group] = LoraStack(a, bs)
             self.layers.append(stacks)
         self.uids: list[int | None] = [None] * max_loras  # the adapter (uid) each slot holds
+        # The linears each slot's adapter targets: a step skips the others (all zeros).
+        self.groups: list[frozenset[str]] = [frozenset()] * max_loras
         self._last_used = [0] * max_loras
         self._clock = itertools.count(1)
         self.num_writes = 0  # adapters copied into a slot (misses of the slot cache)
@@ -75,7 +77,12 @@ class LoraSlots:
     def step(self, token_slots: Sequence[int]) -> StepLora | None:
         """The step's LoRA input for the model: None when no token has an adapter."""
         rows = LoraRows.build(token_slots, self.max_loras, self.device)
-        return None if rows is None else StepLora(rows, self.layers)
+        if rows is None:
+            return None
+        groups = frozenset().union(*(self.groups[s] for s in set(token_slots) if s >= 0))
+        layers = self.layers if len(groups) == len(GROUPS) else [
+            {g: st for g, st in layer.items() if g in groups} for layer in self.layers]
+        return StepLora(rows, layers)
 
     @torch.inference_mode()
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
@@ -94,4 +101,6 @@ class LoraSlots:
                     st.a[slot, i * self.max_rank : i * self.max_rank + r].copy_(a_w)
                     b[:, :r].copy_(b_w * scale)
         self.uids[slot] = adapter.uid
+        targets = set(adapter.config.target_modules)
+        self.groups[slot] = frozenset(g for g, projs in GROUPS.items() if targets & set(projs))
         self.num_writes += 1

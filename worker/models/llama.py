@@ -108,7 +108,8 @@ class LlamaConfig:
 @dataclass
 class StepLora:
     """A step's LoRA input (worker/lora/slots.py): which rows use which adapter slot, and
-    each layer's slot stacks by linear name (qkv_proj, o_proj, gate_up_proj, down_proj)."""
+    each layer's slot stacks by linear name (qkv_proj, o_proj, gate_up_proj, down_proj),
+    only those some adapter of the step targets."""
 
     rows: LoraRows
     layers: list[Mapping[str, LoraStack]]
@@ -120,12 +121,11 @@ LayerLora = tuple[LoraRows, Mapping[str, LoraStack]]
 
 def _linear(module: nn.Module, x: torch.Tensor, lora: LayerLora | None, name: str) -> torch.Tensor:
     """module(x), plus each LoRA row's adapter delta (ops/lora.py): one gathered computation
-    for all the step's adapters; fused q/k/v and gate/up add theirs per output slice."""
+    for all the step's adapters; fused q/k/v and gate/up add theirs per output slice. A
+    linear no adapter of the step targets has no stack in `lora` and is skipped."""
     y = module(x)
-    if lora is not None:
-        rows, stacks = lora
-        stack = stacks[name]
-        y = ops.lora_add(y, x, stack.a, stack.bs, rows)
+    if lora is not None and (stack := lora[1].get(name)) is not None:
+        y = ops.lora_add(y, x, stack.a, stack.bs, lora[0])
     return y
 
 
