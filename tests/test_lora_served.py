@@ -75,6 +75,9 @@ def test_requests_name_adapters_and_unknown_ones_are_refused(lora_worker) -> Non
     status = w.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=10)
     assert {a.name for a in status.lora_adapters} >= {"adapter0", "adapter1"}
     assert any(a.num_requests >= 2 for a in status.lora_adapters if a.name == "adapter0")
+    # The request's log line names its adapter (the span carries it too).
+    wait_until(lambda: any("request finished" in line and '"lora_name": "adapter0"' in line
+                           for line in list(w.lines)), what="a log line naming adapter0")
 
 
 def test_load_unload_and_lru_eviction_under_load(lora_worker, adapters) -> None:
