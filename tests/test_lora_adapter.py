@@ -269,3 +269,21 @@ def test_a_step_skips_linears_its_adapters_do_not_target(tmp_path) -> None:
     assert step is not None and set(step.layers[0]) == {"qkv_proj"}
     step = slots.step([slot_of[mlp.uid], slot_of[attn.uid]])
     assert step is not None and set(step.layers[1]) == {"qkv_proj", "down_proj"}
+
+
+def test_the_request_span_names_its_adapter() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from worker import telemetry
+
+    exp = InMemorySpanExporter()
+    assert telemetry.configure_tracing(exporter=exp)
+    try:
+        for lora in ("sql-tuned", None):
+            telemetry.GenerationTrace("m", "r", max_tokens=1, temperature=None, top_p=None,
+                                      top_k=None, lora_name=lora).finish("stop", 1, 1)
+        tuned, base = exp.get_finished_spans()
+        assert tuned.attributes["llm_worker.request.lora_name"] == "sql-tuned"
+        assert "llm_worker.request.lora_name" not in base.attributes
+    finally:
+        telemetry.shutdown_tracing()
