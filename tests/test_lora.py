@@ -162,3 +162,26 @@ def test_64_requests_over_8_adapters_and_the_base(ours, tmp_path, chat_prompt_id
         assert together[i] == alone.token_ids, f"request {i} (adapter {n}): batched != alone"
         assert limited[i] == alone.token_ids, f"request {i} (adapter {n}): capped != alone"
     _clean(engine)
+
+
+def test_speculative_drafts_keep_each_adapters_tokens(ours, adapters, chat_prompt_ids) -> None:
+    """n-gram drafts verified in adapter rows (a chunk of 1 + k tokens per request, each row
+    with its request's adapter) give the tokens decoding without drafts gives."""
+    from worker.config import NgramSpeculation, SpeculativeConfig
+
+    _, paths = adapters
+    plain = _engine(ours, paths)
+    spec_conf = WorkerConfig(
+        model=MODEL, cache=CacheConfig(kv_cache_memory=0.25),
+        speculative=SpeculativeConfig(NgramSpeculation(num_speculative_tokens=3, prompt_lookup_min=1,
+                                                       prompt_lookup_max=3, disable_by_batch_size=8)),
+        lora=LoraConfig(enable_lora=True, max_loras=4, max_lora_rank=16,
+                        lora_modules=tuple(f"{n}={p}" for n, p in paths.items())))
+    spec = Engine(spec_conf, loaded=ours)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    work = [(chat_prompt_ids[3] * 2, n) for n in (None, "a0", "a1")]
+    want = [c.token_ids for c in plain.generate([plain.make_request(p, params, lora_name=n) for p, n in work])]
+    got = [c.token_ids for c in spec.generate([spec.make_request(p, params, lora_name=n) for p, n in work])]
+    assert spec.num_draft_tokens > 0, "nothing was drafted"
+    assert got == want
+    _clean(spec)
