@@ -360,8 +360,7 @@ class Door:
             raise InvalidArgument(f"{sub.names.lora} {quote(name)}: this worker serves no LoRA "
                                   "adapters (start it with --enable-lora)")
         try:
-            if name not in loras.names:
-                loras.key(name)  # raises, naming it and the loaded ones
+            loras.key(name)  # an unknown one raises, naming it and the loaded ones
             await asyncio.get_running_loop().run_in_executor(self._prep, loras.warm, name)
         except UnknownLoraError as e:
             raise InvalidArgument(f"{sub.names.lora}: {e}") from None
