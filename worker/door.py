@@ -104,7 +104,7 @@ class FieldNames:
     constraint: Mapping[str, str] = field(default_factory=lambda: {
         "json_schema": "json_schema", "json_object": "json_object", "regex": "regex",
         "choice": "choice.choices", "grammar": "grammar.text", "lark": "grammar.text",
-        "gbnf": "grammar.text"})
+        "gbnf": "grammar.text", "structural_tag": "structural_tag"})
 
 
 @dataclass

@@ -29,11 +29,14 @@ from dataclasses import dataclass
 
 import llguidance as llg
 
+from worker.structural_tag import StructuralTagError, to_lark
 from worker.tokenizer import Tokenizer
 
 # kind -> what it holds. "grammar" is either syntax (vLLM's `grammar` field: Lark or
-# EBNF/GBNF, told apart by llguidance's converter); "lark" and "gbnf" are explicit.
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark", "gbnf")
+# EBNF/GBNF, told apart by llguidance's converter); "lark" and "gbnf" are explicit;
+# "structural_tag" is free text with constrained regions (tool calls; worker.structural_tag).
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark", "gbnf",
+         "structural_tag")
 # JSON: whitespace between tokens is at most 16 characters (llguidance's default is
 # unbounded, which lets a small model at temperature 1 run away in newlines). A schema's
 # own "x-guidance" options override this.
@@ -200,8 +203,12 @@ class GrammarCompiler:
             if constraint.kind in ("json_schema", "json_object"):
                 spec = llg.LLMatcher.grammar_from_json_schema(constraint.text,
                                                               defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+            elif constraint.kind == "structural_tag":
+                spec = to_lark(constraint.text)
             else:
                 spec = llg.grammar_from(constraint.kind, constraint.source)  # type: ignore[arg-type]
+        except StructuralTagError as e:
+            raise ConstraintError(f"is not a structural tag we can serve: {_bounded(str(e))}") from None
         except (ValueError, TypeError) as e:
             raise ConstraintError(f"does not compile: {_bounded(str(e))}") from None
         # The constructor releases the GIL while it builds; errors leave it in an error state.

@@ -27,7 +27,7 @@ NAMES = FieldNames(input="input (tokenized or text)", token_ids="tokenized.input
                        "ignore_eos", "skip_special_tokens", "logprobs", "logit_bias",
                        "min_tokens")},
                    constraint={k: f"sampling_params.{k}" for k in (
-                       "json_schema", "json_object", "regex", "grammar")}
+                       "json_schema", "json_object", "regex", "grammar", "structural_tag")}
                    | {"choice": "sampling_params.choice.choices"})
 
 # Request fields with no meaning here (one text model, one device, no KV transfer): sent
@@ -55,9 +55,6 @@ def unsupported(msg: vpb.GenerateRequest) -> None:
     if p.n > 1:
         raise InvalidArgument(f"sampling_params.n = {p.n} is not supported: one sequence per "
                               "request (send n requests)")
-    if p.WhichOneof("constraint") == "structural_tag":
-        raise InvalidArgument("sampling_params.structural_tag is not supported (json_schema, "
-                              "regex, grammar, choice and json_object are)")
     if p.HasField("prompt_logprobs"):
         raise InvalidArgument("sampling_params.prompt_logprobs is not supported")
     if p.HasField("logprobs") and not 0 <= p.logprobs <= MAX_LOGPROBS:

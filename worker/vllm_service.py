@@ -27,8 +27,10 @@ frequency penalties as given; max_tokens unset = --default-max-tokens clipped to
 given; seed: the int32's bits read as a uint32 (so -1 and 4294967295 are one seed);
 logprobs 0..20; truncate_prompt_tokens k keeps the prompt's last k tokens (-1: as many as
 allowed); min_tokens and logit_bias (bounded by the door: 1024 tokens, [-100, 100]); the
-structured-output constraints json_schema, regex, grammar (Lark or EBNF/GBNF), choice and
-json_object (worker.structured; compiled at the door, INVALID_ARGUMENT when they do not).
+structured-output constraints json_schema, regex, grammar (Lark or EBNF/GBNF), choice,
+json_object and structural_tag (xgrammar's `format` tree or the older structures/triggers,
+worker.structural_tag) (worker.structured; compiled at the door, INVALID_ARGUMENT when they
+do not).
 Accepted with no effect, since we return token ids and no text:
 ``include_stop_str_in_output`` (the ids always include the tokens that completed a stop
 string; the stop string is matched in our detokenized text) and
@@ -36,7 +38,7 @@ string; the stop string is matched in our detokenized text) and
 parser: a grammar always starts at the first generated token, as GetServerInfo's
 ``constrained_decoding_start`` "first_token" says); ``n`` 0 or 1; ``data_parallel_rank`` 0.
 
-Refused with INVALID_ARGUMENT naming the field: n > 1, structural_tag, prompt_logprobs,
+Refused with INVALID_ARGUMENT naming the field: n > 1, prompt_logprobs,
 logprobs -1 or > 20, mm_inputs, extra_mm_inputs, media_refs, kv_transfer_params(_json), a
 data_parallel_rank other than 0; and every bad value our own service refuses, with the
 same limits and messages.
