@@ -554,6 +554,13 @@ def test_vllm_choice_grammar_and_logit_bias(worker, tok) -> None:
 
     free = greedy(0)
     assert free.finish_reason == "stop" and free.completion_tokens < 20
+    # Ban every token of the greedy answer: none of them appears.
+    banned = set(free.output_ids)
+    req = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=ids), sampling_params=(
+        vpb.SamplingParams(temperature=0.0, max_tokens=32,
+                           logit_bias={t: -100.0 for t in banned})))
+    (resp,) = list(worker.vllm.Generate(req, timeout=120))
+    assert resp.complete.output_ids and not banned & set(resp.complete.output_ids)
     held = greedy(20)
     assert held.completion_tokens >= 20 and held.finish_reason == "stop"
     assert held.matched_token_id in tok.eos_token_ids

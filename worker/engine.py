@@ -173,6 +173,8 @@ class Engine:
         # accepted_per_position[j]: drafts accepted at position j of their draft (vLLM's
         # per-position counter); as long as the longest draft.
         self.accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
+        # Structured-output requests admitted, by constraint kind (worker.structured.KINDS).
+        self.structured_requests: dict[str, int] = {}
 
     # ----- sizing -----
 
@@ -260,6 +262,9 @@ class Engine:
                         item.request_id, [], "", finished=True, finish_reason="error",
                         prompt_tokens=item.num_prompt_tokens, error=str(e), request=item))
                     continue
+                if item.grammar is not None:
+                    ck = item.grammar.kind
+                    self.structured_requests[ck] = self.structured_requests.get(ck, 0) + 1
                 item.output_state = OutputState.create(item, self.tokenizer)
             elif kind == "reset_prefix_cache":
                 requeue, fut = item  # type: ignore[misc]

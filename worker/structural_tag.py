@@ -43,7 +43,8 @@ def _regex(pattern: str) -> str:
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, json_defaults: dict[str, Any] | None = None) -> None:
+        self.json_defaults = json_defaults or {}  # x-guidance options of every JSON schema
         self.rules: list[str] = []
         self.side: list[dict[str, str]] = []  # grammars referenced as @name (EBNF formats)
         self._n = 0
@@ -96,8 +97,11 @@ class _Builder:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise StructuralTagError(f"{path}.json_schema: is not valid JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
+        if not isinstance(schema, dict):
             raise StructuralTagError(f"{path}.json_schema: must be a JSON schema object")
+        if self.json_defaults:
+            schema = {**schema, "x-guidance": {**self.json_defaults,
+                                               **schema.get("x-guidance", {})}}
         return self.rule("%json " + json.dumps(schema))
 
     def grammar(self, node: dict, path: str, depth: int, end: list[str] | None) -> str:
@@ -245,8 +249,9 @@ def ends_itself(content: Any) -> bool:
     return isinstance(content, dict) and content.get("type") in ("any_text", "triggered_tags")
 
 
-def to_lark(text: str) -> str:
-    """The llguidance grammar of a structural tag (its JSON text), for `LLMatcher`.
+def to_lark(text: str, json_defaults: dict[str, Any] | None = None) -> str:
+    """The llguidance grammar of a structural tag (its JSON text), for `LLMatcher`;
+    `json_defaults`: llguidance's JSON options ("x-guidance") for its JSON schemas.
     Raises StructuralTagError naming what is wrong and where."""
     try:
         tag = json.loads(text)
@@ -256,7 +261,7 @@ def to_lark(text: str) -> str:
         raise StructuralTagError("must be a JSON object")
     if tag.get("type", "structural_tag") != "structural_tag":
         raise StructuralTagError(f"type: must be \"structural_tag\", got {_bounded(tag['type'])}")
-    b = _Builder()
+    b = _Builder(json_defaults)
     if "format" in tag:
         return b.to_lark(b.fmt(tag["format"], "format", 1))
     if "structures" in tag:  # the older shape: each structure is a tag behind its trigger
