@@ -175,3 +175,23 @@ def test_min_tokens_holds_with_eos_not_ignored(gw: Gateway) -> None:
     assert held["usage"]["completion_tokens"] >= 24, held
     assert held["choices"][0]["finish_reason"] == "stop", held
     healthy_and_free(gw.workers[0])
+
+
+def test_n_4_returns_four_choices_seeded_reproducible(gw: Gateway) -> None:
+    messages = [{"role": "user", "content": "Name a colour and a fruit."}]
+
+    def four(seed: int) -> tuple[list[str], dict]:
+        out = gw.chat(messages=messages, n=4, temperature=1.0, seed=seed, max_tokens=24)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == [0, 1, 2, 3], out
+        return [c["message"]["content"] for c in choices], out["usage"]
+
+    texts, usage = four(7)
+    assert len(set(texts)) > 1, texts  # four samples, not one answer four times
+    assert four(7)[0] == texts  # seeded: the same four again
+    assert four(8)[0] != texts
+    # The prompt is counted once in the usage; the completions of all four.
+    one = gw.chat(messages=messages, temperature=1.0, seed=7, max_tokens=24)
+    assert usage["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert 4 <= usage["completion_tokens"] <= 4 * 24
+    healthy_and_free(gw.workers[0])
