@@ -91,11 +91,12 @@ def our_worker(extra: list[str]) -> Iterator[str]:
     address: list[str] = []
     ready = threading.Event()
 
-    def read() -> None:
+    def read() -> None:  # the address, then "serving ... on" once the model is loaded
         for line in proc.stderr:  # type: ignore[union-attr]
             m = re.search(r"listening on (\S+):(\d+)", line)
             if m and not address:
                 address.append(f"{m.group(1)}:{m.group(2)}")
+            if address and re.search(r"serving .* on ", line):
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
@@ -112,7 +113,10 @@ def bench(server: list[str], workload: str, tokenizer: str) -> dict[str, Any]:
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, "-m", "clients.bench.cli", "run", *server, *WORKLOADS[workload],
                "--tokenizer", tokenizer, "--no-progress", "--output-json", str(out)]
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+        if done.returncode:
+            raise SystemExit(f"llm-worker-bench failed ({done.returncode}):\n{done.stderr[-2000:]}")
         summary = json.loads(out.read_text())["runs"][0]["summary"]
     return {"output_throughput": summary["output_throughput"],
             "ttft_ms_median": summary["ttft_ms"]["median"],
