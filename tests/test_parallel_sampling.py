@@ -249,3 +249,117 @@ def test_engine_abort_ends_every_sample(default_model) -> None:
     assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (1, "abort"),
                                                                  (2, "abort")]
     _clean(engine)
+
+
+# -- both gRPC protocols, one worker process --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker():
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+    from tests.test_server import Worker
+
+    w = Worker("--max-num-seqs", "8")
+    try:
+        w.vllm = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
+        yield w.wait_ready()
+    finally:
+        w.close()
+
+
+def _ours(worker, n: int, seed: int, max_tokens: int = 10):
+    """Our Generate with n samples: {index: tokens}, {index: complete}."""
+    from llmworker.v1 import worker_pb2 as pb
+
+    tokens: dict[int, list[int]] = {}
+    completes: dict = {}
+    for resp in worker.stub.Generate(pb.GenerateRequest(
+            text=PROMPT, sampling=pb.SamplingParams(temperature=1.0, seed=seed, n=n),
+            stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)), timeout=120):
+        if resp.HasField("chunk"):
+            assert resp.chunk.index not in completes, "a chunk after its sample's complete"
+            tokens.setdefault(resp.chunk.index, []).extend(resp.chunk.token_ids)
+        else:
+            assert resp.complete.index not in completes
+            completes[resp.complete.index] = resp.complete
+    return tokens, completes
+
+
+def test_our_protocol_n_samples(worker) -> None:
+    import grpc
+    from llmworker.v1 import worker_pb2 as pb
+
+    from tests.test_server import blocks_all_free, wait_until
+
+    tokens, completes = _ours(worker, 3, seed=42)
+    assert sorted(completes) == [0, 1, 2] and sorted(tokens) == [0, 1, 2]
+    assert len({tuple(t) for t in tokens.values()}) == 3
+    for i, c in completes.items():
+        assert c.finish_reason == pb.FINISH_REASON_LENGTH and c.usage.completion_tokens == 10
+    # The prompt counted once: on sample 0's usage.
+    prompt = completes[0].usage.prompt_tokens
+    assert prompt > 0 and [completes[i].usage.prompt_tokens for i in (1, 2)] == [0, 0]
+    # Reproducible, and sample i is the lone request seeded 42 + i.
+    assert _ours(worker, 3, seed=42)[0] == tokens
+    for i in range(3):
+        assert _ours(worker, 1, seed=42 + i)[0] == {0: tokens[i]}
+    wait_until(lambda: blocks_all_free(worker), timeout=5, what="blocks freed")
+    # Cancelling the stream aborts every sample.
+    before = worker.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=5)
+    call = worker.stub.Generate(pb.GenerateRequest(
+        text=PROMPT, sampling=pb.SamplingParams(n=4),
+        stopping=pb.StoppingCriteria(max_tokens=1000, ignore_eos=True)), timeout=120)
+    seen = set()
+    while len(seen) < 4:
+        seen.add(next(call).chunk.index)
+    load = worker.stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+    assert load.num_running == 4
+    call.cancel()
+    wait_until(lambda: blocks_all_free(worker), timeout=5, what="blocks freed after a cancel")
+    after = worker.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=5)
+    assert after.requests_by_finish_reason["abort"] == before.requests_by_finish_reason["abort"] + 1
+    # Bounds: 16 at most, and no more than the seats (--max-num-seqs 8).
+    for n, says in ((17, "sampling.n must be in [1, 16]"), (9, "max_num_seqs is 8")):
+        with pytest.raises(grpc.RpcError) as e:
+            _ours(worker, n, seed=1)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert says in e.value.details(), e.value.details()
+
+
+def test_vllm_protocol_n_samples(worker) -> None:
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+    from tests.test_server import blocks_all_free, wait_until
+
+    ours, _ = _ours(worker, 3, seed=42)  # the same seeds on our protocol
+
+    def generate(stream: bool) -> tuple[list, list]:
+        req = vpb.GenerateRequest(text=PROMPT, stream=stream, sampling_params=vpb.SamplingParams(
+            temperature=1.0, seed=42, n=3, max_tokens=10, ignore_eos=True))
+        chunks, completes = [], []
+        for resp in worker.vllm.Generate(req, timeout=120):
+            if resp.HasField("chunk"):
+                assert not completes, "as vLLM: the completes come last, together"
+                chunks.append(resp.chunk)
+            else:
+                completes.append(resp.complete)
+        return chunks, completes
+
+    chunks, completes = generate(stream=True)
+    assert [c.index for c in completes] == [0, 1, 2]
+    for c in completes:
+        streamed = [t for ch in chunks if ch.index == c.index for t in ch.token_ids]
+        assert list(c.output_ids) == streamed == ours[c.index]
+        assert c.finish_reason == "length" and c.completion_tokens == 10
+    # Every complete reports the prompt, as vLLM's do; SMG counts it once (usage.prompt_tokens).
+    assert len({c.prompt_tokens for c in completes}) == 1 and completes[0].prompt_tokens > 0
+    chunks, unstreamed = generate(stream=False)
+    assert not chunks and [list(c.output_ids) for c in unstreamed] == [ours[i] for i in range(3)]
+    wait_until(lambda: blocks_all_free(worker), timeout=5, what="blocks freed")
+    with pytest.raises(grpc.RpcError) as e:
+        list(worker.vllm.Generate(vpb.GenerateRequest(
+            text=PROMPT, sampling_params=vpb.SamplingParams(n=17)), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.n must be in [1, 16]" in e.value.details()
