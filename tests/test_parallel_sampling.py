@@ -295,7 +295,7 @@ def test_our_protocol_n_samples(worker) -> None:
     tokens, completes = _ours(worker, 3, seed=42)
     assert sorted(completes) == [0, 1, 2] and sorted(tokens) == [0, 1, 2]
     assert len({tuple(t) for t in tokens.values()}) == 3
-    for i, c in completes.items():
+    for c in completes.values():
         assert c.finish_reason == pb.FINISH_REASON_LENGTH and c.usage.completion_tokens == 10
     # The prompt counted once: on sample 0's usage.
     prompt = completes[0].usage.prompt_tokens
