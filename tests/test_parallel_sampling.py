@@ -251,6 +251,24 @@ def test_engine_abort_ends_every_sample(default_model) -> None:
     _clean(engine)
 
 
+def test_engine_samples_under_a_grammar_each_have_their_own_matcher(default_model) -> None:
+    import re
+
+    from worker.structured import Constraint, GrammarCompiler
+
+    tok = default_model.tokenizer
+    compiler = GrammarCompiler(tok, default_model.config.vocab_size, default_model.eos_token_ids)
+    engine = _engine(default_model, prefix_caching=False)
+    req = engine.make_request(tok.encode("A product code:"), SamplingParams(
+        n=4, temperature=1.0, seed=3, max_tokens=16))
+    req.grammar = compiler.compile(Constraint("regex", r"[A-Z]{3}-[0-9]{4}")).matcher()
+    outs = engine.generate([req])
+    assert len({o.text for o in outs}) > 1
+    for o in outs:
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", o.text) and o.finish_reason == "stop", o.text
+    _clean(engine)
+
+
 # -- both gRPC protocols, one worker process --------------------------------------------------
 
 
