@@ -338,7 +338,7 @@ def test_our_protocol_n_samples(worker) -> None:
     after = worker.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=5)
     assert after.requests_by_finish_reason["abort"] == before.requests_by_finish_reason["abort"] + 1
     # Bounds: 16 at most, and no more than the seats (--max-num-seqs 8).
-    for n, says in ((17, "sampling.n must be in [1, 16]"), (9, "max_num_seqs is 8")):
+    for n, says in ((17, "sampling.n must be in [1, 16]"), (9, "sampling.n is 9; at most 8 are allowed (--max-num-seqs)")):
         with pytest.raises(grpc.RpcError) as e:
             _ours(worker, n, seed=1)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -339,6 +339,10 @@ class Door:
             params = SamplingParams(max_tokens=max_tokens, **sub.sampling)
         except SamplingParamsError as e:  # said in the wire's names
             raise InvalidArgument(f"{n.sampling.get(e.field, e.field)} {e.problem}") from None
+        seats = self.config.scheduler.max_num_seqs
+        if params.n > seats:  # the samples run side by side, each in a seat of its own
+            raise InvalidArgument(f"{n.sampling.get('n', 'n')} is {params.n}; at most "
+                                  f"{seats} are allowed (--max-num-seqs)")
         req = engine.make_request(ids, params, request_id=sub.request_id or uuid.uuid4().hex,
                                   priority=sub.priority, cache_salt=sub.cache_salt or None)
         if sub.constraint is not None:  # last: the cheap checks came first

@@ -43,8 +43,13 @@ the engine's next step and the stream ends OK with its last chunk and ``complete
 finish_reason LENGTH (usage counts what it generated). It is checked whenever the stream
 waits for or sends output, so a slow reader cannot dodge it.
 
+``sampling.n`` > 1: each chunk and ``complete`` carries its sample's ``index``; every
+sample ends with its own ``complete`` (its finish reason and completion tokens; the prompt
+and cached tokens on index 0 only, so usage sums over completes), and the stream ends after
+the n-th. ``prompt_logprobs`` ride on each sample's first chunk.
+
 Any abort (Abort RPC, cancel, disconnect, deadline, generation-time limit) frees the
-request's KV blocks in the engine's next step. `Generate` sends at most one chunk per engine
+request's KV blocks in the engine's next step (every sample's). `Generate` sends at most one chunk per engine
 step, and per stream at most one output is buffered (a slow reader gets coalesced chunks,
 see `worker.bridge`); the step that finishes a request sends its last chunk and then
 `complete`.
