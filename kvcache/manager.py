@@ -23,6 +23,10 @@ A request's blocks go through these states (the scheduler drives them):
                                           reusable until an allocation evicts them
     swap_out / swap_in                    computed blocks to CPU blocks and back into
                                           fresh GPU blocks
+    fork                                  a parallel sample takes a reference to every
+                                          block of its leader's table; the half-full
+                                          block they share is copied by each that writes
+                                          it while others still hold it (copy-on-write)
 
 Moves (swap and copy-on-write) accumulate during `schedule()`, which hands them to the
 runner with `take_moves()` and calls `moves_done()` once the runner made them (see
@@ -68,6 +72,9 @@ class KVCacheManager:
         self._moves = KVMoves()
         self._written: set[int] = set()  # GPU blocks this step's moves write
         self._pins: list[int] = []  # copy sources, held until the runner made the moves
+        # Forked requests (`fork`) -> the index of the half-full block they share, copied
+        # before their first write into it while another request still holds it.
+        self._cow: dict[str, int] = {}
 
     # -- figures ---------------------------------------------------------------------------
 
@@ -160,8 +167,11 @@ class KVCacheManager:
             self._take_hit(request_id, hit)
         else:  # the common case (a running request's next block), kept short
             have = len(self.block_tables.get(request_id, ()))
-            if cdiv(num_total_tokens, self.block_size) - have > self.pool.num_free_blocks:
+            copy = request_id in self._cow and self._shared_tail(request_id) is not None
+            if cdiv(num_total_tokens, self.block_size) - have + copy > self.pool.num_free_blocks:
                 return False
+            if request_id in self._cow:
+                self._copy_on_write(request_id)
         if hit is not None and self.enable_prefix_caching:
             self.stats.record(hit)
         table = self.block_tables.setdefault(request_id, [])
@@ -207,15 +217,18 @@ class KVCacheManager:
 
     def check_writable(self, request_id: str, start: int, end: int) -> None:
         """Positions ``start..end-1`` are about to be written: their blocks must belong to
-        this request alone and be uncached (full blocks are never written again)."""
+        this request alone (a copy source's pin aside, read before the write) and be
+        uncached (full blocks are never written again)."""
         table = self.block_tables[request_id]
         for i in range(start // self.block_size, cdiv(end, self.block_size)):
             b = table[i]
-            assert self.pool.ref_counts[b] == 1, f"{request_id}: writing shared block {b}"
+            refs = self.pool.ref_counts[b] - (self._pins.count(b) if self._pins else 0)
+            assert refs == 1, f"{request_id}: writing shared block {b}"
             assert self.pool.block_hashes[b] is None, f"{request_id}: writing cached block {b}"
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, GPU or CPU; a no-op for an unknown id."""
+        self._cow.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
             # Tail first: the tail is the least shareable part of a chain, so it should be
@@ -238,6 +251,7 @@ class KVCacheManager:
         its GPU blocks (like `free`; blocks past the computed ones hold nothing yet)."""
         assert self.can_swap_out(request_id, num_computed_tokens), f"{request_id}: no room"
         n = cdiv(num_computed_tokens, self.block_size)
+        self._cow.pop(request_id, None)  # shared blocks are read like any other; back private
         table = self.block_tables.pop(request_id)
         assert not self._written.intersection(table[:n]), (
             f"{request_id}: swapped out in the step whose moves write its blocks"
@@ -270,6 +284,47 @@ class KVCacheManager:
             if stored and self.pool.events is not None:
                 self._record_stored(block_hashes, stored, None, None)
         return True
+
+    # -- parallel sampling ----------------------------------------------------------------
+
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> None:
+        """`child_id` (no blocks yet) shares every block of `parent_id`'s table, which holds
+        exactly its `num_computed_tokens` computed positions: one more reference each, no
+        copy now. When the last block is half full both will write into it: each copies it
+        on its next `allocate_slots` while someone else still holds it (the copy a
+        `blocks_to_copy` move, its source pinned until the runner made it), and the last
+        holder writes in place. Full blocks are never written again, so stay shared."""
+        assert child_id not in self.block_tables and child_id not in self.cpu_tables, child_id
+        table = self.block_tables[parent_id]
+        bs = self.block_size
+        assert len(table) == cdiv(num_computed_tokens, bs), (
+            f"{parent_id}: {len(table)} blocks for {num_computed_tokens} computed tokens")
+        self.pool.incref(table)
+        self.block_tables[child_id] = list(table)
+        if num_computed_tokens % bs:
+            self._cow[parent_id] = self._cow[child_id] = num_computed_tokens // bs
+
+    def _shared_tail(self, request_id: str) -> int | None:
+        """The block a forked request must copy before writing it: its half-full shared
+        block while another request (not a pin) still holds it; else None."""
+        i = self._cow[request_id]
+        b = self.block_tables[request_id][i]
+        pins = self._pins.count(b) if self._pins else 0
+        return b if self.pool.ref_counts[b] - pins > 1 else None
+
+    def _copy_on_write(self, request_id: str) -> None:
+        """Give the request its own copy of its shared half-full block (a free block must
+        be there: `allocate_slots` checked). Its reference to the source becomes the pin
+        that keeps the source alive until the runner copied it (`kvcache.moves`)."""
+        src = self._shared_tail(request_id)
+        i = self._cow.pop(request_id)
+        if src is None:
+            return  # the others copied or left: the block is this request's alone
+        (dst,) = self.pool.allocate(1)
+        self._pins.append(src)
+        self._moves.copy.append((src, dst))
+        self._written.add(dst)
+        self.block_tables[request_id][i] = dst
 
     def take_events(self) -> list[KVEvent]:
         """The prefix-cache events since the last call (`kvcache.events`); the engine takes
@@ -331,6 +386,7 @@ class KVCacheManager:
             refs = pool.ref_counts[b]
             assert refs == owners[b], f"block {b}: ref count {refs} != {owners[b]} owners"
             assert b in free or owners[b], f"block {b} is neither free nor owned (leaked)"
+        assert self._cow.keys() <= self.block_tables.keys(), "copy-on-write for no table"
         both = self.block_tables.keys() & self.cpu_tables.keys()
         assert not both, f"{both}: both on GPU and swapped out"
         self.swap_space.check_integrity(b for t in self.cpu_tables.values() for b in t)
@@ -363,6 +419,8 @@ class KVCacheManager:
         cpu = self.cpu_tables.get(request_id)
         if cpu is not None:
             return max(len(cpu), want), []
+        if request_id in self._cow and self._shared_tail(request_id) is not None:
+            return max(0, want - len(self.block_tables[request_id])) + 1, []
         if hit is not None and hit.num_tokens:
             assert request_id not in self.block_tables, f"{request_id}: hit for a live table"
             taken = [*hit.blocks, *([] if hit.cow_src is None else [hit.cow_src])]

@@ -31,6 +31,9 @@ class ScheduledRequest:
     block_table: list[int]  # a copy, covering at least start + num_new_tokens positions
     will_sample: bool
     spec_token_ids: list[int] = field(default_factory=list)  # drafts, the chunk's last tokens
+    # Parallel sampling (scheduler/sample_group.py): the followers sampled from this chunk's
+    # last row of logits too (the leader's first token), forked after the step.
+    forks: list[Request] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:

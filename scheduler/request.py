@@ -22,6 +22,10 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 # logit_bias: OpenAI's range of a bias (-100 bans a token, +100 all but forces it), and
 # at most this many tokens (a small vocabulary's worth; more is a mistake or an attack).
 MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 100.0, 1024
+# Parallel samples of one prompt (n): the prompt is prefilled once and its blocks shared
+# (scheduler/sample_group.py). OpenAI allows up to 128; 16 keeps one request's fan-out
+# within a batch's seats.
+MAX_N = 16
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +64,9 @@ _LIMITS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("stop_token_ids", lambda v: all(isinstance(t, int) and t >= 0 for t in v), "ints >= 0"),
     ("logprobs", lambda v: v is None or 0 <= v <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
     ("min_tokens", lambda v: v >= 0, ">= 0"),
+    ("n", lambda v: 1 <= v <= MAX_N, f"in [1, {MAX_N}]"),
+    ("prompt_logprobs", lambda v: v is None or 0 <= v <= MAX_LOGPROBS,
+     f"None or in [0, {MAX_LOGPROBS}]"),
     ("logit_bias", lambda v: len(v) <= MAX_LOGIT_BIAS_TOKENS and all(
         isinstance(t, int) and t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in v),
      f"at most {MAX_LOGIT_BIAS_TOKENS} token ids >= 0 with biases in "
@@ -99,6 +106,12 @@ class SamplingParams:
     # (token id, bias) pairs, sorted; added to the logits before sampling. A mapping is
     # accepted. The vocabulary is checked by the engine (Engine.make_request).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Parallel samples of the prompt; sample i draws from the seed stream seed + i (vLLM's
+    # rule), so a seeded request is reproducible and its samples differ.
+    n: int = 1
+    # None = off; k = each prompt token's own logprob plus the top-k (the first token has
+    # none). Such a request skips the prefix cache: cached tokens have no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers; keep the frozen value hashable.
@@ -181,6 +194,13 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list, init=False)
     num_draft_tokens: int = field(default=0, init=False)
     num_accepted_tokens: int = field(default=0, init=False)
+    # Parallel sampling (n > 1, scheduler/sample_group.py): the group of samples of one
+    # prompt this request belongs to (None = alone) and its index there (0 prefills).
+    group: Any = field(default=None, init=False, repr=False)
+    sample_index: int = field(default=0, init=False)
+    # prompt_logprobs: entry i is prompt token i + 1's (the first token has none), appended
+    # by the model runner as the prefill chunks compute them (worker.prompt_logprobs).
+    prompt_logprobs: list[Any] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

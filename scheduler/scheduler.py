@@ -71,6 +71,13 @@ preempt anyone: when their blocks are short, the request runs without them. Afte
 its accepted drafts and the model's next token are appended, and `num_computed_tokens` is
 the tokens minus the last, as for any decode: the rejected drafts' keys and values lie past
 it, in blocks that are the request's own and never cached, and later steps overwrite them.
+
+Parallel sampling (n > 1, scheduler/sample_group.py). Only the group's leader is queued;
+from its admission until its first token it also takes a seat for each follower
+(`_num_seats`). The step that samples its first token samples the followers too
+(`ScheduledRequest.forks`); after it they are forked into running, sharing the leader's
+blocks. A request that asked for prompt logprobs skips the prefix cache (cached tokens have
+no logits to take them from), as vLLM does.
 """
 
 import bisect
@@ -83,6 +90,7 @@ from kvcache.manager import KVCacheManager, cdiv
 from kvcache.prefix_cache import PrefixHit
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.sample_group import SampleGroup
 
 POLICIES = ("continuous", "static")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -144,6 +152,7 @@ class Scheduler:
         self._finished_ids: list[str] = []  # freed since the last schedule()
         self._requeued_ids: list[str] = []  # preempted between steps (prefix-cache reset)
         self._seq = itertools.count()
+        self._num_groups = 0  # leaders of parallel samples not finished (seats to count)
 
     # -- the queue -------------------------------------------------------------------------
 
@@ -175,6 +184,9 @@ class Scheduler:
         door) may call it first: it reads only fixed settings, from any thread."""
         if not req.prompt_token_ids:
             raise ValueError("prompt is empty")
+        if req.sampling_params.n > self.max_num_seqs:
+            raise ValueError(f"n = {req.sampling_params.n} parallel samples need as many seats; "
+                             f"max_num_seqs is {self.max_num_seqs}")
         if req.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt has {req.num_prompt_tokens} tokens, must be < "
@@ -198,6 +210,9 @@ class Scheduler:
             req.start_block_hashes(self.kv.block_size)
         req.seq = next(self._seq)
         self.requests[rid] = req
+        if req.group is not None:
+            assert req.sample_index == 0 and not req.group.forked, f"{rid}: only a leader is added"
+            self._num_groups += 1
         self._enqueue(req)
 
     def abort_requests(self, request_ids: list[str], now: float | None = None) -> list[Request]:
@@ -300,7 +315,7 @@ class Scheduler:
     def _check_step(self, out: SchedulerOutput) -> None:
         assert sum(s.num_new_tokens for s in out.scheduled) == out.num_batched_tokens
         assert 0 <= out.num_batched_tokens <= self.max_num_batched_tokens
-        assert len(self.running) <= self.max_num_seqs
+        assert self._num_seats() <= self.max_num_seqs
         if self.max_loras is not None:
             loras = {r.lora_key for r in self.running if r.lora_key is not None}
             assert len(loras) <= self.max_loras, f"{len(loras)} adapters running, max {self.max_loras}"
@@ -341,7 +356,7 @@ class Scheduler:
                 # Its adapter cannot join the running ones': it waits, and nobody skips ahead
                 # of it (FCFS), so running adapters drain and it gets its turn: no starvation.
                 break
-            need_seat = len(self.running) >= self.max_num_seqs
+            need_seat = self._num_seats() + self._seats_of(req) > self.max_num_seqs
             if need_seat or (budget <= 0 and not static):
                 # A strictly more urgent request takes the seat (and the tokens this step
                 # gave) of the lowest-ranked running one; otherwise it waits its turn.
@@ -352,7 +367,7 @@ class Scheduler:
                 continue
             swapped = req.status is RequestStatus.SWAPPED
             hit = None
-            if not swapped and budget > 0:
+            if not swapped and budget > 0 and req.sampling_params.prompt_logprobs is None:
                 hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
             start = req.num_computed_tokens if hit is None else hit.num_tokens
             num_new = min(req.num_tokens - start, budget)
@@ -404,6 +419,17 @@ class Scheduler:
         room = min(req.sampling_params.max_tokens - req.num_output_tokens,
                    self.max_model_len - req.num_tokens) - 1
         return spec[: max(0, min(room, budget - num_new))]
+
+    def _num_seats(self) -> int:
+        """Seats taken: the running requests, and the followers their leaders will fork."""
+        if not self._num_groups:
+            return len(self.running)
+        return len(self.running) + sum(r.group.num_unforked for r in self.running
+                                       if r.group is not None)
+
+    @staticmethod
+    def _seats_of(req: Request) -> int:
+        return 1 if req.group is None else 1 + req.group.num_unforked
 
     def _allocate(self, req: Request, num_total_tokens: int, hit: PrefixHit | None) -> bool:
         if req.status is RequestStatus.SWAPPED:
@@ -519,13 +545,17 @@ class Scheduler:
             req.first_scheduled_time = now
         start = req.num_computed_tokens
         req.spec_token_ids = []
+        will_sample = start + num_new == req.num_tokens
+        group = req.group
         return ScheduledRequest(
             request=req,
             num_new_tokens=num_new + len(drafts),
             start=start,
             block_table=self.kv.block_table(req.request_id),
-            will_sample=start + num_new == req.num_tokens,
+            will_sample=will_sample,
             spec_token_ids=list(drafts),
+            forks=(group.followers if will_sample and group is not None and group.num_unforked
+                   else []),
         )
 
     # -- after the model ran ---------------------------------------------------------------
@@ -577,6 +607,8 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             updated.append(req)
+            if s.forks:  # before the leader may release the blocks they share
+                updated += self._fork(req.group, sampled, now)
             if req.is_finished:
                 self._release(req, now)
                 any_finished = True
@@ -584,8 +616,44 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return updated
 
+    def _fork(self, group: SampleGroup, sampled: Mapping[str, int | Sequence[int]],
+              now: float) -> list[Request]:
+        """Start the followers of `group` after the step that sampled the leader's first
+        token and theirs: each shares the leader's blocks (`KVCacheManager.fork`), has the
+        prompt computed and its own first token. Returns them (finished ones released)."""
+        leader = group.leader
+        group.forked = True
+        computed = leader.num_computed_tokens
+        assert computed == leader.num_prompt_tokens, f"{leader.request_id}: fork after the prompt"
+        bs = leader.hash_block_size
+        forked = []
+        for f in group.followers:
+            rid = f.request_id
+            assert f.status is RequestStatus.WAITING and rid not in self.requests, rid
+            self.kv.fork(leader.request_id, rid, computed)
+            if bs:  # the prompt's full blocks hash alike (same tokens and salt)
+                f.hash_block_size = bs
+                f.block_hashes = leader.block_hashes[: computed // bs]
+            f.seq = next(self._seq)
+            f.status = RequestStatus.RUNNING
+            f.num_computed_tokens = computed
+            f.num_cached_tokens = leader.num_cached_tokens
+            f.first_scheduled_time = leader.first_scheduled_time
+            f.first_token_time = now
+            self.requests[rid] = f
+            got = sampled[rid]
+            f.append_output_token(got if isinstance(got, int) else got[0])
+            if f.check_stop(self.max_model_len):
+                self._release(f, now)
+            else:
+                self.running.append(f)
+            forked.append(f)
+        return forked
+
     def _release(self, req: Request, now: float | None) -> None:
         assert req.is_finished, req.status
+        if req.group is not None and req.sample_index == 0:
+            self._num_groups -= 1
         req.finished_time = time.monotonic() if now is None else now
         self.kv.free(req.request_id)
         del self.requests[req.request_id]

@@ -185,3 +185,23 @@ def test_speculative_drafts_keep_each_adapters_tokens(ours, adapters, chat_promp
     assert spec.num_draft_tokens > 0, "nothing was drafted"
     assert got == want
     _clean(spec)
+
+
+def test_n_samples_of_an_adapter_request_all_run_the_adapter(ours, adapters, chat_prompt_ids) -> None:
+    """n > 1: every sample (forked onto the prompt's blocks) runs the request's adapter and
+    holds it until it ends: seeded samples equal lone requests of the same adapter."""
+    _, paths = adapters
+    engine = _engine(ours, paths)
+    ids = chat_prompt_ids[2]
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    outs = engine.generate([engine.make_request(ids, params, lora_name="a1")])
+    _clean(engine)
+    for o in outs:
+        (alone,) = engine.generate([engine.make_request(
+            ids, SamplingParams(temperature=1.0, seed=5 + o.index, max_tokens=8, ignore_eos=True),
+            lora_name="a1")])
+        assert alone.token_ids == o.token_ids, f"sample {o.index}"
+    (base,) = engine.generate([engine.make_request(
+        ids, SamplingParams(temperature=1.0, seed=6, max_tokens=8, ignore_eos=True))])
+    assert base.token_ids != outs[1].token_ids, "sample 1 looks like the base model's"
+    _clean(engine)

@@ -31,6 +31,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from scheduler.request import Request, SamplingParams
 from tests.test_hostile import healthy_and_free
 from tests.test_server import Worker, run
+from worker import logits_masks
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.door import MAX_STATUS_CHARS
 from worker.engine import Engine
@@ -149,7 +150,7 @@ def _rows(n: int, **params) -> list[Request]:
     return [Request(f"r{i}", [1], SamplingParams(**params)) for i in range(n)]
 
 
-def test_bitmask_applied_as_llguidance_applies_it() -> None:
+def test_bitmask_applied_as_llguidance_applies_it(monkeypatch) -> None:
     """Random bitmasks on some rows of random logits: those rows are llguidance.numpy's
     `apply_token_bitmask_inplace` result, the others are untouched."""
     vocab = 1000  # not a multiple of 32: the last word's high bits are past the vocabulary
@@ -158,6 +159,9 @@ def test_bitmask_applied_as_llguidance_applies_it() -> None:
     rows = [0, 2, 3]
     bitmask = torch.randint(-(2**31), 2**31 - 1, (8, masks.words), dtype=torch.int32,
                             generator=gen)
+    bitmask[:, 3] = 0  # words that ban all 32 tokens, and words that allow all 32
+    bitmask[:, 5] = -1
+    bitmask[1, :] = 0
     masks._bitmask = bitmask
     logits = torch.randn(5, vocab, generator=gen)
     want = logits.numpy().copy()
@@ -168,6 +172,10 @@ def test_bitmask_applied_as_llguidance_applies_it() -> None:
     got = masks.apply(logits.clone(), StepMasks(_rows(5), rows))
     assert np.array_equal(got.numpy(), want)
     assert torch.isinf(got[rows]).any() and torch.isfinite(got[[1, 4]]).all()
+    # The CPU's C kernel (cpu_kernels/token_bitmask.c) and the torch path (a GPU's) agree.
+    assert logits_masks._c_usable(logits), "the C kernel builds here"
+    monkeypatch.setattr(logits_masks, "_c_usable", lambda _: False)
+    assert np.array_equal(masks.apply(logits.clone(), StepMasks(_rows(5), rows)).numpy(), want)
 
 
 def test_logit_bias_and_min_tokens_rows() -> None:
@@ -554,6 +562,13 @@ def test_vllm_choice_grammar_and_logit_bias(worker, tok) -> None:
 
     free = greedy(0)
     assert free.finish_reason == "stop" and free.completion_tokens < 20
+    # Ban every token of the greedy answer: none of them appears.
+    banned = set(free.output_ids)
+    req = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=ids), sampling_params=(
+        vpb.SamplingParams(temperature=0.0, max_tokens=32,
+                           logit_bias={t: -100.0 for t in banned})))
+    (resp,) = list(worker.vllm.Generate(req, timeout=120))
+    assert resp.complete.output_ids and not banned & set(resp.complete.output_ids)
     held = greedy(20)
     assert held.completion_tokens >= 20 and held.finish_reason == "stop"
     assert held.matched_token_id in tok.eos_token_ids

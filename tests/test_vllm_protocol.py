@@ -183,9 +183,10 @@ def _set(field: str, value):
 
 
 REFUSED = [
-    ("sampling_params.n", _set("sampling_params.n", 2)),
-    ("sampling_params.structural_tag", _set("sampling_params.structural_tag", "{}")),
-    ("sampling_params.prompt_logprobs", _set("sampling_params.prompt_logprobs", 1)),
+    ("sampling_params.n", _set("sampling_params.n", 17)),  # n <= 16 is taken
+    ("sampling_params.structural_tag", _set("sampling_params.structural_tag", "{}")),  # no format
+    ("sampling_params.prompt_logprobs", _set("sampling_params.prompt_logprobs", -1)),
+    ("sampling_params.prompt_logprobs", _set("sampling_params.prompt_logprobs", 21)),
     # Structured outputs and the bias are taken (tests/test_structured.py); bad ones are not.
     ("sampling_params.json_schema", _set("sampling_params.json_schema", '{"type": "foo"}')),
     ("sampling_params.regex", _set("sampling_params.regex", "[a-")),

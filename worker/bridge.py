@@ -12,10 +12,11 @@ Outputs are routed by their request object, not by id: `abort` frees a request i
 (a new request may take it as soon as Abort returns) while the old request's last output,
 still on its way from the engine, reaches the old stream.
 
-A stream holds at most ONE pending output: when its reader is slower than the engine, a
-new output merges into the pending one (text, token ids and logprobs concatenate; the
-final fields are kept). So buffering per request is bounded and a reader gets at most one
-message per engine step, however far behind it falls.
+A stream holds at most ONE pending output per sample (n > 1: one per index): when its
+reader is slower than the engine, a new output merges into the pending one of its sample
+(text, token ids and logprobs concatenate; the final fields are kept). So buffering per
+request is bounded and a reader gets at most one message per sample and engine step,
+however far behind it falls. A stream ends when all its samples have finished.
 
 Everything here runs on the loop thread except `_sink`. Readers of the engine's own
 state (`num_running`, `num_free_blocks`, ...) read plain ints and lengths and take no
@@ -55,28 +56,34 @@ class RequestStream:
         self.request = request
         self.request_id = request.request_id
         self.tracked = tracked  # counted in the finish-reason and preemption counters
-        self.finished = False  # a finished output has arrived (maybe not read yet)
+        self.finished = False  # every sample's finished output has arrived (maybe not read)
         self.aborting = False
         self.finish_as: str | None = None  # an abort we asked for ends with this reason
-        self._pending: RequestOutput | None = None
+        self.num_samples = request.sampling_params.n
+        self._finished_samples: set[int] = set()
+        self._pending: dict[int, RequestOutput] = {}  # by sample index, oldest first
         self._ready = asyncio.Event()
 
     def push(self, out: RequestOutput) -> None:
-        assert not self.finished, f"{self.request_id}: output after the finished one"
-        if self._pending is None:
-            self._pending = out
+        i = out.index
+        assert i not in self._finished_samples, f"{self.request_id}[{i}]: output after the finished one"
+        pending = self._pending.get(i)
+        if pending is None:
+            self._pending[i] = out
         else:
-            self._pending.merge(out)
-        self.finished = out.finished
+            pending.merge(out)
+        if out.finished:
+            self._finished_samples.add(i)
+            self.finished = len(self._finished_samples) == self.num_samples
         self._ready.set()
 
     async def next(self) -> RequestOutput:
-        """The outputs since the last call, merged into one; waits for at least one."""
-        while self._pending is None:
+        """One sample's outputs since the last call, merged into one (the sample pending
+        longest); waits for at least one."""
+        while not self._pending:
             self._ready.clear()
             await self._ready.wait()
-        out, self._pending = self._pending, None
-        return out
+        return self._pending.pop(next(iter(self._pending)))
 
 
 class RequestObserver(Protocol):
@@ -160,12 +167,18 @@ class EngineBridge:
     def _fail_all(self, message: str) -> None:
         for stream in list(self._live.values()):
             req = stream.request
-            self._finish(stream, RequestOutput(
-                request_id=stream.request_id, new_token_ids=[], new_text="", finished=True,
-                finish_reason="error", error=message, prompt_tokens=req.num_prompt_tokens,
-                completion_tokens=req.num_output_tokens, cached_tokens=req.num_cached_tokens,
-                total_time_s=time.monotonic() - req.arrival_time,
-            ))
+            # Every sample not finished (the engine may not have made the followers yet).
+            samples = req.group.samples if req.group is not None else [req]
+            for i in range(stream.num_samples):
+                if i in stream._finished_samples:
+                    continue
+                done = samples[i].num_output_tokens if i < len(samples) else 0
+                self._finish(stream, RequestOutput(
+                    request_id=stream.request_id, new_token_ids=[], new_text="", finished=True,
+                    finish_reason="error", error=message, prompt_tokens=req.num_prompt_tokens,
+                    completion_tokens=done, cached_tokens=req.num_cached_tokens,
+                    total_time_s=time.monotonic() - req.arrival_time, index=i,
+                ))
 
     # ----- requests -----
 
@@ -238,7 +251,8 @@ class EngineBridge:
             obs.step(step, t)
         for out in step.outputs:
             tokens += len(out.new_token_ids)
-            stream = self._live.get(out.request) if out.request is not None else None
+            key = out.stream_key
+            stream = self._live.get(key) if key is not None else None
             if stream is None:
                 log.warning("output for unknown request %s", out.request_id[:64])
                 continue
@@ -254,12 +268,15 @@ class EngineBridge:
             self._trim(t)
 
     def _finish(self, stream: RequestStream, out: RequestOutput) -> None:
-        del self._live[stream.request]
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
+        """A sample's finished output; the stream ends with its last sample's."""
         if stream.finish_as is not None and out.finish_reason == "abort":
             out.finish_reason = stream.finish_as
         stream.push(out)
+        if not stream.finished:
+            return
+        del self._live[stream.request]
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
         if stream.tracked:
             self.finish_counts[out.finish_reason or "error"] += 1
             self.num_preemptions += stream.request.num_preemptions

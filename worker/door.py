@@ -107,7 +107,7 @@ class FieldNames:
     constraint: Mapping[str, str] = field(default_factory=lambda: {
         "json_schema": "json_schema", "json_object": "json_object", "regex": "regex",
         "choice": "choice.choices", "grammar": "grammar.text", "lark": "grammar.text",
-        "gbnf": "grammar.text"})
+        "gbnf": "grammar.text", "structural_tag": "structural_tag"})
 
 
 @dataclass
@@ -343,6 +343,10 @@ class Door:
             params = SamplingParams(max_tokens=max_tokens, **sub.sampling)
         except SamplingParamsError as e:  # said in the wire's names
             raise InvalidArgument(f"{n.sampling.get(e.field, e.field)} {e.problem}") from None
+        seats = self.config.scheduler.max_num_seqs
+        if params.n > seats:  # the samples run side by side, each in a seat of its own
+            raise InvalidArgument(f"{n.sampling.get('n', 'n')} is {params.n}; at most "
+                                  f"{seats} are allowed (--max-num-seqs)")
         if sub.lora_name:
             await self._warm_lora(sub, engine.loras)
         req = engine.make_request(ids, params, request_id=sub.request_id or uuid.uuid4().hex,
@@ -533,7 +537,9 @@ class Generation:
         return self.request.sampling_params.logprobs is not None
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The request's outputs (coalesced when the reader is slow), traced and logged.
+        """The request's outputs (coalesced when the reader is slow), traced and logged;
+        with n > 1, each sample's (`RequestOutput.index`), ending after the last sample's
+        finished one.
         Enforces the client's deadline (DEADLINE_EXCEEDED) and --max-generation-time-s (the
         request ends through the abort path, reported as finish reason length). A request
         the engine failed ends the RPC with INTERNAL (UNAVAILABLE when the worker shut down
@@ -568,6 +574,7 @@ class Generation:
         expires = (None if limit_s <= 0
                    else loop.time() + limit_s - (time.monotonic() - req.arrival_time))
         done = False
+        unfinished = stream.num_samples  # samples whose finished output is still to come
         first = True
         preemptions = 0  # the engine thread bumps req.num_preemptions; reading an int is safe
         try:
@@ -608,12 +615,17 @@ class Generation:
                 if record:
                     text.append(out.new_text)
                 if out.finished:
-                    done = True
-                    _finished(gen, logger, rid, out, "".join(text) if record else None)
-                    if out.finish_reason == "error":
+                    unfinished -= 1
+                    failed = out.finish_reason == "error"
+                    if failed and unfinished:  # the RPC fails: the other samples end too
+                        bridge.abort(rid)
+                    done = failed or not unfinished
+                    if done:
+                        _finished(gen, logger, rid, out, "".join(text) if record else None)
+                    if failed:
                         await self._fail(out)
                 yield out
-                if out.finished:
+                if done:
                     return
         finally:
             # Cancelled, disconnected (GeneratorExit), past its deadline or failed: free the

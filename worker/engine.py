@@ -7,6 +7,11 @@ loop drains at the top of each step. Each step's results leave once, as one
 cache, the step's figures), through the `on_step` callback (the gRPC side hops
 it onto its event loop). `generate()` is the offline API: it drives the same
 `step()` in the caller's thread, for tests, the CLI and benchmarks.
+
+A request with n > 1 is submitted as one (its leader); the engine makes its followers
+(`scheduler.sample_group`) and reports every sample's outputs under the leader's id with
+the sample's `index`. Aborting the id aborts every sample; a leader that ends before its
+first token (abort, a failed step, refused) ends its unforked followers with it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.sample_group import SampleGroup, make_group
 from scheduler.scheduler import PrefixCacheReset, Scheduler
 from worker import memory
 from worker.config import WorkerConfig
@@ -35,6 +41,7 @@ from worker.lora.slots import LoraSlots
 from worker.model_runner import ModelRunner
 from worker.outputs import OutputState, RequestOutput
 from worker.spec_decode import NgramProposer
+from worker.structured import GrammarMatcher
 from worker.weights import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -85,12 +92,15 @@ class Completion:
     stop_reason: str | int | None
     logprobs: list | None
     cached_tokens: int
+    index: int = 0  # the sample's, with n > 1
+    prompt_logprobs: list | None = None
 
     @classmethod
     def of(cls, request: Request, out: RequestOutput | None) -> Completion:
         assert out is not None and out.finished
         return cls(request.request_id, request.prompt_token_ids, out.new_token_ids, out.new_text,
-                   out.finish_reason or "", out.stop_reason, out.logprobs, out.cached_tokens)
+                   out.finish_reason or "", out.stop_reason, out.logprobs, out.cached_tokens,
+                   out.index, out.prompt_logprobs)
 
 
 class Engine:
@@ -176,6 +186,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._ids = itertools.count()
+        # Parallel samples' groups with a sample not finished, by the leader's id: an abort
+        # of that id reaches every sample (followers have ids of their own).
+        self._groups: dict[str, SampleGroup] = {}
         self.num_steps = 0
         self.num_failed_steps = 0  # in a row; reset by a step that succeeds
         # For the metrics (read from the loop without a lock, like num_steps): preemptions
@@ -190,6 +203,8 @@ class Engine:
         # accepted_per_position[j]: drafts accepted at position j of their draft (vLLM's
         # per-position counter); as long as the longest draft.
         self.accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
+        # Structured-output requests admitted, by constraint kind (worker.structured.KINDS).
+        self.structured_requests: dict[str, int] = {}
 
     # ----- sizing -----
 
@@ -278,20 +293,36 @@ class Engine:
                 return outputs
             if kind == "add":
                 assert isinstance(item, Request)
+                group = make_group(item) if item.sampling_params.n > 1 else None
+                samples = group.samples if group is not None else [item]
                 try:
                     if item.lora_key is not None:
                         assert self.loras is not None
-                        # Held until it ends (_output): an adapter in use cannot be unloaded.
-                        item.lora = self.loras.acquire(item.lora_key)
+                        # Held by each sample until it ends (_output): an adapter in use
+                        # cannot be unloaded.
+                        for r in samples:
+                            r.lora = self.loras.acquire(item.lora_key)
                     self.scheduler.add_request(item)
                 except ValueError as e:  # refused: that request fails, the engine goes on
-                    self._release_lora(item)
-                    item.status = RequestStatus.FINISHED_ERROR
-                    outputs.append(RequestOutput(
-                        item.request_id, [], "", finished=True, finish_reason="error",
-                        prompt_tokens=item.num_prompt_tokens, error=str(e), request=item))
+                    for r in samples:
+                        self._release_lora(r)
+                    for r in samples:
+                        r.status = RequestStatus.FINISHED_ERROR
+                        outputs.append(RequestOutput(
+                            item.request_id, [], "", finished=True, finish_reason="error",
+                            prompt_tokens=item.num_prompt_tokens, error=str(e), request=r,
+                            index=r.sample_index))
                     continue
+                if item.grammar is not None:
+                    ck = item.grammar.kind
+                    self.structured_requests[ck] = self.structured_requests.get(ck, 0) + 1
                 item.output_state = OutputState.create(item, self.tokenizer)
+                if group is not None:
+                    self._groups[item.request_id] = group
+                    for f in group.followers:
+                        f.output_state = OutputState.create(f, self.tokenizer)
+                        if item.grammar is not None:  # each sample its own matcher
+                            f.grammar = GrammarMatcher(item.grammar.matcher.deep_copy())
             elif kind == "reset_prefix_cache":
                 requeue, fut = item  # type: ignore[misc]
                 try:
@@ -300,8 +331,15 @@ class Engine:
                     fut.set_exception(e)
             else:
                 assert isinstance(item, list)
-                for req in self.scheduler.abort_requests(item):
+                groups = [g for rid in item if (g := self._groups.get(rid)) is not None]
+                ids = list(item) + [f.request_id for g in groups for f in g.followers]
+                for req in self.scheduler.abort_requests(ids):
                     outputs.append(self._output(req, [], finished=True))
+                for g in groups:  # followers not forked yet are in no queue
+                    for f in g.followers:
+                        if not f.is_finished:
+                            f.status = RequestStatus.FINISHED_ABORTED
+                            outputs.append(self._output(f, [], finished=True))
 
     def has_work(self) -> bool:
         # The inbox counts: a reset or an abort must be answered even when nothing runs.
@@ -312,9 +350,28 @@ class Engine:
         step = StepOutput(self._drain_inbox())
         if self.scheduler.has_unfinished_requests():
             self._run(step)
+        if self._groups:
+            self._end_groups(step.outputs)
         # After the run: the events of this step's admissions, evictions and filled blocks.
         step.kv_events = self.kv.take_events()
         return step
+
+    def _end_groups(self, outputs: list[RequestOutput]) -> None:
+        """A leader that ended before its first token ends its unforked followers with it
+        (same status and error); a group whose samples all ended is forgotten."""
+        for out in list(outputs):
+            req = out.request
+            group = req.group if out.finished and req is not None else None
+            if group is None:
+                continue
+            if req.sample_index == 0 and not group.forked:
+                group.forked = True  # never will be: they end here
+                for f in group.followers:
+                    if not f.is_finished:
+                        f.status = req.status
+                        outputs.append(self._output(f, [], finished=True, error=out.error))
+            if group.all_finished() and self._groups.get(group.leader.request_id) is group:
+                del self._groups[group.leader.request_id]
 
     def _propose(self) -> None:
         """Draft tokens for every running request that decodes next, unless the batch is
@@ -378,7 +435,7 @@ class Engine:
         new_ids: dict[str, list[int]] = {}
         for req in updated:
             state = req.output_state
-            first = before[req.request_id]
+            first = before.get(req.request_id, 0)  # a follower forked this step: 0
             ids = new_ids[req.request_id] = req.output_token_ids[first:]
             for j, token in enumerate(ids):
                 if req.sampling_params.logprobs is not None:
@@ -428,8 +485,13 @@ class Engine:
         state: OutputState = req.output_state
         lps = state.pending_logprobs or None
         state.pending_logprobs = []
+        leader = req.group.leader if req.group is not None else req
+        first = bool(new_ids) and req.num_output_tokens == len(new_ids)
         out = RequestOutput(
-            request_id=req.request_id,
+            request_id=leader.request_id,
+            index=req.sample_index,
+            prompt_logprobs=(leader.prompt_logprobs if first and
+                             req.sampling_params.prompt_logprobs is not None else None),
             new_token_ids=new_ids,
             new_text=state.take_text(finished),
             finished=finished,
@@ -484,11 +546,13 @@ class Engine:
 
     def generate(self, requests: Sequence[Request],
                  on_output: Callable[[list[RequestOutput]], None] | None = None) -> list[Completion]:
-        """Run requests to completion in this thread; results in the order given."""
+        """Run requests to completion in this thread; results in the order given (a request
+        with n > 1: its n samples, by index)."""
         assert self._thread is None, "generate() drives the engine itself; the loop is running"
-        acc: dict[str, RequestOutput | None] = {}
+        acc: dict[tuple[str, int], RequestOutput | None] = {}
         for r in requests:
-            acc[r.request_id] = None
+            for i in range(r.sampling_params.n):
+                acc[r.request_id, i] = None
             self.submit(r)
         pending = set(acc)
         while pending:
@@ -496,11 +560,13 @@ class Engine:
             if on_output is not None and outputs:
                 on_output(outputs)
             for o in outputs:
-                so_far = acc[o.request_id]
+                key = (o.request_id, o.index)
+                so_far = acc[key]
                 if so_far is None:
-                    acc[o.request_id] = replace(o)  # a copy: the sink saw `o`
+                    acc[key] = replace(o)  # a copy: the sink saw `o`
                 else:
                     so_far.merge(o)
                 if o.finished:
-                    pending.discard(o.request_id)
-        return [Completion.of(r, acc[r.request_id]) for r in requests]
+                    pending.discard(key)
+        return [Completion.of(r, acc[r.request_id, i]) for r in requests
+                for i in range(r.sampling_params.n)]

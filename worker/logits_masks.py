@@ -21,6 +21,8 @@ and temperature), as vLLM reports them under a grammar.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -130,12 +132,16 @@ class LogitsMasks:
         start = time.perf_counter()
         if step.grammar_rows:
             n = len(step.grammar_rows)
-            add = self._additive(self._bitmask[:n].to(logits.device, non_blocking=True),
-                                 logits.dtype)
-            if n == logits.shape[0]:
-                logits.add_(add)
+            if _c_usable(logits):  # the CPU: in place, one pass over the bitmask
+                _apply_c(logits, self._bitmask[:n], step.grammar_rows, self.vocab_size)
             else:
-                logits.index_add_(0, torch.tensor(step.grammar_rows, device=logits.device), add)
+                add = self._additive(self._bitmask[:n].to(logits.device, non_blocking=True),
+                                     logits.dtype)
+                if n == logits.shape[0]:
+                    logits.add_(add)
+                else:
+                    logits.index_add_(0, torch.tensor(step.grammar_rows, device=logits.device),
+                                      add)
             st.num_steps += 1
             st.num_rows += n
         self._bias(logits, step.reqs)
@@ -182,3 +188,31 @@ class LogitsMasks:
             logits.index_put_(
                 (torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)),
                 torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    from ops import cpu_kernels
+
+    lib = cpu_kernels.load("token_bitmask")
+    if lib is not None:
+        p, i32 = ctypes.c_void_p, ctypes.c_int
+        lib.apply_token_bitmask.argtypes = [p, ctypes.c_int64, p, i32, p, i32, i32, i32]
+        lib.apply_token_bitmask.restype = None
+    return lib
+
+
+def _c_usable(logits: torch.Tensor) -> bool:
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and _library() is not None)
+
+
+def _apply_c(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
+    """logits[rows[k]] = -inf where bitmask row k bans the token (cpu_kernels/token_bitmask.c)."""
+    lib = _library()
+    assert lib is not None and bitmask.is_contiguous() and bitmask.dtype == torch.int32
+    assert logits.shape[1] >= vocab and max(rows) < logits.shape[0]
+    idx = torch.tensor(rows, dtype=torch.int64)
+    lib.apply_token_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(),
+                            bitmask.shape[1], idx.data_ptr(), len(rows), vocab,
+                            torch.get_num_threads())

@@ -41,6 +41,11 @@ vllm:spec_decode_num_accepted_tokens_total  counter    of those, accepted (equal
 vllm:spec_decode_num_accepted_tokens_per_pos_total
                                             counter    accepted drafts by their position in
                                                        the draft (label position: 0, 1, ...)
+llmworker:structured_output_requests_total  counter    requests admitted with a structured-
+                                                       output constraint (label kind:
+                                                       json_schema, regex, choice, grammar,
+                                                       lark, gbnf, json_object,
+                                                       structural_tag); ours, not vLLM's
 vllm:cache_config_info                      gauge      always 1; the cache configuration in
                                                        labels, under vLLM's CacheConfig
                                                        names: block_size, cache_dtype,
@@ -270,6 +275,13 @@ class LoadCollector(Collector):
             for j, (n, b) in enumerate(zip(per_pos, base_per_pos, strict=True)):
                 pos.add_metric([*self.labels, str(j)], n - b)
             yield pos
+        structured = CounterMetricFamily(
+            "llmworker:structured_output_requests",
+            "Requests admitted with a structured-output constraint, by its kind.",
+            labels=[*names, "kind"])
+        for kind, n in sorted(self.bridge.engine.structured_requests.copy().items()):
+            structured.add_metric([*self.labels, kind], n)
+        yield structured
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the cache config.",
                                  labels=[*self.cache_info, *names])
         info.add_metric([*self.cache_info.values(), *self.labels], 1)

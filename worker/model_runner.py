@@ -27,6 +27,11 @@ The step's keys and values are all written before any row attends (in every kern
 so each row sees exactly its causal context: the same arithmetic as decoding those tokens
 one by one, and a step of decodes with drafts stays a decode step (the CPU's fused decoder
 runs it as one call).
+
+Parallel sampling (scheduler/sample_group.py): the step that samples a group leader's
+first token samples its followers from the same logits row (one sample row each, their
+own parameters and seeds). A request that asked for prompt logprobs gets them from the
+logits of its chunk's prompt positions (worker/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ops.quantized_linear import QuantizedWeight
 from ops.sampling import SamplingTensors
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
+from worker import prompt_logprobs
 from worker.cuda_graphs import DecodeGraphs
 from worker.logits_masks import LogitsMasks, StepMasks
 from worker.lora.slots import LoraSlots
@@ -193,9 +199,13 @@ class ModelRunner:
         query_start_loc = [0]
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
+        prompt_rows: list[tuple[ScheduledRequest, int, range]] = []  # (chunk, offset, positions)
         tables: list[list[int]] = []  # one per attention row: a request, or a drafted token
         for s in step.scheduled:
             end = s.start + s.num_new_tokens
+            wanted = prompt_logprobs.positions_wanted(s)
+            if wanted:
+                prompt_rows.append((s, len(input_ids) - s.start, wanted))
             input_ids += s.token_ids
             positions += range(s.start, end)
             if s.spec_token_ids:  # a decode row per token (see the top)
@@ -210,16 +220,20 @@ class ModelRunner:
                 query_start_loc.append(len(input_ids))
             if s.will_sample:
                 sample_rows += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
+                sample_rows += [len(input_ids) - 1] * len(s.forks)  # the leader's row again
                 sampling.append(s)
-        spec = len(sample_rows) > len(sampling)
+        spec = any(s.spec_token_ids for s in sampling)
+        forking = any(s.forks for s in sampling)
+        # The request each sampled row draws for: a drafted position is a row, a fork too.
+        row_reqs = [r for s in sampling
+                    for r in [s.request] * (len(s.spec_token_ids) + 1) + s.forks]
         # Grammar bitmasks (on a GPU filled while the model runs; worker/logits_masks.py), one
-        # per sampled row: a drafted position is a row too. Requests with a grammar or an
-        # unmet min_tokens get no drafts (Engine._propose), so their one row's mask is right;
-        # logit_bias is the same at every position.
-        masks = self.logits_masks.start(
-            [s.request for s in sampling for _ in range(len(s.spec_token_ids) + 1)])
-        if self.graphs is not None and not spec and len(sample_rows) == len(input_ids) and (
-            self.graphs.can_run(len(input_ids))
+        # per sampled row. Requests with a grammar or an unmet min_tokens get no drafts
+        # (Engine._propose), so their one row's mask is right; logit_bias is the same at
+        # every position.
+        masks = self.logits_masks.start(row_reqs)
+        if self.graphs is not None and not spec and not forking and not prompt_rows and (
+            len(sample_rows) == len(input_ids) and self.graphs.can_run(len(input_ids))
         ):
             # Every request decodes one token: replay a captured graph.
             logits = self.graphs.run(input_ids, positions, seq_lens,
@@ -245,12 +259,26 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         hidden = (self.cpu_decoder or self.model)(self._tensor(input_ids), pos_t, meta, self.kv_caches)
+        if prompt_rows:
+            self._prompt_logprobs(hidden, prompt_rows)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
         if spec:
             return self._verify(sampling, logits, masks)
-        return self._one_each(self._sample([s.request for s in sampling], logits, masks))
+        return self._one_each(self._sample(row_reqs, logits, masks))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         chunks: list[tuple[ScheduledRequest, int, range]]) -> None:
+        """Append the logprobs of the prompt tokens this step's chunks predict to their
+        requests (`Request.prompt_logprobs`), per request (each its own top-k)."""
+        for s, offset, wanted in chunks:
+            req = s.request
+            assert wanted.start == len(req.prompt_logprobs)
+            req.prompt_logprobs += prompt_logprobs.compute(
+                self.model.compute_logits, hidden, [offset + q for q in wanted],
+                [req.prompt_token_ids[q + 1] for q in wanted],
+                req.sampling_params.prompt_logprobs or 0)
 
     def _lora_step(self, step: SchedulerOutput):
         """Slots for the step's adapters and each token's slot (-1: base), or None."""
@@ -281,8 +309,12 @@ class ModelRunner:
         """Sample every row of a step with drafts, row j of a request as if its drafts d1..dj
         were output, and keep each request's accepted drafts and next token."""
         logits = self.logits_masks.apply(logits, masks)
-        reqs = [s.request for s in sampling for _ in range(len(s.spec_token_ids) + 1)]
-        prior = [s.spec_token_ids[:j] for s in sampling for j in range(len(s.spec_token_ids) + 1)]
+        reqs: list[Request] = []
+        prior: list[list[int]] = []
+        for s in sampling:  # the rows as `execute` laid them out: own ones, then forks'
+            d = s.spec_token_ids
+            reqs += [s.request] * (len(d) + 1) + s.forks
+            prior += [d[:j] for j in range(len(d) + 1)] + [[] for _ in s.forks]
         out = ops.sample(logits, self._sampling_tensors(reqs, prior))
         rows = self._row_results(reqs, out)
         results: dict[str, list[SampleResult]] = {}
@@ -292,6 +324,9 @@ class ModelRunner:
             first += len(mine)
             n = accepted(s.spec_token_ids, [r.token_id for r in mine])
             results[s.request_id] = mine[: n + 1]
+            for f in s.forks:
+                results[f.request_id] = [rows[first]]
+                first += 1
         return results
 
     def _sampling_tensors(self, reqs: list[Request], prior: list[list[int]] | None = None) -> SamplingTensors:

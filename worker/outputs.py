@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from scheduler.request import Request
 from worker.model_runner import SampleResult
+from worker.prompt_logprobs import PromptLogprob
 from worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -28,13 +29,27 @@ class RequestOutput:
     error: str | None = None
     # The request this output belongs to: the bridge routes by it rather than by id, so a
     # request id is free for reuse the moment its stream ends (an abort), even while the
-    # engine still has outputs of the old request in flight.
+    # engine still has outputs of the old request in flight. With n > 1 it is the sample's
+    # own request; `request_id` is the leader's (the id the client sent) and `index` the
+    # sample's (scheduler/sample_group.py).
     request: Request | None = field(default=None, repr=False, compare=False)
+    index: int = 0
+    # The prompt's logprobs (worker.prompt_logprobs; entry i is token i + 1's), on each
+    # sample's first output that has tokens, when asked for.
+    prompt_logprobs: list[PromptLogprob] | None = field(default=None, repr=False)
+
+    @property
+    def stream_key(self) -> Request | None:
+        """The request whose stream this output goes to: a sample's group leader."""
+        r = self.request
+        return r.group.leader if r is not None and r.group is not None else r
 
     def merge(self, new: RequestOutput) -> None:
         """Fold `new`, a later step's output of the same request, into this one: text,
         token ids and logprobs concatenate; counts and final fields are the latest."""
-        assert new.request_id == self.request_id and not self.finished
+        assert new.request_id == self.request_id and new.index == self.index and not self.finished
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = new.prompt_logprobs
         self.new_token_ids = self.new_token_ids + new.new_token_ids  # never alias a list
         self.new_text += new.new_text
         if new.logprobs:

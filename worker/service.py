@@ -15,8 +15,10 @@ INVALID_ARGUMENT            bad input; the message names the field and the limit
                             a model without a tokenizer; a structured-output constraint
                             that does not compile, or is over --max-structured-bytes;
                             more than 1024 logit_bias tokens or a bias outside
-                            [-100, 100]; min_tokens > max_tokens; a lora_name that
-                            is not loaded, or sent without --enable-lora)
+                            [-100, 100]; min_tokens > max_tokens; n over 16 or over
+                            max_num_seqs; prompt_logprobs > 20; a
+                            lora_name that is not loaded, or sent without
+                            --enable-lora)
 ALREADY_EXISTS              a request_id that is still in flight
 RESOURCE_EXHAUSTED          the waiting queue is at --max-waiting; trailing metadata
                             ``grpc-retry-pushback-ms`` (gRPC's retry design, gRFC A6)
@@ -43,8 +45,13 @@ the engine's next step and the stream ends OK with its last chunk and ``complete
 finish_reason LENGTH (usage counts what it generated). It is checked whenever the stream
 waits for or sends output, so a slow reader cannot dodge it.
 
+``sampling.n`` > 1: each chunk and ``complete`` carries its sample's ``index``; every
+sample ends with its own ``complete`` (its finish reason and completion tokens; the prompt
+and cached tokens on index 0 only, so usage sums over completes), and the stream ends after
+the n-th. ``prompt_logprobs`` ride on each sample's first chunk.
+
 Any abort (Abort RPC, cancel, disconnect, deadline, generation-time limit) frees the
-request's KV blocks in the engine's next step. `Generate` sends at most one chunk per engine
+request's KV blocks in the engine's next step (every sample's). `Generate` sends at most one chunk per engine
 step, and per stream at most one output is buffered (a slow reader gets coalesced chunks,
 see `worker.bridge`); the step that finishes a request sends its last chunk and then
 `complete`.
@@ -93,7 +100,7 @@ NAMES = FieldNames(sampling={
                                            "frequency_penalty", "seed")},
     "stop_token_ids": "stopping.stop_token_ids", "ignore_eos": "stopping.ignore_eos",
     "logprobs": "top_logprobs", "logit_bias": "sampling_params.logit_bias",
-    "min_tokens": "stopping.min_tokens"})
+    "min_tokens": "stopping.min_tokens", "n": "sampling.n", "prompt_logprobs": "prompt_logprobs"})
 _GRAMMAR_KINDS = {pb.GRAMMAR_SYNTAX_UNSPECIFIED: "grammar", pb.GRAMMAR_SYNTAX_LARK: "lark",
                   pb.GRAMMAR_SYNTAX_GBNF: "gbnf"}
 
@@ -177,29 +184,38 @@ def submission(msg: pb.GenerateRequest) -> Submission:
             skip_special_tokens=not msg.include_special_tokens,
             min_tokens=stopping.min_tokens,
             logit_bias=dict(s.logit_bias),
+            n=s.n if s.HasField("n") and s.n else 1,
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         ),
     )
 
 
+def _token_logprob(token_id: int, logprob: float | None,
+                   top: list[tuple[int, float]] | None) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=token_id, logprob=logprob if logprob is not None else 0.0,
+                           top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp)
+                                         for t, lp in top or ()])
+
+
 def chunk_response(rid: str, out: RequestOutput, logprobs: bool) -> pb.GenerateResponse:
-    chunk = pb.GenerateChunk(text=out.new_text, token_ids=out.new_token_ids)
+    chunk = pb.GenerateChunk(text=out.new_text, token_ids=out.new_token_ids, index=out.index)
+    if out.prompt_logprobs:
+        chunk.prompt_logprobs.extend(_token_logprob(p.token_id, p.logprob, p.top_logprobs)
+                                     for p in out.prompt_logprobs)
     if logprobs and out.logprobs:
-        chunk.logprobs.extend(
-            pb.TokenLogprob(
-                token_id=r.token_id,
-                logprob=r.logprob if r.logprob is not None else 0.0,
-                top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs or ()],
-            )
-            for r in out.logprobs
-        )
+        chunk.logprobs.extend(_token_logprob(r.token_id, r.logprob, r.top_logprobs)
+                              for r in out.logprobs)
     return pb.GenerateResponse(request_id=rid, chunk=chunk)
 
 
 def complete_response(rid: str, out: RequestOutput) -> pb.GenerateResponse:
+    prompt = out.index == 0  # n > 1: the prompt is counted once, on sample 0
     return pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
         finish_reason=FINISH_REASONS.get(out.finish_reason or "error", pb.FINISH_REASON_ERROR),
-        usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                       cached_tokens=out.cached_tokens),
+        usage=pb.Usage(prompt_tokens=out.prompt_tokens if prompt else 0,
+                       completion_tokens=out.completion_tokens,
+                       cached_tokens=out.cached_tokens if prompt else 0),
+        index=out.index,
         queue_time_ms=_ms(out.queue_time_s),
         ttft_ms=_ms(out.ttft_s),
         total_time_ms=_ms(out.total_time_s),

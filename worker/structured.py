@@ -29,15 +29,19 @@ from dataclasses import dataclass
 
 import llguidance as llg
 
+from worker.structural_tag import StructuralTagError, to_lark
 from worker.tokenizer import Tokenizer
 
 # kind -> what it holds. "grammar" is either syntax (vLLM's `grammar` field: Lark or
-# EBNF/GBNF, told apart by llguidance's converter); "lark" and "gbnf" are explicit.
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark", "gbnf")
-# JSON: whitespace between tokens is at most 16 characters (llguidance's default is
-# unbounded, which lets a small model at temperature 1 run away in newlines). A schema's
-# own "x-guidance" options override this.
-JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
+# EBNF/GBNF, told apart by llguidance's converter); "lark" and "gbnf" are explicit;
+# "structural_tag" is free text with constrained regions (tool calls; worker.structural_tag).
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "lark", "gbnf",
+         "structural_tag")
+# JSON is written as json.dumps writes it (", " and ": ", no other whitespace). Flexible
+# whitespace (llguidance's default) lets a small model run away in newlines between tokens
+# until max_tokens (measured: 4 of 64 greedy schema outputs, and tool-call arrays through
+# SMG). A schema's own "x-guidance" options override this.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ERROR_CHARS = 200  # the most of llguidance's error message an error quotes
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept (least recently used dropped first)
 
@@ -100,15 +104,16 @@ class Grammar:
         self.compile_s = compile_s  # how long compiling took (for the figures)
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy())
+        return GrammarMatcher(self._template.deep_copy(), self.constraint.kind)
 
 
 class GrammarMatcher:
     """One request's place in its grammar. Used on the engine thread only (the bitmask fill
     reads it while the engine thread waits for the model, see worker.logits_masks)."""
 
-    def __init__(self, matcher: llg.LLMatcher) -> None:
+    def __init__(self, matcher: llg.LLMatcher, kind: str = "") -> None:
         self.matcher = matcher
+        self.kind = kind  # the constraint's kind (KINDS), for the metrics
         self.num_accepted = 0
 
     def accept(self, token_id: int) -> bool:
@@ -200,8 +205,12 @@ class GrammarCompiler:
             if constraint.kind in ("json_schema", "json_object"):
                 spec = llg.LLMatcher.grammar_from_json_schema(constraint.text,
                                                               defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+            elif constraint.kind == "structural_tag":
+                spec = to_lark(constraint.text, JSON_DEFAULTS)
             else:
                 spec = llg.grammar_from(constraint.kind, constraint.source)  # type: ignore[arg-type]
+        except StructuralTagError as e:
+            raise ConstraintError(f"is not a structural tag we can serve: {_bounded(str(e))}") from None
         except (ValueError, TypeError) as e:
             raise ConstraintError(f"does not compile: {_bounded(str(e))}") from None
         # The constructor releases the GIL while it builds; errors leave it in an error state.

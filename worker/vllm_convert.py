@@ -14,6 +14,7 @@ from scheduler.request import MAX_LOGPROBS
 from worker.door import FieldNames, InvalidArgument, Submission
 from worker.model_runner import SampleResult
 from worker.outputs import RequestOutput
+from worker.prompt_logprobs import PromptLogprob
 from worker.structured import Constraint
 
 _SEED_MASK = 0xFFFF_FFFF  # the proto's int32 seed, read as the uint32 of its bits
@@ -25,9 +26,9 @@ NAMES = FieldNames(input="input (tokenized or text)", token_ids="tokenized.input
                        "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                        "presence_penalty", "frequency_penalty", "seed", "stop_token_ids",
                        "ignore_eos", "skip_special_tokens", "logprobs", "logit_bias",
-                       "min_tokens")},
+                       "min_tokens", "n", "prompt_logprobs")},
                    constraint={k: f"sampling_params.{k}" for k in (
-                       "json_schema", "json_object", "regex", "grammar")}
+                       "json_schema", "json_object", "regex", "grammar", "structural_tag")}
                    | {"choice": "sampling_params.choice.choices"})
 
 # Request fields with no meaning here (one text model, one device, no KV transfer): sent
@@ -52,14 +53,10 @@ def unsupported(msg: vpb.GenerateRequest) -> None:
         raise InvalidArgument(f"data_parallel_rank {msg.data_parallel_rank} does not exist: "
                               "this worker is one rank (0)")
     p = msg.sampling_params
-    if p.n > 1:
-        raise InvalidArgument(f"sampling_params.n = {p.n} is not supported: one sequence per "
-                              "request (send n requests)")
-    if p.WhichOneof("constraint") == "structural_tag":
-        raise InvalidArgument("sampling_params.structural_tag is not supported (json_schema, "
-                              "regex, grammar, choice and json_object are)")
-    if p.HasField("prompt_logprobs"):
-        raise InvalidArgument("sampling_params.prompt_logprobs is not supported")
+    if p.HasField("prompt_logprobs") and p.prompt_logprobs < 0:
+        raise InvalidArgument(f"sampling_params.prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                              f"got {p.prompt_logprobs} (-1, the whole vocabulary for every "
+                              "prompt token, is not supported)")
     if p.HasField("logprobs") and not 0 <= p.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(f"sampling_params.logprobs must be in [0, {MAX_LOGPROBS}], got "
                               f"{p.logprobs} (-1, all of them, is not supported)")
@@ -116,6 +113,8 @@ def sampling_fields(p: vpb.SamplingParams) -> dict[str, Any]:
         min_tokens=p.min_tokens,
         # int32 keys: a negative id reaches SamplingParams, which names it.
         logit_bias=dict(p.logit_bias),
+        n=p.n or 1,  # 0 (unset) = 1
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -140,6 +139,26 @@ def output_logprobs(results: list[SampleResult] | None) -> vpb.OutputLogProbs | 
     return out
 
 
+def input_logprobs(prompt_ids: list[int],
+                   results: list[PromptLogprob] | None) -> vpb.InputLogProbs | None:
+    """vLLM's prompt logprobs: one entry per prompt token, the first without a value."""
+    if results is None:
+        return None
+    assert len(results) == len(prompt_ids) - 1
+    out = vpb.InputLogProbs(token_ids=prompt_ids)
+    out.token_logprobs.append(vpb.InputTokenLogProb())
+    out.top_logprobs.append(vpb.TopLogProbs())
+    for r in results:
+        out.token_logprobs.append(vpb.InputTokenLogProb(value=r.logprob))
+        out.top_logprobs.append(vpb.TopLogProbs(token_ids=[t for t, _ in r.top_logprobs],
+                                                values=[lp for _, lp in r.top_logprobs]))
+    return out
+
+
+def _prompt_ids(out: RequestOutput) -> list[int]:
+    return out.request.prompt_token_ids if out.request is not None else []
+
+
 def chunk_response(out: RequestOutput, completion_tokens: int,
                    logprobs: bool) -> vpb.GenerateResponse:
     return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
@@ -148,11 +167,14 @@ def chunk_response(out: RequestOutput, completion_tokens: int,
         completion_tokens=completion_tokens,
         cached_tokens=out.cached_tokens,
         output_logprobs=output_logprobs(out.logprobs) if logprobs else None,
+        input_logprobs=input_logprobs(_prompt_ids(out), out.prompt_logprobs),
+        index=out.index,
     ))
 
 
 def complete_response(out: RequestOutput, output_ids: list[int],
-                      logprobs: list[SampleResult] | None) -> vpb.GenerateResponse:
+                      logprobs: list[SampleResult] | None,
+                      prompt_logprobs: list[PromptLogprob] | None = None) -> vpb.GenerateResponse:
     complete = vpb.GenerateComplete(
         output_ids=output_ids,
         finish_reason=out.finish_reason or "error",
@@ -160,6 +182,8 @@ def complete_response(out: RequestOutput, output_ids: list[int],
         completion_tokens=out.completion_tokens,
         cached_tokens=out.cached_tokens,
         output_logprobs=output_logprobs(logprobs),
+        input_logprobs=input_logprobs(_prompt_ids(out), prompt_logprobs),
+        index=out.index,
     )
     if out.request is not None:  # speculative decoding's usage (0 without it)
         complete.spec_accepted_tokens = out.request.num_accepted_tokens

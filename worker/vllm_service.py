@@ -20,6 +20,14 @@ stop | length | abort; ``matched_token_id`` (EOS or a stop token id) or
 ``matched_stop_str``; the usage counts. Logprobs, when asked for, ride on each chunk
 (its tokens) and, without streaming, on ``complete`` (all tokens).
 
+``n`` > 1 (at most 16 and max_num_seqs): the prompt is computed once and its blocks shared
+(scheduler/sample_group.py); sample i draws from seed + i. Chunks carry their sample's
+``index``; the n completes (each with its index, output, finish reason and counts) come
+together once every sample has finished, as vLLM sends them.
+``prompt_logprobs`` k (0..20): ``input_logprobs`` (one entry per prompt token, the first
+without a value; each with its top k) on each sample's first chunk, or without streaming
+on its complete. Such a request skips the prefix cache. -1 (all) is refused.
+
 Sampling fields, read as vLLM's own servicer reads the proto3 zeros: temperature unset
 = 1.0; top_p 0 = 1.0; top_k 0 = off; repetition_penalty 0 = 1.0; min_p, presence and
 frequency penalties as given; max_tokens unset = --default-max-tokens clipped to what fits
@@ -27,17 +35,19 @@ frequency penalties as given; max_tokens unset = --default-max-tokens clipped to
 given; seed: the int32's bits read as a uint32 (so -1 and 4294967295 are one seed);
 logprobs 0..20; truncate_prompt_tokens k keeps the prompt's last k tokens (-1: as many as
 allowed); min_tokens and logit_bias (bounded by the door: 1024 tokens, [-100, 100]); the
-structured-output constraints json_schema, regex, grammar (Lark or EBNF/GBNF), choice and
-json_object (worker.structured; compiled at the door, INVALID_ARGUMENT when they do not).
+structured-output constraints json_schema, regex, grammar (Lark or EBNF/GBNF), choice,
+json_object and structural_tag (xgrammar's `format` tree or the older structures/triggers,
+worker.structural_tag) (worker.structured; compiled at the door, INVALID_ARGUMENT when they
+do not).
 Accepted with no effect, since we return token ids and no text:
 ``include_stop_str_in_output`` (the ids always include the tokens that completed a stop
 string; the stop string is matched in our detokenized text) and
 ``spaces_between_special_tokens``; ``grammar_from_first_token`` (we run no reasoning
 parser: a grammar always starts at the first generated token, as GetServerInfo's
-``constrained_decoding_start`` "first_token" says); ``n`` 0 or 1; ``data_parallel_rank`` 0.
+``constrained_decoding_start`` "first_token" says); ``data_parallel_rank`` 0.
 
-Refused with INVALID_ARGUMENT naming the field: n > 1, structural_tag, prompt_logprobs,
-logprobs -1 or > 20, mm_inputs, extra_mm_inputs, media_refs, kv_transfer_params(_json), a
+Refused with INVALID_ARGUMENT naming the field: n > 16 or > max_num_seqs,
+prompt_logprobs -1 or > 20, logprobs -1 or > 20, mm_inputs, extra_mm_inputs, media_refs, kv_transfer_params(_json), a
 data_parallel_rank other than 0; and every bad value our own service refuses, with the
 same limits and messages.
 
@@ -85,6 +95,7 @@ import importlib.metadata
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
@@ -133,17 +144,29 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             gen = await self.door.admit(context, sub)
             want_logprobs = gen.wants_logprobs
-            output_ids: list[int] = []
-            logprobs: list = []
+            n = gen.request.sampling_params.n
+            # Per sample (index): its tokens, logprobs, prompt logprobs, finished output.
+            output_ids: list[list[int]] = [[] for _ in range(n)]
+            logprobs: list[list] = [[] for _ in range(n)]
+            prompt_logprobs: list = [None] * n
+            finished: dict[int, Any] = {}
             async with contextlib.aclosing(gen.outputs()) as outs:
                 async for out in outs:
-                    output_ids += out.new_token_ids
+                    i = out.index
+                    output_ids[i] += out.new_token_ids
                     if want_logprobs and not request.stream:
-                        logprobs += out.logprobs or ()
+                        logprobs[i] += out.logprobs or ()
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[i] = out.prompt_logprobs
                     if request.stream and out.new_token_ids:
-                        yield vllm_convert.chunk_response(out, len(output_ids), want_logprobs)
+                        yield vllm_convert.chunk_response(out, len(output_ids[i]), want_logprobs)
                     if out.finished:
-                        yield vllm_convert.complete_response(out, output_ids, logprobs or None)
+                        finished[i] = out
+                    if len(finished) == n:  # as vLLM: every sample's complete at the end
+                        for j in range(n):
+                            yield vllm_convert.complete_response(
+                                finished[j], output_ids[j], logprobs[j] or None,
+                                None if request.stream else prompt_logprobs[j])
 
     # ----- management -----
 

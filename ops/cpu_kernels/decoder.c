@@ -17,7 +17,8 @@
  * (quant_matmul_int8.c) each matmul's input is written as integers per row first.
  *
  * `cpu_decoder_decode` runs the whole step, every token a decode, in one OpenMP parallel
- * region (the runner's batch-1 step is one call); the `cpu_decoder_*` stages run the same
+ * region (the runner's batch-1 step is one call), its loops shared out without barriers
+ * (workshare.h: a thread descheduled by the server's other threads holds nobody up); the `cpu_decoder_*` stages run the same
  * team functions one region each, for steps with prefill chunks whose attention the caller
  * runs between `attn_in` and `attn_out`. Either way a row's arithmetic is the same code
  * on the row alone: its bits do not depend on the other rows, nor on which entry ran it.
@@ -31,6 +32,7 @@
 #include "paged_attention.c"
 #include "quant_matmul.c"
 #include "quant_matmul_int8.c"
+#include "workshare.h"
 
 typedef struct {
     const uint8_t *w; /* tile records */
@@ -98,6 +100,8 @@ typedef struct {
     float *attn;      /* [threads][attn_floats] */
     size_t attn_floats;
     int64_t max_len;
+    ws_phase *phases; /* the call's loops (workshare.h) */
+    int num_phases;
     void *block;
 } temps;
 
@@ -136,12 +140,19 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     t->attn_floats = ALIGN64(attention_scratch(&probe, t->max_len));
     t->private_inputs = s->M <= PRIVATE_ROWS;
     const size_t copies = 1 + (t->private_inputs ? (size_t)nthreads : 0);
+    /* loops of a decode step: embed and final, and per layer at most 9 (4 of them inputs
+     * shared among the team) */
+    t->num_phases = 2 + 9 * m->num_layers;
+    const size_t phase_bytes = ALIGN64((size_t)t->num_phases * sizeof(ws_phase));
     const size_t bytes = copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
                          + ALIGN64(M * I * sizeof(float)) + (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float))
-                         + (size_t)nthreads * t->attn_floats * sizeof(float);
+                         + (size_t)nthreads * t->attn_floats * sizeof(float) + phase_bytes;
     char *p = aligned_alloc(64, ALIGN64(bytes));
     if (!p) return -3;
     t->block = p;
+    t->phases = (ws_phase *)p;
+    memset(p, 0, phase_bytes);
+    p += phase_bytes;
     p = input_carve(p, M, H, kmax, &t->shared);
     t->priv = (input_buf *)p;
     p += ALIGN64(copies * sizeof(input_buf));
@@ -228,27 +239,35 @@ static void prepare_row(const float *src, size_t ld, int r, int K, const float *
 }
 
 /* A matmul's input: rows of src [M, K] (stride ld), normed by w when w != NULL, in integer
- * planes when planes > 0. Few rows: every thread prepares them all in its own buffer (no barrier);
- * many: the rows are shared among the team. */
+ * planes when planes > 0. Few rows: each thread prepares them all in its own buffer, when it
+ * takes its first item of the matmul (`prepare_mine`; a thread that takes none skips it);
+ * many: the rows are shared among the team, one loop of their own (`prepare`). */
 typedef struct {
     const float *x; /* the float rows */
     size_t ldx;
     const input_buf *b; /* their quantized form */
+    /* what prepare_mine needs */
+    const float *src, *w;
+    size_t ld;
+    int M, K, planes;
+    float eps;
 } matmul_input;
 
 static matmul_input prepare(const float *src, size_t ld, int M, int K, const float *w, float eps, int planes,
-                            temps *t) {
+                            temps *t, ws_local *ws) {
     input_buf *b = t->private_inputs ? &t->priv[omp_get_thread_num()] : &t->shared;
-    if (w || planes) {
-        if (t->private_inputs) {
-            for (int r = 0; r < M; r++) prepare_row(src, ld, r, K, w, eps, planes, b);
-        } else {
-#pragma omp for schedule(static)
-            for (int r = 0; r < M; r++) prepare_row(src, ld, r, K, w, eps, planes, b);
-        }
+    if ((w || planes) && !t->private_inputs) {
+        WS_FOR(ws, r, mine, M) prepare_row(src, ld, r, K, w, eps, planes, b);
     }
-    const matmul_input in = {w ? b->x : src, w ? (size_t)K : ld, b};
+    const matmul_input in = {w ? b->x : src, w ? (size_t)K : ld, b, src, w, ld, M, K, planes, eps};
     return in;
+}
+
+/* Before this thread's first item of a matmul: its own copy of the input, when private. */
+static void prepare_mine(const matmul_input *in, const temps *t) {
+    if (!t->private_inputs || !(in->w || in->planes)) return;
+    input_buf *b = (input_buf *)in->b;
+    for (int r = 0; r < in->M; r++) prepare_row(in->src, in->ld, r, in->K, in->w, in->eps, in->planes, b);
 }
 
 /* Tiles t0..t1-1 of linear L for M rows into y (the first tile's columns, stride ldy):
@@ -264,19 +283,18 @@ static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float 
     }
 }
 
-static void embed_team(const model_desc *m, const step_desc *s) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < s->M; r++) embed_row(m, s->ids[r], s->residual + (size_t)r * m->hidden);
+static void embed_team(const model_desc *m, const step_desc *s, ws_local *ws) {
+    WS_FOR(ws, r, mine, s->M) embed_row(m, s->ids[r], s->residual + (size_t)r * m->hidden);
 }
 
-static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *t) {
+static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *t, ws_local *ws) {
     const layer_weights *L = m->layers + l;
     const int M = s->M, H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const size_t ld = (size_t)(Hq + 2 * Hkv) * D;
-    const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, L->qkv.planes, t);
+    const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, L->qkv.planes, t, ws);
     /* one item per head: q heads 0..Hq-1, k heads, v heads (columns in that order) */
-#pragma omp for schedule(static)
-    for (int h = 0; h < Hq + 2 * Hkv; h++) {
+    WS_FOR(ws, h, mine, Hq + 2 * Hkv) {
+        if (!mine) prepare_mine(&in, t);
         float *y = s->qkv + (size_t)h * D;
         linear_tiles(&L->qkv, &in, M, y, ld, h * D / TILE, (h + 1) * D / TILE);
         const int is_k = h >= Hq && h < Hq + Hkv, is_v = h >= Hq + Hkv;
@@ -299,10 +317,11 @@ static attn_args decode_args(const model_desc *m, int l, const step_desc *s) {
     return a;
 }
 
-static void attention_decode_team(const model_desc *m, int l, const step_desc *s, temps *t) {
-    if (s->n_dec == 0) return;
+static void attention_decode_team(const model_desc *m, int l, const step_desc *s, temps *t, ws_local *ws) {
     const attn_args a = decode_args(m, l, s);
-    attention_team(&a, t->max_len, omp_get_num_threads(), t->attn + (size_t)omp_get_thread_num() * t->attn_floats);
+    const int split = attention_split(&a, omp_get_num_threads());
+    float *scratch = t->attn + (size_t)omp_get_thread_num() * t->attn_floats;
+    WS_FOR(ws, item, mine, s->n_dec * split) attention_item(&a, t->max_len, split, item, scratch);
 }
 
 /* r[:, tile] += tmp (M rows of one tile): the residual add, one rounding as torch's. */
@@ -313,37 +332,36 @@ static void add_tile(float *r, size_t H, int tile, const float *tmp, int M) {
     }
 }
 
-static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps *t) {
+static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps *t, ws_local *ws) {
     const layer_weights *L = m->layers + l;
     const int M = s->M, H = m->hidden, I = m->intermediate, Dq = m->num_heads * m->head_dim;
     float *tmp = t->tmp + (size_t)omp_get_thread_num() * ALIGN64((size_t)M * 2 * TILE * sizeof(float)) / sizeof(float);
-    const matmul_input att = prepare(s->att, (size_t)Dq, M, Dq, NULL, 0.0f, L->o.planes, t);
-#pragma omp for schedule(static)
-    for (int tile = 0; tile < H / TILE; tile++) {
+    const matmul_input att = prepare(s->att, (size_t)Dq, M, Dq, NULL, 0.0f, L->o.planes, t, ws);
+    WS_FOR(ws, tile, mine, H / TILE) {
+        if (!mine) prepare_mine(&att, t);
         linear_tiles(&L->o, &att, M, tmp, TILE, tile, tile + 1);
         add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
-    const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, L->gate_up.planes, t);
+    const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, L->gate_up.planes, t, ws);
     /* gate tile g and up tile g + I/32 together, so that silu(gate) * up needs no barrier */
-#pragma omp for schedule(static)
-    for (int g = 0; g < I / TILE; g++) {
+    WS_FOR(ws, g, mine, I / TILE) {
+        if (!mine) prepare_mine(&xn, t);
         linear_tiles(&L->gate_up, &xn, M, tmp, 2 * TILE, g, g + 1);
         linear_tiles(&L->gate_up, &xn, M, tmp + TILE, 2 * TILE, g + I / TILE, g + I / TILE + 1);
         for (int r = 0; r < M; r++)
             silu_mul_row(tmp + (size_t)r * 2 * TILE, tmp + (size_t)r * 2 * TILE + TILE, TILE,
                          t->act + (size_t)r * I + (size_t)g * TILE);
     }
-    const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, L->down.planes, t);
-#pragma omp for schedule(static)
-    for (int tile = 0; tile < H / TILE; tile++) {
+    const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, L->down.planes, t, ws);
+    WS_FOR(ws, tile, mine, H / TILE) {
+        if (!mine) prepare_mine(&act, t);
         linear_tiles(&L->down, &act, M, tmp, TILE, tile, tile + 1);
         add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
 }
 
-static void final_team(const model_desc *m, const step_desc *s) {
-#pragma omp for schedule(static)
-    for (int r = 0; r < s->M; r++)
+static void final_team(const model_desc *m, const step_desc *s, ws_local *ws) {
+    WS_FOR(ws, r, mine, s->M)
         rms_norm_row(s->residual + (size_t)r * m->hidden, m->final_norm, m->hidden, m->eps, s->out + (size_t)r * m->hidden);
 }
 
@@ -361,20 +379,21 @@ static int run(const model_desc *m, const step_desc *s, int stage, int l) {
     if (temps_alloc(m, s, s->nthreads, &t)) return -3;
 #pragma omp parallel num_threads(s->nthreads)
     {
+        ws_local ws = {t.phases, t.num_phases, 0}; /* this thread's count of the loops */
         switch (stage) {
-        case STAGE_EMBED: embed_team(m, s); break;
-        case STAGE_ATTN_IN: attn_in_team(m, l, s, &t); break;
-        case STAGE_ATTENTION: attention_decode_team(m, l, s, &t); break;
-        case STAGE_ATTN_OUT: attn_out_team(m, l, s, &t); break;
-        case STAGE_FINAL: final_team(m, s); break;
+        case STAGE_EMBED: embed_team(m, s, &ws); break;
+        case STAGE_ATTN_IN: attn_in_team(m, l, s, &t, &ws); break;
+        case STAGE_ATTENTION: attention_decode_team(m, l, s, &t, &ws); break;
+        case STAGE_ATTN_OUT: attn_out_team(m, l, s, &t, &ws); break;
+        case STAGE_FINAL: final_team(m, s, &ws); break;
         default: /* STAGE_DECODE: the whole step */
-            embed_team(m, s);
+            embed_team(m, s, &ws);
             for (int i = 0; i < m->num_layers; i++) {
-                attn_in_team(m, i, s, &t);
-                attention_decode_team(m, i, s, &t);
-                attn_out_team(m, i, s, &t);
+                attn_in_team(m, i, s, &t, &ws);
+                attention_decode_team(m, i, s, &t, &ws);
+                attn_out_team(m, i, s, &t, &ws);
             }
-            final_team(m, s);
+            final_team(m, s, &ws);
         }
     }
     free(t.block);

@@ -12,8 +12,8 @@
  * result does not depend on the rest of the batch. (AVX2 code in every build: the same bits
  * on every ISA.)
  *
- * `attention_team` is an OpenMP team function (an orphaned `omp for`; see quant_matmul.c),
- * so the fused decoder (decoder.c) runs it inside its own parallel region.
+ * `attention_team` is an OpenMP team function (an orphaned `omp for`; see quant_matmul.c);
+ * the fused decoder (decoder.c) shares out `attention_item`s its own way (workshare.h).
  */
 #ifndef LLMWORKER_PAGED_ATTENTION_C
 #define LLMWORKER_PAGED_ATTENTION_C
@@ -52,20 +52,22 @@ static size_t attention_scratch(const attn_args *a, int64_t max_len) {
     return (size_t)a->num_heads * (size_t)(max_len + 8) + (size_t)a->num_heads * MAX_D + 16;
 }
 
-/* The items, shared among the team; `scratch`: this thread's attention_scratch floats. */
-static void attention_team(const attn_args *a, int64_t max_len, int nthreads, float *scratch) {
+/* Items per request: with enough requests to share out, an item is a whole request and
+ * reads each cached token's keys and values for all heads in one contiguous run; with few,
+ * an item is one (request, kv head), so that every thread has work. */
+static int attention_split(const attn_args *a, int nthreads) {
+    return a->n >= 2 * nthreads ? 1 : a->num_kv_heads;
+}
+
+/* One item (of a->n * split); `scratch`: this thread's attention_scratch floats. */
+static void attention_item(const attn_args *a, int64_t max_len, int split, int item, float *scratch) {
     const int group = a->num_heads / a->num_kv_heads, D = a->head_dim, num_heads = a->num_heads;
     const size_t tok = (size_t)a->num_kv_heads * D; /* floats per cached token */
     const size_t stride = (size_t)(max_len + 8);
     float *scores = scratch;
     float *o = (float *)(((uintptr_t)(scratch + (size_t)num_heads * stride) + 63) & ~(uintptr_t)63);
-    /* With enough requests to share out, an item is a whole request and reads each cached
-     * token's keys and values for all heads in one contiguous run; with few, an item is one
-     * (request, kv head), so that every thread has work. */
-    const int split = a->n >= 2 * nthreads ? 1 : a->num_kv_heads;
     const int heads_per_item = a->num_kv_heads / split;
-#pragma omp for schedule(dynamic, 1)
-    for (int item = 0; item < a->n * split; item++) {
+    {
         const int i = item / split, h0 = (item % split) * heads_per_item;
         const int nh = heads_per_item * group; /* query heads of this item */
         const int64_t L = a->lens[i];
@@ -131,6 +133,13 @@ static void attention_team(const attn_args *a, int64_t max_len, int nthreads, fl
                 _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(o + (size_t)h * D + d), inv));
         }
     }
+}
+
+/* The items, shared among the team; `scratch`: this thread's attention_scratch floats. */
+static void attention_team(const attn_args *a, int64_t max_len, int nthreads, float *scratch) {
+    const int split = attention_split(a, nthreads);
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < a->n * split; item++) attention_item(a, max_len, split, item, scratch);
 }
 
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int block_size,

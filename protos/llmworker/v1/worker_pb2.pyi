@@ -50,7 +50,7 @@ class TokenIdsInput(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logit_bias")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logit_bias", "n")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -76,7 +77,8 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     seed: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    n: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class StoppingCriteria(_message.Message):
     __slots__ = ("max_tokens", "stop", "stop_token_ids", "ignore_eos", "min_tokens")
@@ -107,7 +109,7 @@ class GrammarConstraint(_message.Message):
     def __init__(self, text: _Optional[str] = ..., syntax: _Optional[_Union[GrammarSyntax, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_salt", "include_special_tokens", "parse_special_tokens", "json_schema", "regex", "choice", "grammar", "json_object", "lora_name")
+    __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "stopping", "priority", "logprobs", "top_logprobs", "cache_salt", "include_special_tokens", "parse_special_tokens", "json_schema", "regex", "choice", "grammar", "json_object", "structural_tag", "prompt_logprobs", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,8 @@ class GenerateRequest(_message.Message):
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
@@ -143,8 +147,10 @@ class GenerateRequest(_message.Message):
     choice: ChoiceConstraint
     grammar: GrammarConstraint
     json_object: bool
+    structural_tag: str
+    prompt_logprobs: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., include_special_tokens: _Optional[bool] = ..., parse_special_tokens: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceConstraint, _Mapping]] = ..., grammar: _Optional[_Union[GrammarConstraint, _Mapping]] = ..., json_object: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIdsInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., priority: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., include_special_tokens: _Optional[bool] = ..., parse_special_tokens: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceConstraint, _Mapping]] = ..., grammar: _Optional[_Union[GrammarConstraint, _Mapping]] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -165,14 +171,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs")
+    __slots__ = ("text", "token_ids", "logprobs", "index", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    index: int
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -185,7 +195,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "queue_time_ms", "ttft_ms", "total_time_ms", "stop_reason", "error_message")
+    __slots__ = ("finish_reason", "usage", "queue_time_ms", "ttft_ms", "total_time_ms", "stop_reason", "error_message", "index")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +203,7 @@ class GenerateComplete(_message.Message):
     TOTAL_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     queue_time_ms: float
@@ -200,7 +211,8 @@ class GenerateComplete(_message.Message):
     total_time_ms: float
     stop_reason: str
     error_message: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., queue_time_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_time_ms: _Optional[float] = ..., stop_reason: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., queue_time_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_time_ms: _Optional[float] = ..., stop_reason: _Optional[str] = ..., error_message: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete")

@@ -1,0 +1,185 @@
+"""Side by side with llama.cpp's `llama-server` on this machine (issue 21): the same GGUF,
+the same prompts (the bench client's seeded datasets, sent as text to both), both
+streaming, the same number of threads, one server at a time.
+
+    python -m benchmarks.llamacpp_side_by_side --llama-server PATH \\
+        --output-json bench-results/llamacpp-side-by-side.json
+
+`../shared/tools/build_llamacpp.sh` builds `llama-server` (it prints its path). Three
+workloads, each through `llm-worker-bench` (OpenAI backend for llama.cpp, gRPC for ours):
+
+- one stream alone: chat prompts, 128 output tokens (EOS ignored), one at a time; decode
+  tokens/s after the first token = 1000 / median time per output token;
+- a long prompt alone: ~1,650 tokens of text, 1 output token; time to first token;
+- 64 chat streams at once: output tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from clients.bench.environment import environment
+from worker.weights import default_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_LLAMA_SERVER = (Path.home() / ".cache/llamacpp-peer/lcsrc/llama_cpp_python-0.3.36"
+                        "/vendor/llama.cpp/build/bin/llama-server")
+WORKLOADS = {
+    # name: bench arguments
+    "one_stream": ["--dataset", "chat", "--num-requests", "6", "--max-concurrency", "1",
+                   "--output-len", "128", "--ignore-eos", "--warmup", "1"],
+    "long_prompt": ["--dataset", "random", "--input-len", "1650", "--output-len", "1",
+                    "--num-requests", "3", "--max-concurrency", "1", "--ids-input", "text",
+                    "--warmup", "1"],
+    "64_streams": ["--dataset", "chat", "--num-requests", "64", "--max-concurrency", "64",
+                   "--ignore-eos", "--warmup", "2"],
+}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(path: Path, threads: int, slots: int, ctx_per_slot: int) -> Iterator[str]:
+    port = free_port()
+    cmd = [str(path), "-m", str(default_model_path()), "-t", str(threads), "-tb", str(threads),
+           "-np", str(slots), "-c", str(slots * ctx_per_slot), "--host", "127.0.0.1",
+           "--port", str(port), "--no-webui"]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(path.parent)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"llama-server exited {proc.returncode}: {cmd}"
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            assert time.monotonic() < end, "llama-server not ready in 120 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@contextlib.contextmanager
+def our_worker(extra: list[str]) -> Iterator[str]:
+    cmd = [sys.executable, "-m", "worker.cli", "serve", "--port", "0", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stderr is not None
+    address: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:  # the address, then "serving ... on" once the model is loaded
+        for line in proc.stderr:  # type: ignore[union-attr]
+            m = re.search(r"listening on (\S+):(\d+)", line)
+            if m and not address:
+                address.append(f"{m.group(1)}:{m.group(2)}")
+            if address and re.search(r"serving .* on ", line):
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(180), "llm-worker serve did not start"
+        yield address[0]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def bench(server: list[str], workload: str, tokenizer: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        cmd = [sys.executable, "-m", "clients.bench.cli", "run", *server, *WORKLOADS[workload],
+               "--tokenizer", tokenizer, "--no-progress", "--output-json", str(out)]
+        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+        if done.returncode:
+            raise SystemExit(f"llm-worker-bench failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        summary = json.loads(out.read_text())["runs"][0]["summary"]
+    return {"output_throughput": summary["output_throughput"],
+            "ttft_ms_median": summary["ttft_ms"]["median"],
+            "tpot_ms_median": summary["tpot_ms"]["median"],
+            "decode_tokens_per_s": 1000.0 / summary["tpot_ms"]["median"]
+            if summary["tpot_ms"]["median"] else None,
+            "completed": summary.get("completed")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer.json for the bench's text (default: the worker's, exported)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="extra `llm-worker serve` flags (repeatable)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--output-json", type=Path, default=None)
+    args = ap.parse_args()
+    assert args.llama_server.exists(), f"no llama-server at {args.llama_server}"
+    names = [w for w in args.workloads.split(",") if w]
+    tok = args.tokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        if tok is None:  # the GGUF's tokenizer, as the worker builds it
+            from worker.tokenizer import Tokenizer
+
+            tok = str(Path(tmp) / "tokenizer.json")
+            Path(tok).write_text(Tokenizer.from_gguf(default_model_path())._tok.to_str())
+        results: dict[str, dict[str, Any]] = {"llm-worker": {}, "llama.cpp": {}}
+        env_threads = {"OMP_NUM_THREADS": str(args.threads)}
+        os.environ.update(env_threads)
+        with our_worker(args.serve_arg) as addr:
+            for w in names:
+                results["llm-worker"][w] = bench(["--backend", "grpc", "--target", addr], w, tok)
+                print("llm-worker", w, results["llm-worker"][w], flush=True)
+        with llama_server(args.llama_server, args.threads, 64, 2048) as url:
+            for w in names:
+                results["llama.cpp"][w] = bench(["--backend", "openai", "--base-url", url], w, tok)
+                print("llama.cpp", w, results["llama.cpp"][w], flush=True)
+    ours, theirs = results["llm-worker"], results["llama.cpp"]
+    ratios = {}
+    if "one_stream" in names:
+        ratios["one_stream_decode"] = (ours["one_stream"]["decode_tokens_per_s"]
+                                       / theirs["one_stream"]["decode_tokens_per_s"])
+    if "long_prompt" in names:  # > 1: ours reaches the first token sooner
+        ratios["long_prompt_ttft_theirs_over_ours"] = (theirs["long_prompt"]["ttft_ms_median"]
+                                                       / ours["long_prompt"]["ttft_ms_median"])
+    if "64_streams" in names:
+        ratios["64_streams_output_throughput"] = (ours["64_streams"]["output_throughput"]
+                                                  / theirs["64_streams"]["output_throughput"])
+    version = subprocess.run([str(args.llama_server), "--version"], capture_output=True,
+                             text=True, env={"LD_LIBRARY_PATH": str(args.llama_server.parent)})
+    record = {"results": results, "ratios": ratios, "threads": args.threads,
+              "workloads": {w: WORKLOADS[w] for w in names},
+              "llama_server_version": (version.stdout + version.stderr).strip()[-300:],
+              "llama_server_flags": f"-t {args.threads} -tb {args.threads} -np 64 -c 131072",
+              "serve_args": args.serve_arg, "environment": environment()}
+    print(json.dumps(ratios, indent=1))
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

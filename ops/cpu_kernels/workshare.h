@@ -1,0 +1,64 @@
+/* Work sharing without waiting for threads to arrive: the fused decoder's loops.
+ *
+ * An OpenMP `omp for` ends in a barrier that waits until every thread of the team has
+ * come to it. Served, the two compute threads share two cores with the event loop and
+ * gRPC's threads; when one of those wakes (each token), a compute thread is descheduled,
+ * and its partner waits at the next of the ~150 barriers of a step until the scheduler
+ * gives it back its core. Here a loop's items are taken from a shared counter instead,
+ * and a loop is over when all its items are *done*: a thread that has not come yet takes
+ * no item and is waited for by nobody; a late thread finds the loops done and passes them.
+ * Only a thread descheduled in the middle of an item is waited for (one small item).
+ *
+ *   phase k:   next[k] -- each thread: i = next++ while i < n, run item i; then
+ *              done[k] += its count, and wait until done[k] == n (spin, then yield)
+ *
+ * Every thread runs the same sequence of loops, so each counts phases the same way
+ * (ws_local.k). Which thread runs an item never changes its arithmetic: the same bits.
+ */
+#ifndef LLMWORKER_WORKSHARE_H
+#define LLMWORKER_WORKSHARE_H
+
+#include <immintrin.h>
+#include <stdatomic.h>
+
+int sched_yield(void); /* <sched.h> hides it under -std=c11 */
+
+#define WS_SPINS 2000 /* pauses before a waiting thread yields its core */
+
+typedef struct {
+    _Alignas(64) atomic_int next; /* the next item to take */
+    atomic_int done;              /* items finished */
+} ws_phase;
+
+typedef struct {
+    ws_phase *phases; /* zeroed, one per loop of the call */
+    int num_phases;
+    int k; /* this thread's next phase */
+} ws_local;
+
+static inline int ws_begin(ws_local *w) {
+    if (w->k >= w->num_phases) __builtin_trap(); /* more loops than counted: a bug */
+    return w->k++;
+}
+
+static inline int ws_take(const ws_local *w, int k) {
+    return atomic_fetch_add_explicit(&w->phases[k].next, 1, memory_order_relaxed);
+}
+
+/* Adds this thread's finished items, then waits for all `total` (acquire: their writes seen). */
+static inline void ws_end(const ws_local *w, int k, int mine, int total) {
+    ws_phase *p = &w->phases[k];
+    if (mine) atomic_fetch_add_explicit(&p->done, mine, memory_order_release);
+    for (int spins = 0; atomic_load_explicit(&p->done, memory_order_acquire) < total;)
+        if (++spins < WS_SPINS) _mm_pause();
+        else sched_yield();
+}
+
+/* for (each item i of this loop that this thread takes) { body }; then the loop's end.
+ * `mine` counts the items this thread took so far (0 in the first body: lazy set-up). */
+#define WS_FOR(w, i, mine, total)                                                              \
+    for (int ws_k_ = ws_begin(w), mine = 0, i; ((i) = ws_take(w, ws_k_)) < (total)             \
+                                               || (ws_end(w, ws_k_, mine, (total)), 0);        \
+         (mine)++)
+
+#endif
