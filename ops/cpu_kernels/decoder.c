@@ -101,6 +101,7 @@ typedef struct {
     size_t attn_floats;
     int64_t max_len;
     ws_phase *phases; /* the call's loops (workshare.h) */
+    ws_counter *counters;
     int num_phases;
     void *block;
 } temps;
@@ -143,7 +144,8 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     /* loops of a decode step: embed and final, and per layer at most 9 (4 of them inputs
      * shared among the team) */
     t->num_phases = 2 + 9 * m->num_layers;
-    const size_t phase_bytes = ALIGN64((size_t)t->num_phases * sizeof(ws_phase));
+    const size_t phase_bytes = ALIGN64((size_t)t->num_phases * sizeof(ws_phase))
+                               + ALIGN64((size_t)t->num_phases * nthreads * sizeof(ws_counter));
     const size_t bytes = copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
                          + ALIGN64(M * I * sizeof(float)) + (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float))
                          + (size_t)nthreads * t->attn_floats * sizeof(float) + phase_bytes;
@@ -151,6 +153,7 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     if (!p) return -3;
     t->block = p;
     t->phases = (ws_phase *)p;
+    t->counters = (ws_counter *)(p + ALIGN64((size_t)t->num_phases * sizeof(ws_phase)));
     memset(p, 0, phase_bytes);
     p += phase_bytes;
     p = input_carve(p, M, H, kmax, &t->shared);
@@ -379,7 +382,8 @@ static int run(const model_desc *m, const step_desc *s, int stage, int l) {
     if (temps_alloc(m, s, s->nthreads, &t)) return -3;
 #pragma omp parallel num_threads(s->nthreads)
     {
-        ws_local ws = {t.phases, t.num_phases, 0}; /* this thread's count of the loops */
+        /* this thread's view of the loops */
+        ws_local ws = {t.phases, t.counters, t.num_phases, 0, omp_get_thread_num(), omp_get_num_threads()};
         switch (stage) {
         case STAGE_EMBED: embed_team(m, s, &ws); break;
         case STAGE_ATTN_IN: attn_in_team(m, l, s, &t, &ws); break;

@@ -9,8 +9,9 @@
  * no item and is waited for by nobody; a late thread finds the loops done and passes them.
  * Only a thread descheduled in the middle of an item is waited for (one small item).
  *
- *   phase k:   next[k] -- each thread: i = next++ while i < n, run item i; then
- *              done[k] += its count, and wait until done[k] == n (spin, then yield)
+ *   phase k:   thread t takes items of its own block (a static schedule's share) from the
+ *              block's counter, then items left in the others' blocks; then done[k] += its
+ *              count, and it waits until done[k] == n (spin, then yield)
  *
  * Every thread runs the same sequence of loops, so each counts phases the same way
  * (ws_local.k). Which thread runs an item never changes its arithmetic: the same bits.
@@ -26,14 +27,19 @@ int sched_yield(void); /* <sched.h> hides it under -std=c11 */
 #define WS_SPINS 2000 /* pauses before a waiting thread yields its core */
 
 typedef struct {
-    _Alignas(64) atomic_int next; /* the next item to take */
-    atomic_int done;              /* items finished */
+    _Alignas(64) atomic_int done; /* items of the loop finished */
 } ws_phase;
 
 typedef struct {
-    ws_phase *phases; /* zeroed, one per loop of the call */
+    _Alignas(64) atomic_int next; /* the next item of one thread's block, from its start */
+} ws_counter;
+
+typedef struct {
+    ws_phase *phases;     /* zeroed, one per loop of the call */
+    ws_counter *counters; /* zeroed, [num_phases][nthreads] */
     int num_phases;
-    int k; /* this thread's next phase */
+    int k;        /* this thread's next phase */
+    int tid, nthreads;
 } ws_local;
 
 static inline int ws_begin(ws_local *w) {
@@ -41,8 +47,22 @@ static inline int ws_begin(ws_local *w) {
     return w->k++;
 }
 
-static inline int ws_take(const ws_local *w, int k) {
-    return atomic_fetch_add_explicit(&w->phases[k].next, 1, memory_order_relaxed);
+/* The next item for this thread: from its own block of the loop first (thread t's block
+ * is items [t n / T, (t + 1) n / T): each thread reads its own contiguous part of a weight
+ * matrix, as a static schedule would, which the prefetchers follow), then from the other
+ * blocks in turn (a late thread's items are taken by the others). `*step`: blocks this
+ * thread has found empty. Returns `total` when there is none left. */
+static inline int ws_next(const ws_local *w, int k, int total, int *step) {
+    const int T = w->nthreads;
+    while (*step < T) {
+        const int b = (w->tid + *step) % T;
+        const int lo = (int)((int64_t)total * b / T), hi = (int)((int64_t)total * (b + 1) / T);
+        const int i = lo + atomic_fetch_add_explicit(&w->counters[(size_t)k * T + b].next, 1,
+                                                     memory_order_relaxed);
+        if (i < hi) return i;
+        ++*step;
+    }
+    return total;
 }
 
 /* Adds this thread's finished items, then waits for all `total` (acquire: their writes seen). */
@@ -57,8 +77,9 @@ static inline void ws_end(const ws_local *w, int k, int mine, int total) {
 /* for (each item i of this loop that this thread takes) { body }; then the loop's end.
  * `mine` counts the items this thread took so far (0 in the first body: lazy set-up). */
 #define WS_FOR(w, i, mine, total)                                                              \
-    for (int ws_k_ = ws_begin(w), mine = 0, i; ((i) = ws_take(w, ws_k_)) < (total)             \
-                                               || (ws_end(w, ws_k_, mine, (total)), 0);        \
+    for (int ws_k_ = ws_begin(w), ws_s_ = 0, mine = 0, i;                                      \
+         ((i) = ws_next(w, ws_k_, (total), &ws_s_)) < (total)                                  \
+         || (ws_end(w, ws_k_, mine, (total)), 0);                                              \
          (mine)++)
 
 #endif
