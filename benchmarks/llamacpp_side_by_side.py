@@ -12,6 +12,10 @@ workloads, each through `llm-worker-bench` (OpenAI backend for llama.cpp, gRPC f
   tokens/s after the first token = 1000 / median time per output token;
 - a long prompt alone: ~1,650 tokens of text, 1 output token; time to first token;
 - 64 chat streams at once: output tokens/s.
+
+llama-server runs with one slot (`-np 1 -c 4096`) for the first two, as one would run it
+for one user (with 64 slots its one stream decodes slower), and with 64 slots (`-np 64
+-c 131072`) for the third.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ WORKLOADS = {
     "64_streams": ["--dataset", "chat", "--num-requests", "64", "--max-concurrency", "64",
                    "--ignore-eos", "--warmup", "2"],
 }
+
+
+# llama-server's slots (-np) per workload; -c is 4096 for one slot, 2048 per slot for 64.
+SLOTS = {"one_stream": 1, "long_prompt": 1, "64_streams": 64}
 
 
 def free_port() -> int:
@@ -153,10 +161,11 @@ def main() -> None:
             for w in names:
                 results["llm-worker"][w] = bench(["--backend", "grpc", "--target", addr], w, tok)
                 print("llm-worker", w, results["llm-worker"][w], flush=True)
-        with llama_server(args.llama_server, args.threads, 64, 2048) as url:
-            for w in names:
+        for w in names:  # one slot for one stream (as one would run it), 64 for 64 streams
+            slots = SLOTS[w]
+            with llama_server(args.llama_server, args.threads, slots, 4096 if slots == 1 else 2048) as url:
                 results["llama.cpp"][w] = bench(["--backend", "openai", "--base-url", url], w, tok)
-                print("llama.cpp", w, results["llama.cpp"][w], flush=True)
+            print("llama.cpp", w, results["llama.cpp"][w], flush=True)
     ours, theirs = results["llm-worker"], results["llama.cpp"]
     ratios = {}
     if "one_stream" in names:
@@ -173,7 +182,8 @@ def main() -> None:
     record = {"results": results, "ratios": ratios, "threads": args.threads,
               "workloads": {w: WORKLOADS[w] for w in names},
               "llama_server_version": (version.stdout + version.stderr).strip()[-300:],
-              "llama_server_flags": f"-t {args.threads} -tb {args.threads} -np 64 -c 131072",
+              "llama_server_flags": {w: f"-t {args.threads} -tb {args.threads} -np {SLOTS[w]} -c "
+                                     f"{4096 if SLOTS[w] == 1 else SLOTS[w] * 2048}" for w in names},
               "serve_args": args.serve_arg, "environment": environment()}
     print(json.dumps(ratios, indent=1))
     if args.output_json:
