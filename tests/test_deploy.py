@@ -378,7 +378,9 @@ def _load_families() -> list[Any]:
     """The gauge families the worker's collector yields (from an all-zero load)."""
     # What the collector reads of the engine (no speculative decoding: no spec_decode series).
     engine = SimpleNamespace(step_tokens={}, speculation=None, num_drafts=0, num_draft_tokens=0,
-                             num_accepted_tokens=0, accepted_per_position=[])
+                             num_accepted_tokens=0, accepted_per_position=[],
+                             structured_requests={}, loras=None,
+                             scheduler=SimpleNamespace(running=[], waiting=[], swapped=[]))
     collector = LoadCollector(SimpleNamespace(engine=engine), None, ("m", "0"),  # type: ignore[arg-type]
                               {"block_size": "16"})
     zero = Load(**{f.name: 0 for f in dataclasses.fields(Load)})

@@ -8,7 +8,7 @@ params without them): min_tokens is shown through its /v1/completions, and logit
 vLLM protocol itself, as SMG would send it (tests/test_structured.py).
 
 What SMG sends to the worker for each is read from the worker's own counter of constrained
-requests by kind (`llmworker:structured_output_requests_total`), never from SMG: for a
+requests by kind (`llm_worker:structured_output_requests_total`), never from SMG: for a
 model with no tool parser that builds a structural tag (the default model), `required` and a
 named function arrive as a JSON schema (an array of calls, or the function's parameters),
 and `auto` arrives unconstrained (SMG's `generate_tool_constraint` returns none for auto).
@@ -75,7 +75,7 @@ def constrained(gw: Gateway) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    fam = fams.get("llmworker:structured_output_requests")
+    fam = fams.get("llm_worker:structured_output_requests")
     return {} if fam is None else {s.labels["kind"]: s.value for s in fam.samples
                                    if s.name.endswith("_total")}
 

@@ -41,7 +41,8 @@ vllm:spec_decode_num_accepted_tokens_total  counter    of those, accepted (equal
 vllm:spec_decode_num_accepted_tokens_per_pos_total
                                             counter    accepted drafts by their position in
                                                        the draft (label position: 0, 1, ...)
-llmworker:structured_output_requests_total  counter    requests admitted with a structured-
+llm_worker:structured_output_requests_total
+                                            counter    requests admitted with a structured-
                                                        output constraint (label kind:
                                                        json_schema, regex, choice, grammar,
                                                        lark, gbnf, json_object,
@@ -276,7 +277,7 @@ class LoadCollector(Collector):
                 pos.add_metric([*self.labels, str(j)], n - b)
             yield pos
         structured = CounterMetricFamily(
-            "llmworker:structured_output_requests",
+            "llm_worker:structured_output_requests",
             "Requests admitted with a structured-output constraint, by its kind.",
             labels=[*names, "kind"])
         for kind, n in sorted(self.bridge.engine.structured_requests.copy().items()):
