@@ -121,17 +121,21 @@ class Gateway:
         finally:
             conn.close()
 
-    def chat(self, **body) -> dict:
+    def post(self, path: str, **body) -> dict:
+        """POST a JSON body (the served model's name added) to `path`; its JSON answer."""
         conn = self._conn()
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps({"model": self.model, **body}),
+            conn.request("POST", path, json.dumps({"model": self.model, **body}),
                          {"Content-Type": "application/json"})
             resp = conn.getresponse()
             data = resp.read()
-            assert resp.status == 200, f"chat: {resp.status} {data[:500]!r}\n{self.tail(10)}"
+            assert resp.status == 200, f"{path}: {resp.status} {data[:500]!r}\n{self.tail(10)}"
             return json.loads(data)
         finally:
             conn.close()
+
+    def chat(self, **body) -> dict:
+        return self.post("/v1/chat/completions", **body)
 
     def chat_stream(self, **body) -> tuple[str, list[dict]]:
         """The text of a streamed chat completion and every SSE event (usage included)."""

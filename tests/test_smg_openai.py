@@ -16,7 +16,6 @@ and `auto` arrives unconstrained (SMG's `generate_tool_constraint` returns none 
 
 from __future__ import annotations
 
-import http.client
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -152,16 +151,7 @@ def test_tool_choice_auto_arrives_unconstrained(gw: Gateway) -> None:
 
 def completion(gw: Gateway, **body) -> dict:
     """POST /v1/completions (SMG forwards min_tokens on this path; its chat path does not)."""
-    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=120)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps({"model": gw.model, **body}),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        data = resp.read()
-        assert resp.status == 200, f"{resp.status} {data[:500]!r}"
-        return json.loads(data)
-    finally:
-        conn.close()
+    return gw.post("/v1/completions", **body)
 
 
 def test_min_tokens_holds_with_eos_not_ignored(gw: Gateway) -> None:

@@ -38,6 +38,11 @@ def _lit(s: str) -> str:
     return json.dumps(s)  # a JSON string is a Lark string literal for llguidance
 
 
+def _one_of(strings: list[str]) -> str:
+    """A Lark group matching any one of `strings` (a tag's end strings)."""
+    return "(" + " | ".join(map(_lit, strings)) + ")"
+
+
 def _regex(pattern: str) -> str:
     return "/" + pattern.replace("/", "\\/") + "/"
 
@@ -123,8 +128,8 @@ class _Builder:
         text = self.text(_strs(node.get("excludes", []), f"{path}.excludes"))
         max_tokens = _max_tokens(node, path)
         if end is not None:  # up to the tag's end, lazily: the first end string ends it
-            return self.rule(f"{text} ({' | '.join(map(_lit, end))})", prefix="until",
-                             lazy=True, max_tokens=max_tokens)
+            return self.rule(f"{text} {_one_of(end)}", prefix="until", lazy=True,
+                             max_tokens=max_tokens)
         return text if max_tokens is None else self.rule(text, max_tokens=max_tokens)
 
     def sequence(self, node: dict, path: str, depth: int, end: list[str] | None) -> str:
@@ -168,7 +173,7 @@ class _Builder:
         ends = _strs(ends, f"{path}.end")
         content = node.get("content")
         body = self.fmt(content, f"{path}.content", depth + 1, ends)
-        tail = "" if ends_itself(content) else " (" + " | ".join(map(_lit, ends)) + ")"
+        tail = "" if ends_itself(content) else " " + _one_of(ends)
         return (_lit(begin) + " " if begin else "") + body + tail
 
     def triggered_tags(self, node: dict, path: str, depth: int, end: list[str] | None) -> str:
@@ -199,15 +204,15 @@ class _Builder:
             with_text.append(self.rule(f"{lead} {branch}", prefix="seg"))
             bare.append(self.rule(f"{_lit(trigger)} {branch}", prefix="first"))
         seg, first = " | ".join(with_text), " | ".join(bare)
-        tail = text if end is None else self.rule(
-            f"{text} ({' | '.join(map(_lit, end))})", prefix="until", lazy=True)
+        tail = text if end is None else self.rule(f"{text} {_one_of(end)}", prefix="until",
+                                                  lazy=True)
+        end_lit = "" if end is None else " " + _one_of(end)
         at_least_one, stop = bool(node.get("at_least_one")), bool(node.get("stop_after_first"))
         if at_least_one and stop:
-            body = f"({first})" + ("" if end is None else " (" + " | ".join(map(_lit, end)) + ")")
+            body = f"({first}){end_lit}"
         elif at_least_one:
             body = f"({first}) ({seg})* {tail}"
         elif stop:
-            end_lit = "" if end is None else " (" + " | ".join(map(_lit, end)) + ")"
             body = f"(({seg}){end_lit} | {tail})"
         else:
             body = f"({seg})* {tail}"
