@@ -109,6 +109,7 @@ BAD_TAGS = [
                             "style": "qwen_xml"}}), "format.style"),
     (json.dumps({"format": {"type": "json_schema", "json_schema": {"type": "foo"}}}),
      "does not compile"),
+    ("[" * 50_000, "not valid JSON"),  # nested past Python's recursion limit
 ]
 
 

@@ -227,6 +227,7 @@ def test_compile_cache_and_errors(compiler) -> None:
     bad = {
         Constraint("json_schema", '{"type": "foo"}'): "Invalid type",
         Constraint("json_schema", '{"type": '): "not valid JSON",
+        Constraint("json_schema", "[" * 50_000): "not valid JSON",  # past Python's stack
         Constraint("regex", "[a-"): "unclosed character class",
         Constraint("gbnf", "root ::= expr\nexpr ::= missing"): "missing",
         Constraint("lark", "start: missing"): "missing",

@@ -260,7 +260,7 @@ def to_lark(text: str, json_defaults: dict[str, Any] | None = None) -> str:
     Raises StructuralTagError naming what is wrong and where."""
     try:
         tag = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         raise StructuralTagError(f"is not valid JSON: {e}") from None
     if not isinstance(tag, dict):
         raise StructuralTagError("must be a JSON object")

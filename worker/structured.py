@@ -199,7 +199,7 @@ class GrammarCompiler:
         if constraint.kind in ("json_schema", "json_object"):
             try:
                 json.loads(constraint.text)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # nested past Python's stack
                 raise ConstraintError(f"is not valid JSON: {_bounded(str(e))}") from None
         try:
             if constraint.kind in ("json_schema", "json_object"):
