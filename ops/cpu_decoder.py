@@ -10,6 +10,9 @@ the chunks (decode rows still take the C attention):
     all decodes:  decode(embed -> 30 x [attn_in, attention, attn_out] -> final norm)
     with chunks:  embed; per layer: attn_in, attention (decodes), SDPA (chunks), attn_out; final
 
+With LoRA slots (worker/lora/slots.py) the C layers also add each adapter row's low-rank
+delta to its linears' outputs (`cpu_kernels/lora.c`); base rows are never touched.
+
 Every token of every step goes through the same C code for the norms, rotary, SiLU and
 residual adds, whichever of the two ways its step runs, so a request's bits do not depend
 on its batch. Those ops round a little differently from torch's (`decoder.c` says how), so
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ops import cpu_kernels
+from ops.lora import LoraStack
 from ops.quantized_linear import QuantEmbedding, QuantLinear
 
 # qtype codes in decoder.c (quant_matmul*.c): by (type, integer layout)
@@ -46,18 +51,32 @@ class _Layer(ctypes.Structure):
                 ("input_norm", _p), ("post_norm", _p)]
 
 
+class _LoraLinear(ctypes.Structure):
+    _fields_ = [("a", _p), ("bt", _p * 3), ("n", _i32), ("out", _i32 * 3)]
+
+
+class _LoraLayer(ctypes.Structure):
+    _fields_ = [("qkv", _LoraLinear), ("o", _LoraLinear), ("gate_up", _LoraLinear), ("down", _LoraLinear)]
+
+
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", _i32), ("intermediate", _i32), ("num_heads", _i32), ("num_kv_heads", _i32),
                 ("head_dim", _i32), ("num_layers", _i32), ("eps", _f32), ("scale", _f32),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", _p), ("cos_sin", _p),
-                ("embed_kind", _i32), ("embed", _p), ("block_size", _i32)]
+                ("embed_kind", _i32), ("embed", _p), ("block_size", _i32),
+                ("lora", ctypes.POINTER(_LoraLayer)), ("lora_rank", _i32)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("M", _i32), ("ids", _p), ("positions", _p), ("slots", _p), ("n_dec", _i32),
                 ("dec_rows", _p), ("dec_tables", _p), ("dec_lens", _p), ("max_blocks", _i32),
                 ("k_caches", _p), ("v_caches", _p), ("residual", _p), ("qkv", _p), ("att", _p),
-                ("out", _p), ("nthreads", _i32)]
+                ("out", _p), ("nthreads", _i32), ("lora_slots", _p), ("lora_pairs", _p), ("n_lora", _i32),
+                ("lora_groups", _i32)]
+
+
+# The linears of a layer as decoder.c's lora_layer holds them, and their LORA_* bits.
+LORA_GROUPS = {"qkv_proj": 1, "o_proj": 2, "gate_up_proj": 4, "down_proj": 8}
 
 
 @functools.cache
@@ -73,6 +92,23 @@ def _library() -> ctypes.CDLL | None:
                      "cpu_decoder_attention", "cpu_decoder_attn_out"):
             getattr(lib, name).restype = _i32
     return lib
+
+
+def lora_unsupported(stacks: Sequence[Mapping[str, LoraStack]]) -> str | None:
+    """Why LoRA slots `stacks` (one mapping per layer, worker/lora/slots.py) cannot run in
+    the C layers (None: they can)."""
+    for layer in stacks:
+        if set(layer) != set(LORA_GROUPS):
+            return "a layer's LoRA stacks are not qkv_proj, o_proj, gate_up_proj and down_proj"
+        for st in layer.values():
+            if st.a.dtype != torch.float32 or st.a.device.type != "cpu" or not st.a.is_contiguous():
+                return "LoRA weights not contiguous float32 on the CPU"
+            for b in st.bs:
+                if b.dtype != torch.float32 or b.stride() != (b.shape[1] * b.shape[2], 1, b.shape[1]):
+                    return "LoRA B not stored transposed ([slots, rank, out]) in float32"
+            if len(st.bs) > 3 or st.a.shape[1] != len(st.bs) * st.bs[0].shape[2]:
+                return "LoRA stacks of an unexpected shape"
+    return None
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -106,8 +142,11 @@ class CpuDecoder:
     """`model.forward(input_ids, positions, meta, kv_caches)` of a Llama-family model (see
     the top), returning the final hidden states [T, hidden]."""
 
-    def __init__(self, model: nn.Module, block_size: int) -> None:
-        reason = unsupported(model)
+    def __init__(self, model: nn.Module, block_size: int,
+                 lora: Sequence[Mapping[str, LoraStack]] | None = None) -> None:
+        """`lora`: the runner's LoRA slots, one mapping of stacks per layer (allocated once:
+        their addresses stay valid), for the steps that carry a StepLora."""
+        reason = unsupported(model) or (lora_unsupported(lora) if lora is not None else None)
         assert reason is None, reason
         self._lib = _library()
         cfg = model.config
@@ -131,14 +170,25 @@ class CpuDecoder:
         self._keep += [layers, table, final_norm, cos_sin]
         self.activations = ", ".join(sorted({lin.activations for layer in model.layers for lin in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}))
+        lora_layers, rank = None, 0
+        if lora is not None:
+            assert len(lora) == cfg.num_layers
+            lora_layers = (_LoraLayer * cfg.num_layers)()
+            for i, stacks in enumerate(lora):
+                lora_layers[i] = _LoraLayer(*(_lora_linear(stacks[g]) for g in LORA_GROUPS))
+                self._keep += list(stacks.values())
+            rank = lora[0]["qkv_proj"].bs[0].shape[2]
+            self._keep.append(lora_layers)
         self._model = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                              cfg.head_dim, cfg.num_layers, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                              layers, final_norm.data_ptr(), cos_sin.data_ptr(), kind, table.data_ptr(),
-                             block_size)
+                             block_size, lora_layers, rank)
+        self.has_lora = lora is not None
         self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
 
     def describe(self) -> str:
-        return f"fused C ({cpu_kernels.isa()}, {self.activations} activations)"
+        lora = ", LoRA in the layers" if self.has_lora else ""
+        return f"fused C ({cpu_kernels.isa()}, {self.activations} activations{lora})"
 
     def _cache_pointers(self, kv_caches: list) -> tuple[ctypes.Array, ctypes.Array]:
         if self._caches is None or self._caches[0] is not kv_caches:
@@ -182,6 +232,16 @@ class CpuDecoder:
                      dec_tables.data_ptr(), dec_lens.data_ptr(), tables.shape[1], ctypes.addressof(ks),
                      ctypes.addressof(vs), residual.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr(),
                      torch.get_num_threads())
+        step_lora = getattr(meta, "lora", None)
+        if step_lora is not None:
+            assert self.has_lora, "a step with LoRA rows on a decoder built without LoRA slots"
+            token_slots = step_lora.token_slots
+            assert len(token_slots) == t
+            lora_slots = torch.tensor(token_slots, dtype=torch.int32)
+            lora_pairs = torch.tensor(_pairs_by_slot(token_slots), dtype=torch.int32)
+            step.lora_slots, step.lora_pairs = lora_slots.data_ptr(), lora_pairs.data_ptr()
+            step.n_lora = lora_pairs.shape[0]
+            step.lora_groups = sum(LORA_GROUPS[g] for g in step_lora.layers[0])
         m, s, lib = ctypes.byref(self._model), ctypes.byref(step), self._lib
         if not prefills:
             _check(lib.cpu_decoder_decode(m, s))
@@ -211,6 +271,27 @@ class CpuDecoder:
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                            scale=cfg.head_dim**-0.5, enable_gqa=True)
         att[start:end] = o[0].transpose(0, 1).reshape(q_len, -1)
+
+
+def _pairs_by_slot(token_slots: Sequence[int]) -> list[list[int]]:
+    """The adapter rows (slot >= 0) grouped by slot, in pairs of the same slot ([r, -1] for
+    a slot's odd row out): decoder.c's lora_pairs."""
+    by_slot: dict[int, list[int]] = {}
+    for r, slot in enumerate(token_slots):
+        if slot >= 0:
+            by_slot.setdefault(slot, []).append(r)
+    pairs = []
+    for slot in sorted(by_slot):
+        rows = by_slot[slot]
+        pairs += [[rows[i], rows[i + 1] if i + 1 < len(rows) else -1] for i in range(0, len(rows), 2)]
+    return pairs
+
+
+def _lora_linear(st: LoraStack) -> _LoraLinear:
+    n = len(st.bs)
+    bt = [b.data_ptr() for b in st.bs] + [None] * (3 - n)
+    out = [b.shape[1] for b in st.bs] + [0] * (3 - n)
+    return _LoraLinear(st.a.data_ptr(), (_p * 3)(*bt), n, (_i32 * 3)(*out))
 
 
 def _check(rc: int) -> None:

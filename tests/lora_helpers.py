@@ -61,9 +61,11 @@ def make_adapters(base, folder: Path, specs: list[tuple[int, list[str], bool]], 
 
 
 @torch.inference_mode()
-def our_last_logits(engine, name: str | None, ids: list[int], block_size: int = 16) -> torch.Tensor:
+def our_last_logits(engine, name: str | None, ids: list[int], block_size: int = 16,
+                    fused: bool = False) -> torch.Tensor:
     """Our model's last-position logits for one prompt, through the engine's runner (its
-    linears, its LoRA slots) with adapter `name` (None: the base model)."""
+    linears, its LoRA slots) with adapter `name` (None: the base model): op by op, or
+    through the runner's fused CPU decoder when `fused` (LoRA in its C layers)."""
     from worker.models.llama import AttentionMetadata
 
     runner = engine.runner
@@ -84,7 +86,9 @@ def our_last_logits(engine, name: str | None, ids: list[int], block_size: int = 
             slot_mapping=torch.arange(n), block_tables=torch.arange(nblk, dtype=torch.int32)[None],
             seq_lens=torch.tensor([n]), query_start_loc=torch.tensor([0, n]), max_query_len=n,
             max_seq_len=n, lora=lora)
-        hidden = model(torch.tensor(ids), torch.arange(n), meta, kv)
+        forward = runner.cpu_decoder if fused else model
+        assert forward is not None, "no fused decoder in this runner"
+        hidden = forward(torch.tensor(ids), torch.arange(n), meta, kv)
         return model.compute_logits(hidden[-1:])[0]
     finally:
         if adapter is not None:

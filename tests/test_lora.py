@@ -57,12 +57,16 @@ def _clean(engine: Engine) -> None:
     assert not engine.loras.in_use(), "a finished request still holds its adapter"
 
 
-def test_last_position_logits_match_peft(ours, adapters, chat_prompt_ids) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-c-decoder", "op-by-op"])
+def test_last_position_logits_match_peft(ours, adapters, chat_prompt_ids, fused) -> None:
+    """Both ways our CPU runs a model: the fused C decoder, which adds the deltas in its own
+    layers (ops/cpu_kernels/lora.c; what the engine uses here), and op by op (ops/lora.py)."""
     peft_model, paths = adapters
     engine = _engine(ours, paths)
+    assert engine.runner.cpu_decoder is not None and engine.runner.cpu_decoder.has_lora
     for name in [None, *paths]:
         for ids in chat_prompt_ids[:2]:
-            got = our_last_logits(engine, name, ids)
+            got = our_last_logits(engine, name, ids, fused=fused)
             want = peft_last_logits(peft_model, name, ids)
             rel = ((got - want).abs().max() / want.abs().max()).item()
             assert rel <= 1e-4, f"adapter {name}: relative max logit error {rel:.2e}"
@@ -107,6 +111,24 @@ def test_base_request_beside_adapter_requests_is_identical(ours, adapters, chat_
     beside = mixed[6]
     assert beside.token_ids == alone.token_ids
     assert beside.logprobs == alone.logprobs, "a base row's logprobs changed beside adapter rows"
+
+
+def test_turning_lora_on_leaves_base_requests_bit_identical(ours, adapters, chat_prompt_ids) -> None:
+    """--enable-lora keeps the fused CPU decoder (the deltas are added in its layers, base
+    rows untouched): base requests get the tokens and logprobs, to the bit, of a worker
+    without LoRA, in a batch full of adapter rows too."""
+    _, paths = adapters
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=3)
+    prompts = chat_prompt_ids[:4]
+    off = Engine(WorkerConfig(model=MODEL, cache=CacheConfig(kv_cache_memory=0.25)), loaded=ours)
+    want = off.generate([off.make_request(ids, params) for ids in prompts])
+    engine = _engine(ours, paths)
+    names = [None, *paths]
+    got = engine.generate([engine.make_request(ids, params, lora_name=n) for ids in prompts for n in names])
+    _clean(engine)
+    base = got[:: len(names)]
+    assert [c.token_ids for c in base] == [c.token_ids for c in want]
+    assert [c.logprobs for c in base] == [c.logprobs for c in want]
 
 
 def test_prefix_cache_is_keyed_by_adapter(ours, adapters, chat_prompt_ids) -> None:

@@ -350,7 +350,7 @@ def _lora_module(text: str) -> str:
 class LoraConfig:
     enable_lora: bool = opt(False, "serve LoRA adapters (PEFT format: adapter_config.json + "
                             "adapter_model.safetensors) on top of the base model; requests "
-                            "name one by lora_name. The CPU's fused decoder is off with it")
+                            "name one by lora_name")
     lora_modules: tuple[str, ...] = opt((), "adapters to load at start-up, as name=path "
                                         "(several: --lora-modules a=/p b=/q; the variable: "
                                         "space-separated)", parse=_lora_module, many=True,

@@ -116,12 +116,13 @@ class ModelRunner:
         self.model = model
         # The CPU decoder hook: every step through it, or none (its elementwise ops round
         # differently from torch's; see ops/cpu_decoder.py).
-        # With LoRA it is bypassed for every step, not only those with adapter rows: its C
-        # layers have no place for the delta, and a base request must get the same bits
-        # whether or not adapter rows share its step (the cost: BENCHMARKS.md, multi-LoRA).
-        self.cpu_decoder = (cpu_decoder.CpuDecoder(model, block_size)
+        # With LoRA the C layers add each adapter row's delta themselves (ops/cpu_kernels/lora.c);
+        # base rows are untouched, so a base request has the same bits with or without
+        # adapter rows beside it, and with or without --enable-lora.
+        self.cpu_decoder = (cpu_decoder.CpuDecoder(model, block_size, lora.layers if lora else None)
                             if ops.kernel_path(device) == "c" and dtype == torch.float32
-                            and lora is None and cpu_decoder.unsupported(model) is None else None)
+                            and cpu_decoder.unsupported(model) is None
+                            and (lora is None or cpu_decoder.lora_unsupported(lora.layers) is None) else None)
         self.lora = lora
         self.device = device
         self.dtype = dtype

@@ -29,6 +29,7 @@
  */
 #include <math.h>
 
+#include "lora.c"
 #include "paged_attention.c"
 #include "quant_matmul.c"
 #include "quant_matmul_int8.c"
@@ -58,6 +59,8 @@ typedef struct {
     int embed_kind;       /* EMBED_*: a float table [V, H], or a tied head's Q8_0 records */
     const void *embed;
     int block_size;
+    const lora_layer *lora; /* [num_layers] adapter slots (lora.c), or NULL: LoRA off */
+    int lora_rank;
 } model_desc;
 
 typedef struct {
@@ -73,6 +76,13 @@ typedef struct {
     float *att;      /* [M, Hq D] */
     float *out;      /* [M, H]: the final hidden states */
     int nthreads;
+    /* LoRA (when lora_slots): each row's adapter slot, -1 for the base model; the rows
+     * that have one in pairs of the same slot (the second -1 when none), by slot (pairs
+     * share the loads of A and B; a thread's run of them reads one adapter); and the
+     * linears some adapter of the step targets (LORA_* bits) */
+    const int32_t *lora_slots; /* [M] */
+    const int32_t *lora_pairs; /* [n_lora][2] */
+    int n_lora, lora_groups;
 } step_desc;
 
 /* A matmul's input as the kernels read it: float rows (a norm's output, when the input is
@@ -100,6 +110,9 @@ typedef struct {
     float *attn;      /* [threads][attn_floats] */
     size_t attn_floats;
     int64_t max_len;
+    float *lora_h;    /* [M, 3 R]: each adapter row's shrink of the linear at hand */
+    float *lora_x;    /* [threads][2][kmax]: a thread's normed rows for the shrink */
+    size_t kmax;
     ws_phase *phases; /* the call's loops (workshare.h) */
     ws_counter *counters;
     int num_phases;
@@ -143,12 +156,15 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     const size_t copies = 1 + (t->private_inputs ? (size_t)nthreads : 0);
     /* loops of a decode step: embed and final, and per layer at most 9 (4 of them inputs
      * shared among the team) */
-    t->num_phases = 2 + 9 * m->num_layers;
+    t->num_phases = 2 + (9 + (m->lora ? 4 : 0)) * m->num_layers; /* LoRA: a shrink per linear */
+    t->kmax = kmax;
+    const size_t R = m->lora ? (size_t)m->lora_rank : 0;
     const size_t phase_bytes = ALIGN64((size_t)t->num_phases * sizeof(ws_phase))
                                + ALIGN64((size_t)t->num_phases * nthreads * sizeof(ws_counter));
     const size_t bytes = copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
                          + ALIGN64(M * I * sizeof(float)) + (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float))
-                         + (size_t)nthreads * t->attn_floats * sizeof(float) + phase_bytes;
+                         + (size_t)nthreads * t->attn_floats * sizeof(float) + phase_bytes
+                         + ALIGN64(M * 3 * R * sizeof(float)) + 2 * (size_t)nthreads * ALIGN64(kmax * sizeof(float));
     char *p = aligned_alloc(64, ALIGN64(bytes));
     if (!p) return -3;
     t->block = p;
@@ -165,6 +181,10 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     t->tmp = (float *)p;
     p += (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float));
     t->attn = (float *)p;
+    p += (size_t)nthreads * t->attn_floats * sizeof(float);
+    t->lora_h = (float *)p;
+    p += ALIGN64(M * 3 * R * sizeof(float));
+    t->lora_x = (float *)p;
     return 0;
 }
 
@@ -286,6 +306,45 @@ static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float 
     }
 }
 
+/* ---- LoRA (lora.c) ---- */
+
+static int lora_on(const model_desc *m, const step_desc *s, int group) {
+    return m->lora && s->lora_slots && s->n_lora && (s->lora_groups & group);
+}
+
+/* Row r of the matmul's float input (a norm's output is recomputed into `local` when each
+ * thread keeps its own copy, which may not be written yet). */
+static const float *lora_input(const matmul_input *in, const temps *t, int r, float *local) {
+    if (!(in->w && t->private_inputs)) return in->x + (size_t)r * in->ldx;
+    rms_norm_row(in->src + (size_t)r * in->ld, in->w, in->K, in->eps, local);
+    return local;
+}
+
+/* One loop: the shrink of linear L for every pair of adapter rows. */
+static void lora_shrink_team(const lora_linear *L, const model_desc *m, const matmul_input *in,
+                             const step_desc *s, temps *t, ws_local *ws) {
+    const size_t kmax = ALIGN64(t->kmax * sizeof(float)) / sizeof(float), hw = 3 * (size_t)m->lora_rank;
+    float *local = t->lora_x + 2 * (size_t)omp_get_thread_num() * kmax;
+    WS_FOR(ws, i, mine, s->n_lora) {
+        const int r = s->lora_pairs[2 * i], r2 = s->lora_pairs[2 * i + 1];
+        const float *x = lora_input(in, t, r, local), *x2 = r2 >= 0 ? lora_input(in, t, r2, local + kmax) : NULL;
+        lora_shrink_rows(L, m->lora_rank, in->K, s->lora_slots[r], x, t->lora_h + r * hw, x2,
+                         r2 >= 0 ? t->lora_h + r2 * hw : NULL);
+    }
+}
+
+/* The delta of columns col .. col + ncols of slice `slice` into y (M rows, stride ldy). */
+static void lora_expand_tile(const lora_linear *L, const model_desc *m, const step_desc *s, const temps *t,
+                             int slice, int col, int ncols, float *y, size_t ldy) {
+    const size_t hw = 3 * (size_t)m->lora_rank;
+    for (int i = 0; i < s->n_lora; i++) {
+        const int r = s->lora_pairs[2 * i], r2 = s->lora_pairs[2 * i + 1];
+        lora_expand_rows(L, m->lora_rank, slice, col, ncols, s->lora_slots[r], t->lora_h + r * hw,
+                         y + (size_t)r * ldy, r2 >= 0 ? t->lora_h + r2 * hw : NULL,
+                         r2 >= 0 ? y + (size_t)r2 * ldy : NULL);
+    }
+}
+
 static void embed_team(const model_desc *m, const step_desc *s, ws_local *ws) {
     WS_FOR(ws, r, mine, s->M) embed_row(m, s->ids[r], s->residual + (size_t)r * m->hidden);
 }
@@ -295,12 +354,17 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
     const int M = s->M, H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const size_t ld = (size_t)(Hq + 2 * Hkv) * D;
     const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, L->qkv.planes, t, ws);
+    const lora_linear *lq = lora_on(m, s, LORA_QKV) ? &m->lora[l].qkv : NULL;
+    if (lq) lora_shrink_team(lq, m, &in, s, t, ws);
     /* one item per head: q heads 0..Hq-1, k heads, v heads (columns in that order) */
     WS_FOR(ws, h, mine, Hq + 2 * Hkv) {
         if (!mine) prepare_mine(&in, t);
         float *y = s->qkv + (size_t)h * D;
         linear_tiles(&L->qkv, &in, M, y, ld, h * D / TILE, (h + 1) * D / TILE);
         const int is_k = h >= Hq && h < Hq + Hkv, is_v = h >= Hq + Hkv;
+        if (lq) /* slices q, k, v: the head's columns within its slice */
+            lora_expand_tile(lq, m, s, t, is_k ? 1 : is_v ? 2 : 0, (is_k ? h - Hq : is_v ? h - Hq - Hkv : h) * D,
+                             D, y, ld);
         for (int r = 0; r < M; r++) {
             float *row = y + (size_t)r * ld;
             if (!is_v) rotary_row(row, m->cos_sin + (size_t)s->positions[r] * D, D);
@@ -340,25 +404,36 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
     const int M = s->M, H = m->hidden, I = m->intermediate, Dq = m->num_heads * m->head_dim;
     float *tmp = t->tmp + (size_t)omp_get_thread_num() * ALIGN64((size_t)M * 2 * TILE * sizeof(float)) / sizeof(float);
     const matmul_input att = prepare(s->att, (size_t)Dq, M, Dq, NULL, 0.0f, L->o.planes, t, ws);
+    const lora_layer *ll = m->lora ? &m->lora[l] : NULL;
+    const int lo = lora_on(m, s, LORA_O), lgu = lora_on(m, s, LORA_GATE_UP), ld = lora_on(m, s, LORA_DOWN);
+    if (lo) lora_shrink_team(&ll->o, m, &att, s, t, ws);
     WS_FOR(ws, tile, mine, H / TILE) {
         if (!mine) prepare_mine(&att, t);
         linear_tiles(&L->o, &att, M, tmp, TILE, tile, tile + 1);
+        if (lo) lora_expand_tile(&ll->o, m, s, t, 0, tile * TILE, TILE, tmp, TILE);
         add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
     const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, L->gate_up.planes, t, ws);
+    if (lgu) lora_shrink_team(&ll->gate_up, m, &xn, s, t, ws);
     /* gate tile g and up tile g + I/32 together, so that silu(gate) * up needs no barrier */
     WS_FOR(ws, g, mine, I / TILE) {
         if (!mine) prepare_mine(&xn, t);
         linear_tiles(&L->gate_up, &xn, M, tmp, 2 * TILE, g, g + 1);
         linear_tiles(&L->gate_up, &xn, M, tmp + TILE, 2 * TILE, g + I / TILE, g + I / TILE + 1);
+        if (lgu) {
+            lora_expand_tile(&ll->gate_up, m, s, t, 0, g * TILE, TILE, tmp, 2 * TILE);
+            lora_expand_tile(&ll->gate_up, m, s, t, 1, g * TILE, TILE, tmp + TILE, 2 * TILE);
+        }
         for (int r = 0; r < M; r++)
             silu_mul_row(tmp + (size_t)r * 2 * TILE, tmp + (size_t)r * 2 * TILE + TILE, TILE,
                          t->act + (size_t)r * I + (size_t)g * TILE);
     }
     const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, L->down.planes, t, ws);
+    if (ld) lora_shrink_team(&ll->down, m, &act, s, t, ws);
     WS_FOR(ws, tile, mine, H / TILE) {
         if (!mine) prepare_mine(&act, t);
         linear_tiles(&L->down, &act, M, tmp, TILE, tile, tile + 1);
+        if (ld) lora_expand_tile(&ll->down, m, s, t, 0, tile * TILE, TILE, tmp, TILE);
         add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
 }

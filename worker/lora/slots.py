@@ -28,6 +28,15 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
+def _b_stack(slots: int, out: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [slots, out, rank] stack of B. On the CPU it is stored transposed ([slots, rank,
+    out], viewed back): the fused decoder's expand reads a row of `out` per rank
+    (ops/cpu_kernels/lora.c); torch's bmm takes either layout, Triton's kernel a contiguous one."""
+    if device.type == "cpu":
+        return torch.zeros(slots, rank, out, dtype=dtype, device=device).transpose(1, 2)
+    return torch.zeros(slots, out, rank, dtype=dtype, device=device)
+
+
 class LoraSlots:
     def __init__(self, cfg: LlamaConfig, max_loras: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -41,8 +50,7 @@ class LoraSlots:
             for group, projs in GROUPS.items():
                 n_in = shapes[projs[0]][0]
                 a = torch.zeros(max_loras, len(projs) * max_rank, n_in, dtype=dtype, device=device)
-                bs = [torch.zeros(max_loras, shapes[p][1], max_rank, dtype=dtype, device=device)
-                      for p in projs]
+                bs = [_b_stack(max_loras, shapes[p][1], max_rank, dtype, device) for p in projs]
                 stacks[group] = LoraStack(a, bs)
             self.layers.append(stacks)
         self.uids: list[int | None] = [None] * max_loras  # the adapter (uid) each slot holds
@@ -82,7 +90,7 @@ class LoraSlots:
         groups = frozenset().union(*(self.groups[s] for s in set(token_slots) if s >= 0))
         layers = self.layers if len(groups) == len(GROUPS) else [
             {g: st for g, st in layer.items() if g in groups} for layer in self.layers]
-        return StepLora(rows, layers)
+        return StepLora(rows, layers, token_slots)
 
     @torch.inference_mode()
     def _write(self, slot: int, adapter: LoraAdapter) -> None:

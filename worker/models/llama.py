@@ -10,7 +10,7 @@ touching this file.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -109,10 +109,12 @@ class LlamaConfig:
 class StepLora:
     """A step's LoRA input (worker/lora/slots.py): which rows use which adapter slot, and
     each layer's slot stacks by linear name (qkv_proj, o_proj, gate_up_proj, down_proj),
-    only those some adapter of the step targets."""
+    only those some adapter of the step targets; and each token's slot (-1: the base
+    model), which the CPU's fused decoder reads instead of `rows`."""
 
     rows: LoraRows
     layers: list[Mapping[str, LoraStack]]
+    token_slots: Sequence[int] = ()
 
 
 # One layer's share of a StepLora: the rows and that layer's stacks.
