@@ -170,12 +170,12 @@ class Served:
         await self.server.stop(None)
         await self.bridge.close()
 
-    async def generate(self, rid: str, max_tokens: int = 8) -> tuple[grpc.StatusCode, str, list]:
+    async def generate(self, rid: str, max_tokens: int = 8, lora_name: str = "") -> tuple[grpc.StatusCode, str, list]:
         """(status, details, messages) of one Generate call."""
         msgs = []
         call = self.stub.Generate(pb.GenerateRequest(
             request_id=rid, token_ids=pb.TokenIdsInput(ids=[5, 6, 7, 8]), sampling=GREEDY,
-            stopping=pb.StoppingCriteria(max_tokens=max_tokens)), timeout=60)
+            stopping=pb.StoppingCriteria(max_tokens=max_tokens), lora_name=lora_name), timeout=60)
         try:
             async for m in call:
                 msgs.append(m)
@@ -310,3 +310,45 @@ def test_the_real_server_stops_serving_and_exits_1_when_the_engine_cannot_go_on(
     assert asyncio.run(main()) == 1
     assert statuses == ["NOT_SERVING"]
     assert any("engine thread died" in ln for ln in lines)
+
+
+def test_an_adapter_unloaded_after_the_door_checked_it_is_invalid_argument(tmp_path) -> None:
+    """The door checks a request's LoRA adapter, the engine takes it a moment later: an
+    unload in between (an admin RPC on another thread) refuses that request with
+    INVALID_ARGUMENT naming the adapter, not INTERNAL; nothing leaks, the worker goes on."""
+    from benchmarks.lora import write_adapters
+    from worker.config import LoraConfig
+
+    loaded = _tiny_loaded()
+    (path,) = write_adapters(tmp_path, loaded.config, 1, 4, ["q_proj", "v_proj"]).values()
+    conf = WorkerConfig(model=ModelConfig(device="cpu", max_model_len=256, cuda_graphs=False),
+                        cache=CacheConfig(kv_cache_memory=0.002),
+                        lora=LoraConfig(enable_lora=True, max_loras=2, max_lora_rank=8,
+                                        lora_modules=(f"a0={path}",)))
+    engine = Engine(conf, loaded=loaded)
+    loras = engine.loras
+    assert loras is not None
+    real = loras.acquire
+    unloads = []
+
+    def acquire(key: str):  # the engine thread, right after the door let the request in
+        if not unloads:
+            loras.unload("a0")
+            unloads.append(key)
+        return real(key)
+
+    loras.acquire = acquire  # type: ignore[method-assign]
+
+    async def main() -> None:
+        async with Served(engine) as s:
+            code, details, msgs = await s.generate("late-unload", lora_name="a0")
+            assert unloads and code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+            assert "'a0'" in details and "late-unload" in details and not msgs
+            _assert_no_leak(engine)
+            loras.load("a0", str(path))  # loaded again: served
+            code, _, msgs = await s.generate("again", lora_name="a0")
+            assert code == grpc.StatusCode.OK and msgs[-1].complete.usage.completion_tokens == 8
+            _assert_no_leak(engine)
+            assert not s.bridge.dead and engine.num_failed_steps == 0
+
+    asyncio.run(main())

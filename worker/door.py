@@ -637,7 +637,11 @@ class Generation:
 
     async def _fail(self, out: RequestOutput) -> NoReturn:
         """INTERNAL for a fault (a model step raised, the engine thread died), UNAVAILABLE
-        when the worker shut down under the request (another replica can serve it)."""
+        when the worker shut down under the request (another replica can serve it),
+        INVALID_ARGUMENT when the engine refused it on arrival (`RequestOutput.refused`)."""
+        if out.refused:
+            await abort(self.context, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"request {quote(self.request_id)} refused: {out.error}")
         bridge = self.bridge
         shut_down = bridge.closed and not bridge.dead
         code = grpc.StatusCode.UNAVAILABLE if shut_down else grpc.StatusCode.INTERNAL

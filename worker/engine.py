@@ -310,8 +310,8 @@ class Engine:
                         r.status = RequestStatus.FINISHED_ERROR
                         outputs.append(RequestOutput(
                             item.request_id, [], "", finished=True, finish_reason="error",
-                            prompt_tokens=item.num_prompt_tokens, error=str(e), request=r,
-                            index=r.sample_index))
+                            prompt_tokens=item.num_prompt_tokens, error=str(e), refused=True,
+                            request=r, index=r.sample_index))
                     continue
                 if item.grammar is not None:
                     ck = item.grammar.kind
