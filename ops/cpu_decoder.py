@@ -64,7 +64,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", _i32), ("num_layers", _i32), ("eps", _f32), ("scale", _f32),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", _p), ("cos_sin", _p),
                 ("embed_kind", _i32), ("embed", _p), ("block_size", _i32),
-                ("lora", ctypes.POINTER(_LoraLayer)), ("lora_rank", _i32)]
+                ("lora", ctypes.POINTER(_LoraLayer)), ("lora_rank", _i32), ("head", _QLinear)]
 
 
 class _Step(ctypes.Structure):
@@ -72,7 +72,7 @@ class _Step(ctypes.Structure):
                 ("dec_rows", _p), ("dec_tables", _p), ("dec_lens", _p), ("max_blocks", _i32),
                 ("k_caches", _p), ("v_caches", _p), ("residual", _p), ("qkv", _p), ("att", _p),
                 ("out", _p), ("nthreads", _i32), ("lora_slots", _p), ("lora_pairs", _p), ("n_lora", _i32),
-                ("lora_groups", _i32)]
+                ("lora_groups", _i32), ("logits", _p)]
 
 
 # The linears of a layer as decoder.c's lora_layer holds them, and their LORA_* bits.
@@ -179,10 +179,15 @@ class CpuDecoder:
                 self._keep += list(stacks.values())
             rank = lora[0]["qkv_proj"].bs[0].shape[2]
             self._keep.append(lora_layers)
+        # The LM head, when quantized: a decode step's logits come from the same call.
+        head = model.lm_head if model.lm_head is not None else model.tied_head
+        self.head = head if isinstance(head, QuantLinear) and head.bias is None else None
+        self._keep.append(self.head)
         self._model = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                              cfg.head_dim, cfg.num_layers, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                              layers, final_norm.data_ptr(), cos_sin.data_ptr(), kind, table.data_ptr(),
-                             block_size, lora_layers, rank)
+                             block_size, lora_layers, rank,
+                             _qlinear(self.head) if self.head is not None else _QLinear())
         self.has_lora = lora is not None
         self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
 
@@ -201,8 +206,15 @@ class CpuDecoder:
             self._caches = (kv_caches, ks, vs)
         return self._caches[1], self._caches[2]
 
-    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
+        return self.forward(input_ids, positions, meta, kv_caches)[0]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list,
+                logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [T, hidden], logits [T, vocab] or None). `logits`: have the call compute
+        every row's logits too, which it does when every row is a decode and the head is
+        quantized (the runner's `compute_logits`, bit for bit); else None."""
         cfg = self.config
         t = input_ids.shape[0]
         ids = input_ids.long().contiguous()
@@ -244,8 +256,12 @@ class CpuDecoder:
             step.lora_groups = sum(LORA_GROUPS[g] for g in step_lora.layers[0])
         m, s, lib = ctypes.byref(self._model), ctypes.byref(step), self._lib
         if not prefills:
+            all_logits = None
+            if logits and self.head is not None:
+                all_logits = torch.empty(t, self.head.out_features)
+                step.logits = all_logits.data_ptr()
             _check(lib.cpu_decoder_decode(m, s))
-            return out
+            return out, all_logits
         _check(lib.cpu_decoder_embed(m, s))
         for layer in range(cfg.num_layers):
             _check(lib.cpu_decoder_attn_in(m, s, layer))
@@ -256,7 +272,7 @@ class CpuDecoder:
                 self._prefill_attention(qkv, att, start, end, int(lens[r]), tables[r], k_cache, v_cache)
             _check(lib.cpu_decoder_attn_out(m, s, layer))
         _check(lib.cpu_decoder_final(m, s))
-        return out
+        return out, None
 
     def _prefill_attention(self, qkv: torch.Tensor, att: torch.Tensor, start: int, end: int, n: int,
                            table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -103,6 +103,26 @@ def test_a_rows_bits_do_not_depend_on_its_batch(decoder) -> None:
     assert torch.equal(out[0], alone[3]) and torch.equal(out[-1], alone[9])
 
 
+def test_a_decode_steps_logits_from_the_same_call_are_the_heads_bits(decoder) -> None:
+    """A decode step asks the call for its logits too (the LM head's tiles in the same
+    parallel region): they are `compute_logits` of its hidden states to the bit, at batch 1,
+    5 and 64; a step with a prefill chunk leaves the head to the runner (None)."""
+    dec, model = decoder
+    assert dec.head is not None
+    rng = random.Random(3)
+    lens = [rng.randint(1, 30) for _ in range(64)]
+    reqs = _Requests(model, lens, seed=4)
+    hidden, logits = dec.forward(*reqs.step([(r, 0, n) for r, n in enumerate(lens)]), logits=True)
+    assert logits is None  # prefill chunks
+    for b in (1, 5, 64):
+        hidden, logits = dec.forward(*reqs.step([(r, lens[r], 1) for r in range(b)]), logits=True)
+        with torch.inference_mode():
+            want = model.compute_logits(hidden)
+        assert logits is not None and logits.shape == (b, model.config.vocab_size)
+        assert torch.equal(logits, want), f"batch {b}: fused logits differ from the head's"
+        assert torch.equal(hidden, dec(*reqs.step([(r, lens[r], 1) for r in range(b)])))
+
+
 def test_the_runner_takes_it_and_the_torch_backend_does_not() -> None:
     loaded = load_model("default")
     engine = Engine(WorkerConfig(), loaded=loaded)

@@ -259,12 +259,21 @@ class ModelRunner:
             max_query_len=max(1 if s.spec_token_ids else s.num_new_tokens for s in step.scheduled),
             max_seq_len=max(seq_lens),
         )
-        hidden = (self.cpu_decoder or self.model)(self._tensor(input_ids), pos_t, meta, self.kv_caches)
+        all_logits = None
+        if self.cpu_decoder is not None:  # a decode step's logits in the same native call
+            hidden, all_logits = self.cpu_decoder.forward(self._tensor(input_ids), pos_t, meta, self.kv_caches,
+                                                          logits=bool(sampling))
+        else:
+            hidden = self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches)
         if prompt_rows:
             self._prompt_logprobs(hidden, prompt_rows)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
+        if all_logits is not None:
+            every = len(sample_rows) == len(input_ids) and sample_rows == list(range(len(input_ids)))
+            logits = all_logits if every else all_logits.index_select(0, self._tensor(sample_rows))
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
         if spec:
             return self._verify(sampling, logits, masks)
         return self._one_each(self._sample(row_reqs, logits, masks))

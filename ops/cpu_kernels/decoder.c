@@ -13,7 +13,10 @@
  *              act = silu(g) * u, [g | u] = xn @ Wgu^T  per tile pair (t, t + I/32)
  *              r += act @ Wdown^T                       per tile, into r
  *
- * and after the last layer hidden = rms_norm(r) * w_final. With integer activations
+ * and after the last layer hidden = rms_norm(r) * w_final, and in a decode step, when asked,
+ * logits = hidden @ Whead^T (the LM head's tiles shared out in the same region: no region
+ * of its own, no barrier, the same qi_tile/qf_tile code as its QuantLinear, so the same
+ * bits). With integer activations
  * (quant_matmul_int8.c) each matmul's input is written as integers per row first.
  *
  * `cpu_decoder_decode` runs the whole step, every token a decode, in one OpenMP parallel
@@ -61,6 +64,7 @@ typedef struct {
     int block_size;
     const lora_layer *lora; /* [num_layers] adapter slots (lora.c), or NULL: LoRA off */
     int lora_rank;
+    qlinear head; /* the LM head (head.w NULL: none), for decode steps that want logits */
 } model_desc;
 
 typedef struct {
@@ -83,6 +87,7 @@ typedef struct {
     const int32_t *lora_slots; /* [M] */
     const int32_t *lora_pairs; /* [n_lora][2] */
     int n_lora, lora_groups;
+    float *logits; /* [M, V]: the decode entry computes the head's logits here (or NULL) */
 } step_desc;
 
 /* A matmul's input as the kernels read it: float rows (a norm's output, when the input is
@@ -156,7 +161,8 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     const size_t copies = 1 + (t->private_inputs ? (size_t)nthreads : 0);
     /* loops of a decode step: embed and final, and per layer at most 9 (4 of them inputs
      * shared among the team) */
-    t->num_phases = 2 + (9 + (m->lora ? 4 : 0)) * m->num_layers; /* LoRA: a shrink per linear */
+    /* + LoRA: a shrink per linear; + the head: its input, its tiles */
+    t->num_phases = 4 + (9 + (m->lora ? 4 : 0)) * m->num_layers;
     t->kmax = kmax;
     const size_t R = m->lora ? (size_t)m->lora_rank : 0;
     const size_t phase_bytes = ALIGN64((size_t)t->num_phases * sizeof(ws_phase))
@@ -443,6 +449,16 @@ static void final_team(const model_desc *m, const step_desc *s, ws_local *ws) {
         rms_norm_row(s->residual + (size_t)r * m->hidden, m->final_norm, m->hidden, m->eps, s->out + (size_t)r * m->hidden);
 }
 
+/* logits = out @ Whead^T for the step's M rows. */
+static void head_team(const model_desc *m, const step_desc *s, temps *t, ws_local *ws) {
+    const qlinear *L = &m->head;
+    const matmul_input in = prepare(s->out, (size_t)m->hidden, s->M, m->hidden, NULL, 0.0f, L->planes, t, ws);
+    WS_FOR(ws, tile, mine, L->N / TILE) {
+        if (!mine) prepare_mine(&in, t);
+        linear_tiles(L, &in, s->M, s->logits + (size_t)tile * TILE, (size_t)L->N, tile, tile + 1);
+    }
+}
+
 /* ---- entry points: each one parallel region ---- */
 
 enum { STAGE_EMBED, STAGE_ATTN_IN, STAGE_ATTENTION, STAGE_ATTN_OUT, STAGE_FINAL, STAGE_DECODE };
@@ -473,6 +489,7 @@ static int run(const model_desc *m, const step_desc *s, int stage, int l) {
                 attn_out_team(m, i, s, &t, &ws);
             }
             final_team(m, s, &ws);
+            if (s->logits) head_team(m, s, &t, &ws);
         }
     }
     free(t.block);
@@ -481,7 +498,7 @@ static int run(const model_desc *m, const step_desc *s, int stage, int l) {
 
 /* The whole step when every token is a decode (n_dec == M). */
 int cpu_decoder_decode(const model_desc *m, const step_desc *s) {
-    if (s->n_dec != s->M) return -1;
+    if (s->n_dec != s->M || (s->logits && (!m->head.w || m->head.K != m->hidden || m->head.N % TILE))) return -1;
     return run(m, s, STAGE_DECODE, 0);
 }
 
