@@ -78,7 +78,9 @@ if args["breakdown"]:
         return wrapper
 
     decoder = getattr(runner, "cpu_decoder", None)
-    if decoder is not None:
+    if decoder is not None and hasattr(decoder, "forward"):  # the head inside its call: counted here
+        decoder.forward = timed("forward (layers)", decoder.forward)
+    elif decoder is not None:
         runner.cpu_decoder = timed("forward (layers)", decoder)
     else:
         runner.model.forward = timed("forward (layers)", runner.model.forward)
