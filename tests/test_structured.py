@@ -196,6 +196,41 @@ def test_logit_bias_and_min_tokens_rows() -> None:
     assert masks.start([reqs[1]]) is None
 
 
+def test_grammar_rows_beside_bias_rows(tok, compiler) -> None:
+    """A step of grammar rows only skips the bias pass (`StepMasks.bias` False) and masks
+    just as the grammar says; a grammar row beside a logit_bias row (and one below its
+    min_tokens) gets both, each row its own. Each row's mask lands in its own place."""
+    grammar = compiler.compile(Constraint("choice", choices=("yes", "no")))
+    vocab = tok.vocab_size
+    bits = np.unpackbits(np.frombuffer(grammar.matcher().matcher.compute_bitmask(), np.uint8),
+                         bitorder="little")
+    allowed = set(np.flatnonzero(bits[:vocab]).tolist())  # llguidance's own bitmask
+    assert 0 < len(allowed) < 100
+    masks = LogitsMasks(vocab, torch.device("cpu"))
+
+    def constrained(name: str) -> Request:
+        r = Request(name, [1], SamplingParams(), eos_token_ids=tok.eos_token_ids)
+        r.grammar = grammar.matcher()
+        return r
+
+    only = [constrained("g0"), constrained("g1")]
+    step = masks.start(only)
+    assert step is not None and not step.bias
+    got = masks.apply(torch.zeros(2, vocab), step)
+    for row in got:
+        assert set(torch.isfinite(row).nonzero().flatten().tolist()) == allowed
+    eos = tok.eos_token_ids[0]
+    mixed = [Request("b", [1], SamplingParams(logit_bias={5: 3.0}), eos_token_ids=(eos,)),
+             constrained("g2"),
+             Request("m", [1], SamplingParams(min_tokens=1), eos_token_ids=(eos,))]
+    step = masks.start(mixed)
+    assert step is not None and step.bias and step.grammar_rows == [1]
+    got = masks.apply(torch.zeros(3, vocab), step)
+    assert got[0, 5] == 3.0 and torch.isfinite(got[0]).all()
+    assert set(torch.isfinite(got[1]).nonzero().flatten().tolist()) == allowed
+    assert got[2, eos] == float("-inf") and torch.isfinite(got[2]).sum() == vocab - 1
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
 def test_padding_ids_are_never_allowed(tok, overlap) -> None:
     """A model vocabulary wider than the tokenizer's (padded, as many GGUFs are): a row's

@@ -55,6 +55,9 @@ class StepMasks:
     grammar_rows: list[int] = field(default_factory=list)  # indices into reqs
     matchers: list = field(default_factory=list)  # (llguidance matcher, bitmask row)
     fill: Future[float] | None = None  # the fill begun in start(): its duration, when done
+    # Some row has a logit_bias or an unmet min_tokens; False (a grammar-only step): apply
+    # does not walk the rows a second time for them.
+    bias: bool = True
 
 
 def _needs_min_tokens(r: Request) -> bool:
@@ -82,10 +85,10 @@ class LogitsMasks:
         """Begin the step's masks for the rows `reqs` (the requests that sample, in logits
         row order); None when no row needs any."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if not rows and not any(r.sampling_params.logit_bias or _needs_min_tokens(r)
-                                for r in reqs):
+        bias = any(r.sampling_params.logit_bias or _needs_min_tokens(r) for r in reqs)
+        if not rows and not bias:
             return None
-        step = StepMasks(reqs, rows)
+        step = StepMasks(reqs, rows, bias=bias)
         if rows:
             if self._bitmask.shape[0] < len(rows):
                 n = max(len(rows), 2 * self._bitmask.shape[0], 8)
@@ -112,8 +115,9 @@ class LogitsMasks:
             self._executor.unsafe_compute_mask_ptr(matchers, bm.data_ptr(), row_bytes,
                                                    bm.shape[0])
         else:
+            base = bm.data_ptr()  # row k at base + k * row_bytes: no tensor view per row
             for matcher, k in matchers:
-                matcher.unsafe_compute_mask_ptr(bm[k].data_ptr(), row_bytes)
+                matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
         return time.perf_counter() - start
 
     def apply(self, logits: torch.Tensor, step: StepMasks | None) -> torch.Tensor:
@@ -144,7 +148,8 @@ class LogitsMasks:
                                       add)
             st.num_steps += 1
             st.num_rows += n
-        self._bias(logits, step.reqs)
+        if step.bias:
+            self._bias(logits, step.reqs)
         st.apply_s += time.perf_counter() - start
         return logits
 
