@@ -7,7 +7,7 @@ their dispatch costs more than their arithmetic. Here a step whose every token i
 is one call; a step with prefill chunks is three calls per layer around torch's SDPA for
 the chunks (decode rows still take the C attention):
 
-    all decodes:  decode(embed -> 30 x [attn_in, attention, attn_out] -> final norm)
+    all decodes:  decode(embed -> 30 x [attn_in, attention, attn_out] -> final norm [-> head])
     with chunks:  embed; per layer: attn_in, attention (decodes), SDPA (chunks), attn_out; final
 
 With LoRA slots (worker/lora/slots.py) the C layers also add each adapter row's low-rank
