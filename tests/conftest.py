@@ -48,6 +48,22 @@ def hf_model():
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def tok():
+    """The tokenizer the worker uses (the default model's GGUF), built per module."""
+    from worker.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    """A grammar compiler over `tok`, per module (its compile cache starts empty)."""
+    from worker.structured import GrammarCompiler
+
+    return GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+
+
 @pytest.fixture(scope="session")
 def chat_prompt_ids(default_model: LoadedModel) -> list[list[int]]:
     tok = default_model.tokenizer

@@ -20,11 +20,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from llmworker.v1 import worker_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from tests.test_server import MAX_MODEL_LEN, Worker, run, wait_until
-from worker.tokenizer import Tokenizer
-from worker.weights import default_model_path
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PROMPT = "List the planets of the solar system, one per line:"
@@ -40,15 +37,9 @@ MAX_CHARS = 32 * MAX_MODEL_LEN  # the default --max-prompt-chars of the test wor
 def worker() -> Iterator[Worker]:
     w = Worker("--max-generation-time-s", "120")
     try:
-        w.vllm = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
         yield w.wait_ready()
     finally:
         w.close()
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(default_model_path())
 
 
 def healthy_and_free(w: Worker) -> None:

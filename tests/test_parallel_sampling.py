@@ -274,13 +274,11 @@ def test_engine_samples_under_a_grammar_each_have_their_own_matcher(default_mode
 
 @pytest.fixture(scope="module")
 def worker():
-    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
     from tests.test_server import Worker
 
     w = Worker("--max-num-seqs", "8")
     try:
-        w.vllm = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
         yield w.wait_ready()
     finally:
         w.close()

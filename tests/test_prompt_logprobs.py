@@ -143,13 +143,11 @@ def test_bounds() -> None:
 
 @pytest.fixture(scope="module")
 def worker():
-    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
     from tests.test_server import Worker
 
     w = Worker(*REFERENCE_FLAGS)
     try:
-        w.vllm = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
         yield w.wait_ready()
     finally:
         w.close()

@@ -27,6 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmworker.v1 import worker_pb2 as pb
 from llmworker.v1 import worker_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from scheduler.request import Request
 from worker.bridge import DuplicateRequestError, EngineBridge
@@ -60,6 +61,7 @@ class Worker:
         self.channel = grpc.insecure_channel(self.address)
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.vllm = vllm_engine_pb2_grpc.VllmEngineStub(self.channel)  # the same port serves both
 
     def _read(self) -> None:
         assert self.proc.stderr is not None

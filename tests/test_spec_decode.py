@@ -662,7 +662,6 @@ def _free_port() -> int:
 def test_served_counts_reach_the_metrics_and_the_vllm_protocol(grounded_ids) -> None:
     from prometheus_client.parser import text_string_to_metric_families
     from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
     from tests.test_server import Worker
 
@@ -672,7 +671,7 @@ def test_served_counts_reach_the_metrics_and_the_vllm_protocol(grounded_ids) -> 
                '"prompt_lookup_min": 2}')
     try:
         w.wait_ready()
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
+        stub = w.vllm
         req = vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=grounded_ids[0]),
                                   sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=40),
                                   stream=False)

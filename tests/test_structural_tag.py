@@ -19,14 +19,11 @@ import jsonschema
 import pytest
 from llmworker.v1 import worker_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from tests.test_hostile import healthy_and_free
 from tests.test_server import Worker, run, text_of
 from worker.structural_tag import StructuralTagError, to_lark
-from worker.structured import Constraint, ConstraintError, GrammarCompiler
-from worker.tokenizer import Tokenizer
-from worker.weights import default_model_path
+from worker.structured import Constraint, ConstraintError
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20},
@@ -69,16 +66,6 @@ CASES = [
     ({"type": "structural_tag", "format": {"type": "repeat", "min": 2, "max": 3, "content": {
         "type": "const_string", "value": "ab"}}}, "ab", False),
 ]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def compiler(tok) -> GrammarCompiler:
-    return GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
 
 
 @pytest.mark.parametrize("tag,text,allowed", CASES)
@@ -141,7 +128,6 @@ TOOL_CALL = re.compile(r"(?s)(.*?)<function=get_weather>(.*?)</function>(.*)")
 def worker() -> Iterator[Worker]:
     w = Worker("--max-generation-time-s", "120")
     try:
-        w.vllm = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
         yield w.wait_ready()
     finally:
         w.close()

@@ -26,7 +26,6 @@ import pytest
 import torch
 from llmworker.v1 import worker_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from scheduler.request import Request, SamplingParams
 from tests.test_hostile import healthy_and_free
@@ -38,7 +37,6 @@ from worker.engine import Engine
 from worker.logits_masks import LogitsMasks, StepMasks
 from worker.structured import ERROR_CHARS, Constraint, ConstraintError, GrammarCompiler
 from worker.tokenizer import Tokenizer
-from worker.weights import default_model_path
 
 N_SAMPLES = 20
 CODE = r"[A-Z]{3}-\d{4}"
@@ -134,16 +132,6 @@ def parses_arithmetic(text: str) -> bool:
 
 
 # ----- in process -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def compiler(tok) -> GrammarCompiler:
-    return GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
 
 
 def _rows(n: int, **params) -> list[Request]:
@@ -384,7 +372,6 @@ def test_constrained_requests_survive_preemption(default_model, chat_prompt_ids,
 def worker() -> Iterator[Worker]:
     w = Worker("--max-generation-time-s", "120")
     try:
-        w.vllm = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
         yield w.wait_ready()
     finally:
         w.close()

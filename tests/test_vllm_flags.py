@@ -19,7 +19,6 @@ import pytest
 import torch
 from llmworker.v1 import worker_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from kvcache import KVCacheManager
 from scheduler import SamplingParams, Scheduler
@@ -408,7 +407,7 @@ def test_served_model_name_on_both_protocols_and_the_metrics(
         named_worker: tuple[Worker, int]) -> None:
     w, port = named_worker
     assert w.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_name == SERVED
-    vllm = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
+    vllm = w.vllm
     info = vllm.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
     assert info.served_model_name == SERVED
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:

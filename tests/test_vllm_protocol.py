@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from llmworker.v1 import worker_pb2 as pb
-from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -39,7 +39,6 @@ from worker.kv_events import KvEventHub, Overflowed, to_int64
 from worker.load import Load
 from worker.tokenizer import Tokenizer
 from worker.vllm_service import VllmEngineServicer
-from worker.weights import default_model_path
 
 PROMPT = ("The three primary colors are red, yellow and blue. Mixing two of them gives a "
           "secondary color: red and yellow make orange, and red and blue make purple, while "
@@ -52,16 +51,9 @@ TIMEOUT = 120
 def worker() -> Iterator[Worker]:
     w = Worker()
     try:
-        w.vllm = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
         yield w.wait_ready()
     finally:
         w.close()
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    """The tokenizer the worker uses (the default model's GGUF)."""
-    return Tokenizer.from_gguf(default_model_path())
 
 
 @pytest.fixture(scope="module")
@@ -412,7 +404,7 @@ def test_small_worker_no_kv_events_queue_full_and_draining() -> None:
                "--max-num-seqs", "1", "--max-waiting", "1", "--drain-grace-s", "60")
     try:
         w.wait_ready()
-        stub = vllm_engine_pb2_grpc.VllmEngineStub(w.channel)
+        stub = w.vllm
         sub = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10)
         assert code_of(lambda: next(sub)) == grpc.StatusCode.UNIMPLEMENTED
         tok_call = stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=10)
