@@ -182,7 +182,6 @@ class CpuDecoder:
         # The LM head, when quantized: a decode step's logits come from the same call.
         head = model.lm_head if model.lm_head is not None else model.tied_head
         self.head = head if isinstance(head, QuantLinear) and head.bias is None else None
-        self._keep.append(self.head)
         self._model = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                              cfg.head_dim, cfg.num_layers, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                              layers, final_norm.data_ptr(), cos_sin.data_ptr(), kind, table.data_ptr(),
