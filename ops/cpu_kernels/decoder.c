@@ -114,6 +114,8 @@ typedef struct {
     float *tmp;       /* [threads][M * 2 TILE]: a thread's tiles before their epilogue */
     float *attn;      /* [threads][attn_floats] */
     size_t attn_floats;
+    float *attn_parts;        /* decode attention's chunk partials (paged_attention.c) */
+    atomic_int *attn_pending; /* [n_dec], zeroed */
     int64_t max_len;
     float *lora_h;    /* [M, 3 R]: each adapter row's shrink of the linear at hand */
     float *lora_x;    /* [threads][2][kmax]: a thread's normed rows for the shrink */
@@ -153,6 +155,8 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     const size_t kmax = I > H ? (I > Dq ? I : Dq) : (H > Dq ? H : Dq); /* widest matmul input */
     attn_args probe = {0};
     probe.num_heads = m->num_heads;
+    probe.head_dim = m->head_dim;
+    probe.n = s->n_dec;
     t->max_len = 1;
     for (int i = 0; i < s->n_dec; i++)
         if (s->dec_lens[i] > t->max_len) t->max_len = s->dec_lens[i];
@@ -165,19 +169,25 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     t->num_phases = 4 + (9 + (m->lora ? 4 : 0)) * m->num_layers;
     t->kmax = kmax;
     const size_t R = m->lora ? (size_t)m->lora_rank : 0;
+    const size_t pending_bytes = ALIGN64((size_t)s->n_dec * sizeof(atomic_int));
     const size_t phase_bytes = ALIGN64((size_t)t->num_phases * sizeof(ws_phase))
-                               + ALIGN64((size_t)t->num_phases * nthreads * sizeof(ws_counter));
+                               + ALIGN64((size_t)t->num_phases * nthreads * sizeof(ws_counter)) + pending_bytes;
+    const size_t parts_bytes = ALIGN64(attention_parts(&probe) * sizeof(float));
     const size_t bytes = copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
                          + ALIGN64(M * I * sizeof(float)) + (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float))
                          + (size_t)nthreads * t->attn_floats * sizeof(float) + phase_bytes
-                         + ALIGN64(M * 3 * R * sizeof(float)) + 2 * (size_t)nthreads * ALIGN64(kmax * sizeof(float));
+                         + ALIGN64(M * 3 * R * sizeof(float)) + 2 * (size_t)nthreads * ALIGN64(kmax * sizeof(float))
+                         + parts_bytes;
     char *p = aligned_alloc(64, ALIGN64(bytes));
     if (!p) return -3;
     t->block = p;
     t->phases = (ws_phase *)p;
     t->counters = (ws_counter *)(p + ALIGN64((size_t)t->num_phases * sizeof(ws_phase)));
+    t->attn_pending = (atomic_int *)(p + phase_bytes - pending_bytes);
     memset(p, 0, phase_bytes);
     p += phase_bytes;
+    t->attn_parts = (float *)p;
+    p += parts_bytes;
     p = input_carve(p, M, H, kmax, &t->shared);
     t->priv = (input_buf *)p;
     p += ALIGN64(copies * sizeof(input_buf));
@@ -391,7 +401,9 @@ static attn_args decode_args(const model_desc *m, int l, const step_desc *s) {
 }
 
 static void attention_decode_team(const model_desc *m, int l, const step_desc *s, temps *t, ws_local *ws) {
-    const attn_args a = decode_args(m, l, s);
+    attn_args a = decode_args(m, l, s);
+    a.parts = t->attn_parts;
+    a.pending = t->attn_pending;
     const int split = attention_split(&a, omp_get_num_threads());
     float *scratch = t->attn + (size_t)omp_get_thread_num() * t->attn_floats;
     WS_FOR(ws, item, mine, s->n_dec * split) attention_item(&a, t->max_len, split, item, scratch);
