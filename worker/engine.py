@@ -168,6 +168,7 @@ class Engine:
             cpu_packed_linear=config.model.cpu_packed_linear,
             quantized=loaded.quantized if config.model.cpu_quantized_linear else None,
             cpu_activations=config.model.cpu_activations,
+            cpu_huge_pages=config.model.cpu_huge_pages,
             lora=lora_slots,
         )
         log.info(self.runner.describe_kernels())

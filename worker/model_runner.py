@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 import ops
-from ops import cpu_attention, cpu_decoder, quantized_linear
+from ops import cpu_attention, cpu_decoder, huge_pages, quantized_linear
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
 from ops.sampling import SamplingTensors
@@ -80,6 +80,7 @@ class ModelRunner:
         cpu_packed_linear: bool = False,
         quantized: Mapping[str, QuantizedWeight] | None = None,
         cpu_activations: str = "auto",
+        cpu_huge_pages: bool = False,
         lora: LoraSlots | None = None,
     ) -> None:
         """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
@@ -89,7 +90,8 @@ class ModelRunner:
         (ops/linear.py), in place: a model shared by several runners is packed once.
         `quantized` (CPU, float32, where the kernel compiles) runs the linears it names on
         their GGUF blocks instead (ops/quantized_linear.py), also in place; it goes first;
-        `cpu_activations` is the arithmetic they multiply in. A model whose layers
+        `cpu_activations` is the arithmetic they multiply in. `cpu_huge_pages` (CPU) moves
+        the weights into 2 MB pages (ops/huge_pages.py). A model whose layers
         are all quantized then runs as a few native calls per step (ops/cpu_decoder.py).
         `lora` (--enable-lora) holds the device slots of the LoRA adapters; requests that
         name one get its delta on every adapted linear (ops/lora.py)."""
@@ -114,6 +116,8 @@ class ModelRunner:
                 # The tied head gets a packed copy; the embedding lookup keeps the table.
                 model.tied_head = PackedLinear(model.embed_tokens.weight)
         self.model = model
+        # (moved bytes, of which in huge pages): before the C decoder keeps pointers
+        self.huge_pages = huge_pages.move_to_huge_pages(model) if cpu_huge_pages and device.type == "cpu" else None
         # The CPU decoder hook: every step through it, or none (its elementwise ops round
         # differently from torch's; see ops/cpu_decoder.py).
         # With LoRA the C layers add each adapter row's delta themselves (ops/cpu_kernels/lora.c);
@@ -163,9 +167,14 @@ class ModelRunner:
         quant_embed = isinstance(self.model.embed_tokens, quantized_linear.QuantEmbedding)
         embedding = "Q8_0 blocks" if quant_embed else "table"
         decoder = self.cpu_decoder.describe() if self.cpu_decoder else "op by op"
+        pages = ""
+        if self.huge_pages is not None:
+            moved, huge = self.huge_pages
+            thp = huge_pages.thp_mode() or "unknown"
+            pages = f"; weights in 2 MB pages: {huge >> 20} of {moved >> 20} MiB (THP {thp})"
         return (f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}; "
                 f"prefill attention, norm, rotary, activation, sampling: {others}; "
-                f"decoder: {decoder} (--kernels {ops.backend()})")
+                f"decoder: {decoder} (--kernels {ops.backend()}){pages}")
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)

@@ -1,0 +1,129 @@
+"""The CPU model's weights in 2 MB pages (transparent huge pages, where the kernel offers them).
+
+Why: a decode step streams every weight once, ~100 MB for the default model. In 4 KB pages
+that is ~25,000 pages a step, more than the TLB holds, so the stream pays a page walk every
+4 KB, and in a virtual machine a walk of two page tables. Measured on the 2-core AMD EPYC
+of this project (a VM): a two-thread read of 100 MB runs at 33-35 GB/s in 4 KB pages and
+46-48 GB/s in 2 MB pages (BENCHMARKS.md, "Huge pages").
+
+How: one anonymous mapping, 2 MB-aligned, `madvise(MADV_HUGEPAGE)` before it is touched
+(so the faults take huge pages where the kernel has them: THP "always" or "madvise"), the
+model's large storages copied into it, and every tensor on them re-pointed in place
+(`Tensor.set_`), so whoever holds a tensor sees the moved one. Where the kernel has no huge
+pages the mapping is plain memory: the same bits, the old speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HUGE = 2 << 20
+ALIGN = 64  # every storage starts on a cache line (and on any element size)
+MIN_BYTES = 64 << 10  # smaller storages are not worth a copy
+
+# Arenas made so far, (start, end) addresses: a storage already inside one is not moved again
+# (a model shared by several runners is moved once).
+_arenas: list[tuple[int, int]] = []
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page setting ("always", "madvise", "never"), or "" where
+    it cannot be read."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), "")
+
+
+def arena(nbytes: int) -> torch.Tensor:
+    """A zeroed uint8 tensor of `nbytes`, 2 MB-aligned, advised into huge pages."""
+    mapping = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(mapping)
+    start = ctypes.addressof(view)
+    del view  # releases the buffer export (the mapping stays, owned by the tensor below)
+    offset = (-start) % HUGE
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % mmap.PAGESIZE or mmap.PAGESIZE)
+    except (AttributeError, OSError, ValueError):
+        pass  # no THP here: plain pages
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+    _arenas.append((tensor.data_ptr(), tensor.data_ptr() + nbytes))
+    return tensor
+
+
+def _in_arena(ptr: int) -> bool:
+    return any(lo <= ptr < hi for lo, hi in _arenas)
+
+
+def _tensors(model: nn.Module) -> Iterable[torch.Tensor]:
+    """Parameters, buffers and plain tensor attributes (a QuantLinear's `packed`) of every
+    submodule."""
+    for module in model.modules():
+        yield from module.parameters(recurse=False)
+        yield from module.buffers(recurse=False)
+        yield from (v for v in vars(module).values() if isinstance(v, torch.Tensor))
+
+
+@torch.no_grad()
+def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> tuple[int, int]:
+    """Moves the CPU storages of `model` of at least `min_bytes` into one huge-page arena;
+    returns (bytes moved, bytes of them in huge pages). Call it before anything keeps raw
+    pointers into the weights (the C decoder does)."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in _tensors(model):
+        if t.device.type != "cpu" or t.layout != torch.strided:  # oneDNN's packed weights are opaque
+            continue
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if s.nbytes() < min_bytes or _in_arena(ptr):
+            continue
+        if all(t is not u for u in by_storage.get(ptr, ())):
+            by_storage.setdefault(ptr, []).append(t)
+        storages[ptr] = s
+    if not storages:
+        return 0, 0
+    offsets, total = {}, 0
+    for ptr, s in storages.items():
+        offsets[ptr] = total
+        total += -(-s.nbytes() // ALIGN) * ALIGN
+    dest = arena(total)
+    dest_storage = dest.untyped_storage()
+    base = dest.data_ptr() - dest_storage.data_ptr()  # 0: the tensor starts its storage
+    for ptr, s in storages.items():
+        off = base + offsets[ptr]
+        source = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),), (1,))
+        dest[offsets[ptr] : offsets[ptr] + s.nbytes()].copy_(source)
+        for t in by_storage[ptr]:
+            size = t.element_size()
+            assert off % size == 0
+            t.set_(dest_storage, off // size + t.storage_offset(), t.size(), t.stride())
+    return total, max(0, huge_bytes_at(dest.data_ptr()))
+
+
+def huge_bytes_at(ptr: int) -> int:
+    """Bytes in huge pages of the mapping that holds address `ptr` (its AnonHugePages in
+    /proc/self/smaps), or -1 where that cannot be read."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return -1
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+            lo, _, hi = head.partition("-")
+            try:
+                inside = int(lo, 16) <= ptr < int(hi, 16)
+            except ValueError:
+                inside = False
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return -1
