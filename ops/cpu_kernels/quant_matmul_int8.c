@@ -129,13 +129,14 @@ INLINE __m512 combine16(__m512i s0, __m512i s1, __m512i s2, int P) {
     return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f)), _mm512_cvtepi32_ps(lo));
 }
 
-INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
+                         int pf) {
     __m512 acc[4][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
-        prefetch_record(rec, Q4_1_I8_RECORD);
+        if (pf) prefetch_record(rec, Q4_1_I8_RECORD);
         __m512i s[4][3][2];
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
@@ -168,12 +169,13 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
 }
 
 /* Q8_0: the digits + 128 (a[r].u) are vpdpbusd's unsigned side; 128 sum q comes back out. */
-INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
+                         int pf) {
     __m512 acc[4][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
-        prefetch_record(rec, Q8_0_I8_RECORD);
+        if (pf) prefetch_record(rec, Q8_0_I8_RECORD);
         __m512i s[4][3][2];
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
@@ -225,14 +227,15 @@ INLINE __m256 combine8(const __m256i *s, int P) {
     return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_set1_ps(65536.0f)), _mm256_cvtepi32_ps(lo));
 }
 
-INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
+                         int pf) {
     (void)R;
     (void)ldy;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
-        prefetch_record(rec, Q4_1_I8_RECORD);
+        if (pf) prefetch_record(rec, Q4_1_I8_RECORD);
         const __m256 dx = _mm256_set1_ps(a[0].d[b]), sx = _mm256_set1_ps(a[0].s[b]);
         for (int e = 0; e < 4; e++) { /* outputs 8e..8e+7: half h = e / 2, bytes 32 (e % 2) */
             __m256i s[3];
@@ -255,13 +258,14 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     for (int e = 0; e < 4; e++) _mm256_storeu_ps(y + 8 * e, acc[e]);
 }
 
-INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
+INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
+                         int pf) {
     (void)R;
     (void)ldy;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
-        prefetch_record(rec, Q8_0_I8_RECORD);
+        if (pf) prefetch_record(rec, Q8_0_I8_RECORD);
         const __m256 dx = _mm256_set1_ps(a[0].d[b]);
         for (int e = 0; e < 4; e++) {
             __m256i s[3];
@@ -302,10 +306,12 @@ static inline int qi_needs_unsigned(void) {
 #endif
 }
 
-/* R rows (a constant after inlining: the loops over rows and planes unroll) of one tile. */
-INLINE void qi_rows(const uint8_t *rec, int qtype, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy) {
-    if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, K, a, R, P, y, ldy);
-    else q8_0_i8_rows(rec, nb, K, a, R, P, y, ldy);
+/* R rows (a constant after inlining: the loops over rows and planes unroll) of one tile;
+ * `pf`: fetch ahead (the first rows only: the later ones find the tile in the caches). */
+INLINE void qi_rows(const uint8_t *rec, int qtype, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
+                    int pf) {
+    if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, K, a, R, P, y, ldy, pf);
+    else q8_0_i8_rows(rec, nb, K, a, R, P, y, ldy, pf);
 }
 
 /* Tile t for rows 0..M-1 into yt[r * ldy + n] from their activations a in P planes. */
@@ -318,8 +324,8 @@ static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, in
     {                                                                                        \
         int r = 0;                                                                           \
         for (; r + I8_R(P) <= M; r += I8_R(P))                                              \
-            qi_rows(rec, qtype, nb, K, a + r, I8_R(P), P, yt + (size_t)r * ldy, ldy);       \
-        for (; r < M; r++) qi_rows(rec, qtype, nb, K, a + r, 1, P, yt + (size_t)r * ldy, ldy); \
+            qi_rows(rec, qtype, nb, K, a + r, I8_R(P), P, yt + (size_t)r * ldy, ldy, r == 0);  \
+        for (; r < M; r++) qi_rows(rec, qtype, nb, K, a + r, 1, P, yt + (size_t)r * ldy, ldy, r == 0); \
     }
     if (P == 1) ROWS(1)
     else if (P == 2) ROWS(2)
