@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK = float("-inf")
@@ -148,6 +149,16 @@ def _exponential_noise(shape: tuple[int, int], st: SamplingTensors, device: torc
     return noise.clamp_min_(_FMIN)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1): the first maximum of each row (NaN ranking first), as torch gives it.
+    On the CPU through numpy: torch's CPU argmax over a vocabulary took 130 us for one row
+    and 2.9 ms for 64 (numpy: 13 us and 0.27 ms), the largest part of a greedy batch-1
+    step's sampling. Same indices (the first maximum either way)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64, torch.float16):
+        return x.argmax(-1)
+    return torch.from_numpy(np.asarray(x.detach().numpy().argmax(-1)))
+
+
 def _draw(z: torch.Tensor, greedy_ids: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """One token per row from the penalized logits z (finite, or -inf where never drawn)."""
     temp = st.temperature.float()
@@ -160,7 +171,7 @@ def _draw(z: torch.Tensor, greedy_ids: torch.Tensor, st: SamplingTensors) -> tor
         greedy = greedy | overflow
         y = torch.where(greedy[:, None], 0.0, y)  # filled, so that no NaN is computed below
     probs = _top_k_top_p_min_p(y, st).softmax(-1)
-    drawn = (probs / _exponential_noise(tuple(probs.shape), st, probs.device)).argmax(-1)
+    drawn = argmax_rows(probs / _exponential_noise(tuple(probs.shape), st, probs.device))
     return torch.where(greedy, greedy_ids, drawn)
 
 
@@ -169,11 +180,11 @@ def sample_ref(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     if st.all_greedy and st.prompt_mask is None and st.num_logprobs < 0:
         # Greedy decode: the raw argmax, unless it landed on a NaN or +inf (argmax ranks NaN
         # first); spares the copy below, a pass as costly as the argmax itself.
-        ids = logits.argmax(-1)
+        ids = argmax_rows(logits)
         if bool(torch.isfinite(logits.gather(-1, ids[:, None])).all()):
             return SamplerOutput(ids, None, None, None)
     z = apply_penalties(logits, st) if st.prompt_mask is not None else finite_logits(logits)
-    greedy_ids = z.argmax(-1)
+    greedy_ids = argmax_rows(z)
     token_ids = greedy_ids if st.all_greedy else _draw(z, greedy_ids, st)
     if st.num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None)
