@@ -1,0 +1,161 @@
+"""The fused CPU decoder's native decode call, A/B in one process (issue 21):
+
+    python -m benchmarks.native_ab --against ../wt-before --batch 1 --context 100 --rounds 30
+
+On the project's shared 2-core machines the speed of a process drifts by 10-50% from one
+minute to the next, so two checkouts measured one after the other (benchmarks.step_ab)
+often differ by more than the change under test. Here one engine of this checkout captures
+one decode step's arguments, then calls `cpu_decoder_decode` with them again and again,
+alternating between kernel builds every `--calls` calls: this checkout's, and the
+`ops/cpu_kernels` of each `--against` checkout (built with the same flags; their
+`model_desc`/`step_desc` layouts must be this checkout's). A second engine with
+`--no-cpu-huge-pages` is one more side (`--pages both`). Only the native call is timed;
+every side's logits must equal the first side's where the kernels' arithmetic is the same
+(the table says when they differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from clients.bench.environment import environment
+from ops import cpu_decoder, cpu_kernels
+from scheduler.request import SamplingParams
+from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.engine import Engine
+
+
+def _build(folder: Path, out: Path) -> ctypes.CDLL:
+    flags = [*cpu_kernels._COMMON, *cpu_kernels.ISAS[cpu_kernels.isa()][0]]
+    if not cpu_kernels._build(folder / "decoder.c", out, flags):
+        raise SystemExit(f"cannot build {folder / 'decoder.c'}")
+    lib = ctypes.CDLL(str(out))
+    lib.cpu_decoder_decode.argtypes = [ctypes.POINTER(cpu_decoder._Model), ctypes.POINTER(cpu_decoder._Step)]
+    lib.cpu_decoder_decode.restype = cpu_decoder._i32
+    return lib
+
+
+class _Timed:
+    """Stands in for the decoder's library: times each native call."""
+
+    def __init__(self, lib: ctypes.CDLL, times: list[float]) -> None:
+        self.lib, self.times = lib, times
+
+    def cpu_decoder_decode(self, m, s) -> int:
+        t0 = time.perf_counter()
+        rc = self.lib.cpu_decoder_decode(m, s)
+        self.times.append((time.perf_counter() - t0) * 1e3)
+        return rc
+
+
+def _engine(batch: int, context: int, huge_pages: bool):
+    """An engine mid-decode, its decoder, and the arguments of one decode step."""
+    config = WorkerConfig(model=ModelConfig(cpu_huge_pages=huge_pages), cache=CacheConfig(kv_cache_memory=0.5),
+                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192))
+    engine = Engine(config)
+    if engine.runner.cpu_decoder is None:
+        raise SystemExit("no fused C decoder here (no gcc, or no AVX2)")
+    for i in range(batch):
+        engine.submit(engine.make_request([(7 * j + 13 * i) % 40000 + 100 for j in range(context)],
+                                          SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)))
+    engine.step()
+    engine.step()
+    decoder, captured = engine.runner.cpu_decoder, {}
+    forward = decoder.forward
+
+    def capture(*a, **k):
+        captured["args"] = (a, k)
+        return forward(*a, **k)
+
+    decoder.forward = capture
+    engine.step()
+    decoder.forward = forward
+    return engine, decoder, captured["args"]
+
+
+def read_gbps(mb: int = 100, repeats: int = 10) -> dict[str, float]:
+    """A plain read (a float32 sum) of `mb` MB, best of `repeats`, in 4 KB and in 2 MB pages."""
+    import torch
+
+    from ops import huge_pages
+
+    n = mb << 18  # floats
+    plain = torch.ones(n)
+    huge = huge_pages.arena(n * 4).view(torch.float32)
+    huge.fill_(1.0)
+    out = {}
+    for name, t in (("4k", plain), ("huge", huge)):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            t.sum()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = t.numel() * 4 / best / 1e9
+    out["huge_bytes"] = huge_pages.huge_bytes_at(huge.data_ptr())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", action="append", default=[], help="another checkout's root (repeatable)")
+    ap.add_argument("--pages", choices=("huge", "4k", "both"), default="huge",
+                    help="the engine's --cpu-huge-pages: on, off, or both as sides of their own")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=10, help="calls per side per round")
+    ap.add_argument("--output-json")
+    args = ap.parse_args()
+    reads = read_gbps()
+    print(f"a plain read of 100 MB: {reads['4k']:.1f} GB/s in 4 KB pages, {reads['huge']:.1f} GB/s in 2 MB pages "
+          f"({reads['huge_bytes'] >> 20} MiB of the buffer in huge pages)")
+
+    engines = {p: _engine(args.batch, args.context, p == "huge")
+               for p in (("huge", "4k") if args.pages == "both" else (args.pages,))}
+    here = Path(__file__).resolve().parents[1]
+    sides: dict[str, tuple[str, ctypes.CDLL]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for root in [here, *map(Path, args.against)]:
+            name = "this" if root == here else root.name
+            lib = _build(root / "ops" / "cpu_kernels", Path(tmp) / f"{len(sides)}.so")
+            for pages in engines:
+                sides[f"{name}/{pages}" if len(engines) > 1 else name] = (pages, lib)
+        times: dict[str, list[float]] = {s: [] for s in sides}
+        reference: dict[str, object] = {}
+        same: dict[str, bool] = dict.fromkeys(sides, True)
+        for _ in range(args.rounds + 1):  # the first round warms up
+            for side, (pages, lib) in sides.items():
+                _, decoder, (a, k) = engines[pages]
+                own = decoder._lib
+                decoder._lib = _Timed(lib, times[side])
+                try:
+                    for _ in range(args.calls):
+                        _, logits = decoder.forward(*a, **k)
+                finally:
+                    decoder._lib = own
+                first = reference.setdefault(pages, logits.clone())
+                same[side] = same[side] and bool((logits == first).all())
+    out = {"batch": args.batch, "context": args.context, "rounds": args.rounds, "calls": args.calls,
+           "read_gbps": reads, "sides": {}}
+    print("| side | native call ms: median (p10, fastest) | logits as the first side's |")
+    print("|---|---|---|")
+    for side, t in times.items():
+        t = t[args.calls:]  # without the warm-up round
+        row = {"median_ms": statistics.median(t), "p10_ms": sorted(t)[len(t) // 10], "min_ms": min(t),
+               "same_logits": same[side]}
+        out["sides"][side] = row
+        print(f"| {side} | {row['median_ms']:.2f} ({row['p10_ms']:.2f}, {row['min_ms']:.2f}) | "
+              f"{'yes' if same[side] else 'no'} |")
+    if args.output_json:
+        out["environment"] = environment()
+        Path(args.output_json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
