@@ -24,16 +24,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from clients.bench.environment import environment
-from ops import cpu_decoder, cpu_kernels
+from ops import cpu_decoder, cpu_kernels, huge_pages
 from scheduler.request import SamplingParams
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 
 
 def _build(folder: Path, out: Path) -> ctypes.CDLL:
-    flags = [*cpu_kernels._COMMON, *cpu_kernels.ISAS[cpu_kernels.isa()][0]]
-    if not cpu_kernels._build(folder / "decoder.c", out, flags):
+    if not cpu_kernels.build(folder / "decoder.c", out):
         raise SystemExit(f"cannot build {folder / 'decoder.c'}")
     lib = ctypes.CDLL(str(out))
     lib.cpu_decoder_decode.argtypes = [ctypes.POINTER(cpu_decoder._Model), ctypes.POINTER(cpu_decoder._Step)]
@@ -81,10 +82,6 @@ def _engine(batch: int, context: int, huge_pages: bool):
 
 def read_gbps(mb: int = 100, repeats: int = 10) -> dict[str, float]:
     """A plain read (a float32 sum) of `mb` MB, best of `repeats`, in 4 KB and in 2 MB pages."""
-    import torch
-
-    from ops import huge_pages
-
     n = mb << 18  # floats
     plain = torch.ones(n)
     huge = huge_pages.arena(n * 4).view(torch.float32)

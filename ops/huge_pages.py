@@ -51,7 +51,7 @@ def arena(nbytes: int) -> torch.Tensor:
     del view  # releases the buffer export (the mapping stays, owned by the tensor below)
     offset = (-start) % HUGE
     try:
-        mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % mmap.PAGESIZE or mmap.PAGESIZE)
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
     except (AttributeError, OSError, ValueError):
         pass  # no THP here: plain pages
     tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)

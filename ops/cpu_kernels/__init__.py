@@ -87,7 +87,7 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
     folder = Path(__file__).parent
     source = folder / f"{name}.c"
-    flags = [*_COMMON, *ISAS[target][0]]
+    flags = build_flags()
     digest = hashlib.sha256(" ".join([target, *flags]).encode())
     for path in sorted(folder.glob("*.[ch]")):  # a kernel may #include another
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -96,6 +96,17 @@ def load(name: str) -> ctypes.CDLL | None:
         if so.exists() or _build(source, so, flags):
             return ctypes.CDLL(str(so))
     return None
+
+
+def build_flags() -> list[str]:
+    """gcc's flags for a kernel built for `isa()` (which must not be None)."""
+    return [*_COMMON, *ISAS[isa()][0]]
+
+
+def build(source: Path, so: Path) -> bool:
+    """Compiles `source` (a kernel's .c, of this checkout or another) into `so` with
+    `build_flags()`; False where it cannot."""
+    return _build(source, so, build_flags())
 
 
 def _cache_dirs() -> list[Path]:

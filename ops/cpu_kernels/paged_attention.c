@@ -53,10 +53,6 @@ static inline const float *cached_row(const float *cache, const int64_t *table, 
     return cache + ((size_t)table[j / block_size] * block_size + j % block_size) * tok;
 }
 
-static inline void prefetch_row(const float *row, int floats) {
-    for (int c = 0; c < floats; c += 16) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
-}
-
 /* Checks the arguments; returns the longest length (>= 1), or < 0 when they are bad. */
 static int64_t attention_check(const attn_args *a) {
     if (a->num_heads % a->num_kv_heads || a->num_heads > MAX_HEADS || a->head_dim % 8 || a->head_dim > MAX_D)
@@ -122,7 +118,7 @@ static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_
     for (int64_t j = j0; j < j1; j++) {
         const float *kt = cached_row(a->k_cache, table, a->block_size, tok, j);
         if (j + PREFETCH_TOKENS < j1)
-            prefetch_row(cached_row(a->k_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), (int)tok);
+            prefetch_bytes(cached_row(a->k_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
         for (int h = 0; h < nh; h++) {
             const float *qa = qi + (size_t)h * D, *kp = kt + (size_t)(h / group) * D;
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -164,7 +160,7 @@ static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_
     for (int64_t j = j0; j < j1; j++) {
         const float *vt = cached_row(a->v_cache, table, a->block_size, tok, j);
         if (j + PREFETCH_TOKENS < j1)
-            prefetch_row(cached_row(a->v_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), (int)tok);
+            prefetch_bytes(cached_row(a->v_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
         for (int h = 0; h < nh; h++) {
             const __m256 p = _mm256_set1_ps(scores[h * stride + (j - j0)]);
             const float *vp = vt + (size_t)(h / group) * D;

@@ -100,13 +100,10 @@ static void qa_row(const float *x, int K, int P, qact a) {
 /* Records are fetched this many bytes ahead of the one being multiplied. A decode step reads
  * each weight once, from memory, and the hardware's prefetchers (which stop at every 4 KB
  * page) left the integer work and the memory's latency in turn rather than together: at
- * batch 1, 3 KB ahead made the fused decoder's step 8-12% faster (BENCHMARKS.md). A fetch
- * past a tile's end reads the next tile, which the same thread usually takes next. */
+ * batch 1, 3 KB ahead made the fused decoder's native call 8-11% faster in one-process A/Bs
+ * (commit c1fc25a). A fetch past a tile's end reads the next tile, which the same thread
+ * usually takes next. */
 #define PREFETCH_AHEAD 3072
-
-static inline void prefetch_record(const uint8_t *rec, int bytes) {
-    for (int l = 0; l < bytes; l += 64) _mm_prefetch((const char *)rec + PREFETCH_AHEAD + l, _MM_HINT_T0);
-}
 
 static inline int32_t load_i32(const void *p) {
     int32_t v;
@@ -136,7 +133,7 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
-        if (pf) prefetch_record(rec, Q4_1_I8_RECORD);
+        if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q4_1_I8_RECORD);
         __m512i s[4][3][2];
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
@@ -175,7 +172,7 @@ INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
-        if (pf) prefetch_record(rec, Q8_0_I8_RECORD);
+        if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q8_0_I8_RECORD);
         __m512i s[4][3][2];
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
@@ -235,7 +232,7 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
-        if (pf) prefetch_record(rec, Q4_1_I8_RECORD);
+        if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q4_1_I8_RECORD);
         const __m256 dx = _mm256_set1_ps(a[0].d[b]), sx = _mm256_set1_ps(a[0].s[b]);
         for (int e = 0; e < 4; e++) { /* outputs 8e..8e+7: half h = e / 2, bytes 32 (e % 2) */
             __m256i s[3];
@@ -265,7 +262,7 @@ INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
-        if (pf) prefetch_record(rec, Q8_0_I8_RECORD);
+        if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q8_0_I8_RECORD);
         const __m256 dx = _mm256_set1_ps(a[0].d[b]);
         for (int e = 0; e < 4; e++) {
             __m256i s[3];
