@@ -168,6 +168,26 @@ def test_logprobs_are_consistent_with_greedy_choice(default_model, chat_prompt_i
         assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
 
 
+def test_plain_greedy_steps_skip_the_sampler_and_give_its_tokens(default_model, chat_prompt_ids,
+                                                                 monkeypatch) -> None:
+    """A CPU step whose rows are all plain greedy (no logprobs, penalties or masks) takes the
+    runner's argmax shortcut, not ops.sample; a row that wants more goes through ops.sample,
+    and the tokens are the same either way."""
+    import ops
+    from worker import model_runner
+
+    calls = []
+    real = ops.sample
+    monkeypatch.setattr(model_runner.ops, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    engine = _engine(default_model)
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    (fast,) = engine.generate([engine.make_request(chat_prompt_ids[2], plain)])
+    assert calls == []
+    (full,) = engine.generate([engine.make_request(chat_prompt_ids[2], SamplingParams(
+        temperature=0, max_tokens=8, logprobs=0))])
+    assert len(calls) == 8 and full.token_ids == fast.token_ids
+
+
 def test_static_policy_gives_the_same_tokens(default_model, chat_prompt_ids) -> None:
     params = SamplingParams(temperature=0, max_tokens=10)
     runs = []

@@ -26,7 +26,10 @@ def hf_outputs(hf_model, chat_prompt_ids) -> list[list[int]]:
     ModelConfig(kernels="torch", cpu_quantized_linear=False, cpu_packed_linear=False),
     pytest.param(ModelConfig(kernels="c"), marks=pytest.mark.skipif(
         not ops.c_kernels_available(), reason="the C kernels cannot be built here")),
-], ids=["torch", "c"])
+    # int16 activations, the default with AVX-512 VNNI, on every machine (AVX2 too: same bits)
+    pytest.param(ModelConfig(kernels="c", cpu_activations="int16"), marks=pytest.mark.skipif(
+        not ops.c_kernels_available(), reason="the C kernels cannot be built here")),
+], ids=["torch", "c", "c-int16"])
 def test_greedy_tokens_match_transformers_on_each_path(model, chat_prompt_ids, hf_outputs) -> None:
     with ops.use_backend("auto"):  # restored after the engine sets its own
         engine = Engine(WorkerConfig(model=model), loaded=load_model("default"))

@@ -17,6 +17,7 @@ from ops.sampling import (
     SamplingTensors,
     _top_k_top_p_min_p,
     apply_penalties,
+    greedy_ids_cpu,
     sample_ref,
 )
 
@@ -99,6 +100,27 @@ def test_all_greedy_is_argmax():
     out = sample_ref(logits, make_st(16, temperature=0.0))
     assert out.token_ids.dtype == torch.int64
     assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_the_runners_greedy_shortcut_gives_sample_refs_tokens():
+    """greedy_ids_cpu (the runner's path for plain greedy steps on the CPU) gives sample_ref's
+    tokens, or declines (None) where an argmax is not finite and sample_ref must decide."""
+    b = 8
+    logits = rand_logits(b, 300, seed=4)
+    logits[1, 7] = logits[1, 9] = 50.0  # a tie: the first maximum
+    logits[2, :] = float("-inf")
+    logits[2, 3] = 0.0  # one finite logit
+    ids = greedy_ids_cpu(logits)
+    assert ids == sample_ref(logits, make_st(b, temperature=0.0)).token_ids.tolist()
+    assert ids[1] == 7 and ids[2] == 3
+    for bad in (float("nan"), float("inf")):
+        x = logits.clone()
+        x[5, 11] = bad
+        assert greedy_ids_cpu(x) is None
+        assert sample_ref(x, make_st(b, temperature=0.0)).token_ids[5] != 11  # never drawn
+    x = logits.clone()
+    x[6, :] = float("-inf")  # no finite logit at all
+    assert greedy_ids_cpu(x) is None
 
 
 def test_temperature_zero_rows_greedy_in_mixed_batch():

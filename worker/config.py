@@ -138,10 +138,12 @@ class ModelConfig:
     cpu_activations: str = opt("auto", "with --cpu-quantized-linear, the arithmetic of the "
                                "quantized layers: float32 (the weights dequantized exactly), or the "
                                "activations written per block of 32 as 3, 2 or 1-byte integers and "
-                               "multiplied with exact integer dot products (int24: about float32's "
-                               "precision; int8: llama.cpp's arithmetic, fastest, but greedy tokens "
-                               "can differ from transformers; see BENCHMARKS.md); auto = int24 where "
-                               "the CPU has AVX-512 VNNI, float32 elsewhere",
+                               "multiplied with exact integer dot products (int24: float32's "
+                               "precision; int16: logprobs within 1e-2 of float32's, greedy tokens "
+                               "as transformers' on the parity prompts, 1.1-1.2x faster; int8: "
+                               "llama.cpp's arithmetic, fastest, logprobs about 0.1 off; see "
+                               "BENCHMARKS.md); auto = int16 where the CPU has AVX-512 VNNI, "
+                               "float32 elsewhere",
                                ("auto", "float32", "int24", "int16", "int8"))
     cpu_huge_pages: bool = opt(False, "on the CPU, keep the model's weights in 2 MB pages "
                                "(transparent huge pages, where the kernel offers them: THP always "

@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -47,7 +48,7 @@ import ops
 from ops import cpu_attention, cpu_decoder, huge_pages, quantized_linear
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
-from ops.sampling import SamplingTensors
+from ops.sampling import SamplingTensors, greedy_ids_cpu
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from worker import prompt_logprobs
@@ -179,6 +180,9 @@ class ModelRunner:
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
+    def _host(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def move_blocks(self, step: SchedulerOutput) -> None:
         """The step's KV moves, before its forward pass, in the order `kvcache.moves` argues
@@ -250,19 +254,18 @@ class ModelRunner:
                                      [s.block_table for s in step.scheduled])
             return self._one_each(self._sample([s.request for s in sampling], logits, masks))
         max_blocks = max(len(t) for t in tables)
-        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-
-        pos_t = self._tensor(positions)
-        block_tables = torch.tensor(tables, dtype=torch.int32).to(self.device, non_blocking=True)
-        rows = self._tensor(req_index)
-        slot_mapping = (
-            block_tables[rows, pos_t // self.block_size].long() * self.block_size
-            + pos_t % self.block_size
-        )
+        # Built in numpy on the host: a few microseconds an op where torch's CPU ops take
+        # tens each, which a batch-1 step's Python felt.
+        table_np = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int32)
+        pos_np = np.array(positions, dtype=np.int64)
+        # A token's slot: its block (from its row's table) times the block size, plus its offset.
+        bs = self.block_size
+        slots_np = table_np[req_index, pos_np // bs].astype(np.int64) * bs + pos_np % bs
+        pos_t = self._host(pos_np)
         meta = AttentionMetadata(
             lora=self._lora_step(step),
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
+            slot_mapping=self._host(slots_np),
+            block_tables=self._host(table_np),
             seq_lens=self._tensor(seq_lens),
             query_start_loc=self._tensor(query_start_loc),
             max_query_len=max(1 if s.spec_token_ids else s.num_new_tokens for s in step.scheduled),
@@ -315,6 +318,10 @@ class ModelRunner:
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor,
                 masks: StepMasks | None = None) -> dict[str, SampleResult]:
+        if masks is None and logits.device.type == "cpu" and all(map(_plain_greedy, sampling)):
+            ids = greedy_ids_cpu(logits)  # what ops.sample gives these rows, without its tensors
+            if ids is not None:
+                return {r.request_id: SampleResult(t) for r, t in zip(sampling, ids, strict=True)}
         logits = self.logits_masks.apply(logits, masks)
         out = ops.sample(logits, self._sampling_tensors(sampling))
         return self._results(sampling, out)
@@ -410,6 +417,13 @@ class ModelRunner:
                 res.top_logprobs = list(zip(top_ids[i][:n], top_lp[i][:n], strict=True)) if top_ids else []
             results.append(res)
         return results
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Sampled as the argmax of the raw logits, with no logprobs wanted."""
+    p = req.sampling_params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
 def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:

@@ -621,7 +621,7 @@ def add_parser(sub: Any) -> None:
                    default=c.kv_cache_free_memory_fraction, help="as serve's")
     p.add_argument("--cpu-activations", default=m.cpu_activations,
                    choices=("auto", *ACTIVATIONS),
-                   help="as serve's: the CPU kernels' activation arithmetic (auto: int24 with "
+                   help="as serve's: the CPU kernels' activation arithmetic (auto: int16 with "
                    "AVX-512 VNNI, else float32; resolved on this machine)")
     p.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens)
