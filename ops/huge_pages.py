@@ -4,8 +4,8 @@ Why: a decode step streams every weight once, ~100 MB for the default model. In 
 that is ~25,000 pages a step, more than the TLB holds, so the stream pays a page walk every
 4 KB, and in a virtual machine a walk of two page tables. On the 2-core AMD EPYC of this
 project (a VM) a plain two-thread read of 100 MB runs 1.2-1.4x faster in 2 MB pages, but the
-default model's int24 decode step (then the default), bound by its integer work as much as by memory, gained
-nothing (benchmarks/native_ab.py; BENCHMARKS.md): so --cpu-huge-pages is off by default.
+default model's int24 decode step (then the default), bound by its integer work as much as by
+memory, gained nothing (benchmarks/native_ab.py; BENCHMARKS.md): so --cpu-huge-pages is off by default.
 
 How: one anonymous mapping, 2 MB-aligned, `madvise(MADV_HUGEPAGE)` before it is touched
 (so the faults take huge pages where the kernel has them: THP "always" or "madvise"), the
