@@ -14,9 +14,10 @@ activations in one of these `ACTIVATIONS`:
   times less arithmetic than float32. int8 is llama.cpp's arithmetic and loses about 1/254 of
   a block's largest value per element; int24 keeps 23 bits of it, about float32's precision.
   int16 (the default with VNNI) keeps 15: on the default model its prompt logprobs are within
-  1e-2 of transformers' float32 (a bfloat16 engine's are within 0.3), its greedy tokens those of
-  transformers on the parity prompts, and its steps 1.1-1.2x faster than int24's at one row and
-  at 64 (`benchmarks/activations.py`, BENCHMARKS.md).
+  1e-2 of transformers' float32 (transformers' own bfloat16 is within 0.3), its greedy tokens
+  are transformers' on the 10 parity prompts over 64 tokens (int8's leave them on 9 of 10),
+  and its 64-row steps run 1.23x faster than int24's, its one-row steps 1.04x
+  (`benchmarks/activations.py`, BENCHMARKS.md).
 
 "auto" is int16 where the CPU has AVX-512 VNNI (there it is faster than float32 at one row
 and at 64), float32 elsewhere (without VNNI the integer kernels take more instructions than

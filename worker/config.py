@@ -140,10 +140,11 @@ class ModelConfig:
                                "activations written per block of 32 as 3, 2 or 1-byte integers and "
                                "multiplied with exact integer dot products (int24: float32's "
                                "precision; int16: logprobs within 1e-2 of float32's, greedy tokens "
-                               "as transformers' on the parity prompts, 1.1-1.2x faster; int8: "
-                               "llama.cpp's arithmetic, fastest, logprobs about 0.1 off; see "
-                               "BENCHMARKS.md); auto = int16 where the CPU has AVX-512 VNNI, "
-                               "float32 elsewhere",
+                               "as transformers' on the parity prompts, 1.2x int24's speed at 64 "
+                               "rows; int8: llama.cpp's arithmetic, fastest, but logprobs about "
+                               "0.1 off and greedy tokens leave transformers' on most parity "
+                               "prompts; see BENCHMARKS.md); auto = int16 where the CPU has "
+                               "AVX-512 VNNI, float32 elsewhere",
                                ("auto", "float32", "int24", "int16", "int8"))
     cpu_huge_pages: bool = opt(False, "on the CPU, keep the model's weights in 2 MB pages "
                                "(transparent huge pages, where the kernel offers them: THP always "
