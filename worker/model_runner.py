@@ -318,7 +318,8 @@ class ModelRunner:
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor,
                 masks: StepMasks | None = None) -> dict[str, SampleResult]:
-        if masks is None and logits.device.type == "cpu" and all(map(_plain_greedy, sampling)):
+        if (masks is None and logits.device.type == "cpu" and logits.dtype == torch.float32
+                and all(map(_plain_greedy, sampling))):
             ids = greedy_ids_cpu(logits)  # what ops.sample gives these rows, without its tensors
             if ids is not None:
                 return {r.request_id: SampleResult(t) for r, t in zip(sampling, ids, strict=True)}
