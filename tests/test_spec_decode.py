@@ -393,6 +393,23 @@ def test_greedy_tokens_are_the_same_with_and_without_speculation(engines, ground
         assert spec.num_draft_tokens > drafted
 
 
+def test_plain_greedy_verification_skips_the_sampler(engines, grounded_ids, monkeypatch) -> None:
+    """Drafted steps of plain greedy requests on the CPU verify by each row's argmax (the
+    runner's shortcut, no ops.sample) and accept drafts; with logprobs wanted they go through
+    ops.sample, with the same tokens."""
+    import ops
+
+    _, spec = engines
+    calls = []
+    real = ops.sample
+    monkeypatch.setattr(ops, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    accepted_before = spec.num_accepted_tokens
+    (fast,) = _generate(spec, grounded_ids[:1], SamplingParams(temperature=0.0, max_tokens=32))
+    assert calls == [] and spec.num_accepted_tokens > accepted_before
+    (full,) = _generate(spec, grounded_ids[:1], SamplingParams(temperature=0.0, max_tokens=32, logprobs=0))
+    assert calls and full.token_ids == fast.token_ids
+
+
 def test_penalties_and_seeds_see_the_drafts_as_output(engines, grounded_ids) -> None:
     """Each sampled position counts the drafts before it as output (penalties) and draws with
     its own output index's seeded generator: seeded sampling with penalties gives the same

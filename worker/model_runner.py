@@ -318,14 +318,23 @@ class ModelRunner:
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor,
                 masks: StepMasks | None = None) -> dict[str, SampleResult]:
-        if (masks is None and logits.device.type == "cpu" and logits.dtype == torch.float32
-                and all(map(_plain_greedy, sampling))):
-            ids = greedy_ids_cpu(logits)  # what ops.sample gives these rows, without its tensors
-            if ids is not None:
-                return {r.request_id: SampleResult(t) for r, t in zip(sampling, ids, strict=True)}
+        rows = self._greedy_rows(sampling, logits, masks)
+        if rows is not None:
+            return {r.request_id: res for r, res in zip(sampling, rows, strict=True)}
         logits = self.logits_masks.apply(logits, masks)
         out = ops.sample(logits, self._sampling_tensors(sampling))
         return self._results(sampling, out)
+
+    @staticmethod
+    def _greedy_rows(reqs: list[Request], logits: torch.Tensor,
+                     masks: StepMasks | None) -> list[SampleResult] | None:
+        """What ops.sample gives rows that are all plain greedy on CPU float32 logits (each
+        row's argmax), without building its tensors; None for any other step."""
+        if (masks is not None or logits.device.type != "cpu" or logits.dtype != torch.float32
+                or not all(map(_plain_greedy, reqs))):
+            return None
+        ids = greedy_ids_cpu(logits)
+        return None if ids is None else [SampleResult(t) for t in ids]
 
     @staticmethod
     def _one_each(results: dict[str, SampleResult]) -> dict[str, list[SampleResult]]:
@@ -335,15 +344,16 @@ class ModelRunner:
                 masks: StepMasks | None = None) -> dict[str, list[SampleResult]]:
         """Sample every row of a step with drafts, row j of a request as if its drafts d1..dj
         were output, and keep each request's accepted drafts and next token."""
-        logits = self.logits_masks.apply(logits, masks)
         reqs: list[Request] = []
         prior: list[list[int]] = []
         for s in sampling:  # the rows as `execute` laid them out: own ones, then forks'
             d = s.spec_token_ids
             reqs += [s.request] * (len(d) + 1) + s.forks
             prior += [d[:j] for j in range(len(d) + 1)] + [[] for _ in s.forks]
-        out = ops.sample(logits, self._sampling_tensors(reqs, prior))
-        rows = self._row_results(reqs, out)
+        rows = self._greedy_rows(reqs, logits, masks)  # the drafts change no plain greedy row
+        if rows is None:
+            logits = self.logits_masks.apply(logits, masks)
+            rows = self._row_results(reqs, ops.sample(logits, self._sampling_tensors(reqs, prior)))
         results: dict[str, list[SampleResult]] = {}
         first = 0
         for s in sampling:
