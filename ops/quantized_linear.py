@@ -271,9 +271,16 @@ def quantize_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight],
                      activations: str = "float32") -> int:
     """Replace every `nn.Linear` of `model` whose name has a weight in `quantized` by a
     `QuantLinear` of it (with integer `activations` where the weight allows, else float32);
-    returns how many were replaced (0 when already done)."""
+    returns how many were replaced (0 when already done). A linear an earlier call quantized
+    for other activations is refused: the swap is in place, so a second engine on the same
+    load would otherwise run the first one's arithmetic without a word."""
     count = 0
     for name, module in list(model.named_modules()):
+        if isinstance(module, QuantLinear) and name in quantized:
+            want = activations_for(quantized[name], activations)
+            if module.activations != want:
+                raise ValueError(f"{name} was quantized for {module.activations} activations by an earlier "
+                                 f"engine on this load; {want} needs a load of its own (load_model again)")
         if isinstance(module, nn.Linear) and name in quantized:
             qw = quantized[name]
             assert qw.shape == tuple(module.weight.shape), (name, qw.shape, module.weight.shape)

@@ -213,3 +213,19 @@ def test_the_flag_turns_the_kernel_off() -> None:
     assert "linear layers: 121 PackedLinear; embedding: table;" in engine.runner.describe_kernels()
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(loaded.model.tied_head, PackedLinear)
+
+
+@needs_kernel
+def test_a_load_quantized_for_one_arithmetic_refuses_another() -> None:
+    """The runner swaps a load's linears in place: a second engine on the same load with other
+    activations is refused (it would run the first one's arithmetic), the same ones are fine."""
+    from worker.config import ModelConfig, WorkerConfig
+    from worker.engine import Engine
+    from worker.weights import load_model
+
+    loaded = load_model("default")
+    Engine(WorkerConfig(model=ModelConfig(cpu_activations="int24")), loaded=loaded)
+    Engine(WorkerConfig(model=ModelConfig(cpu_activations="int24")), loaded=loaded)
+    with pytest.raises(ValueError, match="quantized for int24 activations by an earlier engine on this load; "
+                                         "int16 needs a load of its own"):
+        Engine(WorkerConfig(model=ModelConfig(cpu_activations="int16")), loaded=loaded)
