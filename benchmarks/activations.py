@@ -28,6 +28,7 @@ import torch
 from clients.bench.environment import environment
 from scheduler.request import SamplingParams
 from tests.conftest import CHAT_PROMPTS  # the parity prompts
+from tests.helpers import hf_greedy
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
 from worker.weights import default_model_path, load_model
@@ -102,9 +103,7 @@ def main() -> None:
     with torch.inference_mode():
         hf = _hf(torch.float32)
         refs = [_chosen(hf(torch.tensor([ids])).logits[0], ids) for ids in prompts]
-        want = [hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                            max_new_tokens=args.tokens, do_sample=False,
-                            pad_token_id=hf.config.eos_token_id)[0, len(ids):].tolist() for ids in chats]
+        want = [hf_greedy(hf, ids, args.tokens) for ids in chats]
         bf16 = _hf(torch.bfloat16)
         out: dict = {"tokens": args.tokens, "prompts": len(prompts), "arithmetics": {},
                      "transformers_bfloat16": {"logprob_error": _errors(

@@ -149,28 +149,47 @@ def _exponential_noise(shape: tuple[int, int], st: SamplingTensors, device: torc
     return noise.clamp_min_(_FMIN)
 
 
+def _numpy_view(x: torch.Tensor) -> np.ndarray | None:
+    """x as a numpy array where it can be one (on the CPU, in a float type numpy has)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64, torch.float16):
+        return None
+    return x.detach().numpy()
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1): the first maximum of each row (NaN ranking first), as torch gives it.
     On the CPU through numpy: torch's CPU argmax over a vocabulary took 130 us for one row
     and 2.9 ms for 64 (numpy: 13 us and 0.27 ms), the largest part of a greedy batch-1
     step's sampling. Same indices (the first maximum either way)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64, torch.float16):
-        return x.argmax(-1)
-    return torch.from_numpy(np.asarray(x.detach().numpy().argmax(-1)))
+    a = _numpy_view(x)
+    return x.argmax(-1) if a is None else torch.from_numpy(np.asarray(a.argmax(-1)))
+
+
+def _finite_argmax_np(a: np.ndarray) -> np.ndarray | None:
+    ids = a.argmax(-1)
+    return ids if np.isfinite(a[np.arange(a.shape[0]), ids]).all() else None
+
+
+def finite_argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """Each row's argmax (`argmax_rows`), or None when one lands on a non-finite logit (NaN
+    ranks first; +inf): `sample_ref`'s greedy decode. On the CPU all in numpy: torch's
+    gather and isfinite took ~0.1 ms there, on the caches a step's weights have evicted."""
+    a = _numpy_view(logits)
+    if a is not None:
+        ids = _finite_argmax_np(a)
+        return None if ids is None else torch.from_numpy(ids)
+    ids = logits.argmax(-1)
+    return ids if bool(torch.isfinite(logits.gather(-1, ids[:, None])).all()) else None
 
 
 def greedy_ids_cpu(logits: torch.Tensor) -> list[int] | None:
-    """`sample_ref`'s greedy decode for CPU float32 logits [B, V], without its tensors: each
-    row's argmax, or None when one lands on a non-finite logit (`sample_ref` then decides).
-    The runner takes it for steps whose rows are all greedy with no penalties, logprobs or
-    masks: building the SamplingTensors and the torch calls of `sample_ref` took ~0.2 ms of
-    a 5 ms batch-1 step (the Python runs on caches the step's weights have just evicted)."""
-    assert logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-    a = logits.detach().numpy()
-    ids = a.argmax(-1)
-    if not np.isfinite(a[np.arange(a.shape[0]), ids]).all():
-        return None
-    return ids.tolist()
+    """`finite_argmax` as ints, for CPU logits, with no tensor in between; None where it
+    gives None or numpy cannot view the logits. The runner takes it for steps whose rows are
+    all plain greedy, skipping the SamplingTensors and `sample_ref` (together ~0.2 ms of a
+    5 ms batch-1 step; a tensor made and read back here cost another 30-40 us)."""
+    a = _numpy_view(logits)
+    ids = None if a is None else _finite_argmax_np(a)
+    return None if ids is None else ids.tolist()
 
 
 def _draw(z: torch.Tensor, greedy_ids: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -192,10 +211,10 @@ def _draw(z: torch.Tensor, greedy_ids: torch.Tensor, st: SamplingTensors) -> tor
 def sample_ref(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] float32 -> one token per row."""
     if st.all_greedy and st.prompt_mask is None and st.num_logprobs < 0:
-        # Greedy decode: the raw argmax, unless it landed on a NaN or +inf (argmax ranks NaN
-        # first); spares the copy below, a pass as costly as the argmax itself.
-        ids = argmax_rows(logits)
-        if bool(torch.isfinite(logits.gather(-1, ids[:, None])).all()):
+        # Greedy decode: the raw argmax, unless it landed on a NaN or +inf; spares the copy
+        # below, a pass as costly as the argmax itself.
+        ids = finite_argmax(logits)
+        if ids is not None:
             return SamplerOutput(ids, None, None, None)
     z = apply_penalties(logits, st) if st.prompt_mask is not None else finite_logits(logits)
     greedy_ids = argmax_rows(z)

@@ -133,6 +133,11 @@ class SamplingParams:
         """Sampled as the argmax: temperature below `SAMPLING_EPS`, or top_k 1."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Any of the repetition, presence and frequency penalties on (NaN counts as on)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 def _bounded(value: Any) -> str:
     """A value for an error message, quoted at most 64 characters long (a sequence with

@@ -17,6 +17,7 @@ from ops.sampling import (
     SamplingTensors,
     _top_k_top_p_min_p,
     apply_penalties,
+    finite_argmax,
     greedy_ids_cpu,
     sample_ref,
 )
@@ -103,24 +104,30 @@ def test_all_greedy_is_argmax():
 
 
 def test_the_runners_greedy_shortcut_gives_sample_refs_tokens():
-    """greedy_ids_cpu (the runner's path for plain greedy steps on the CPU) gives sample_ref's
-    tokens, or declines (None) where an argmax is not finite and sample_ref must decide."""
+    """finite_argmax (sample_ref's greedy decode) and greedy_ids_cpu (the runner's for plain
+    greedy steps on the CPU) give sample_ref's tokens, or decline (None) where an argmax is
+    not finite and sample_ref must decide."""
     b = 8
     logits = rand_logits(b, 300, seed=4)
     logits[1, 7] = logits[1, 9] = 50.0  # a tie: the first maximum
     logits[2, :] = float("-inf")
     logits[2, 3] = 0.0  # one finite logit
     ids = greedy_ids_cpu(logits)
+    assert finite_argmax(logits).tolist() == ids
     assert ids == sample_ref(logits, make_st(b, temperature=0.0)).token_ids.tolist()
     assert ids[1] == 7 and ids[2] == 3
     for bad in (float("nan"), float("inf")):
         x = logits.clone()
         x[5, 11] = bad
-        assert greedy_ids_cpu(x) is None
+        assert finite_argmax(x) is None and greedy_ids_cpu(x) is None
         assert sample_ref(x, make_st(b, temperature=0.0)).token_ids[5] != 11  # never drawn
     x = logits.clone()
     x[6, :] = float("-inf")  # no finite logit at all
-    assert greedy_ids_cpu(x) is None
+    assert finite_argmax(x) is None and greedy_ids_cpu(x) is None
+    # bfloat16 (numpy has no view of it): torch's own argmax and check
+    half = logits.bfloat16()
+    assert torch.equal(finite_argmax(half), half.argmax(-1)) and greedy_ids_cpu(half) is None
+    assert finite_argmax(x.bfloat16()) is None
 
 
 def test_temperature_zero_rows_greedy_in_mixed_batch():

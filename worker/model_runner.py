@@ -328,10 +328,9 @@ class ModelRunner:
     @staticmethod
     def _greedy_rows(reqs: list[Request], logits: torch.Tensor,
                      masks: StepMasks | None) -> list[SampleResult] | None:
-        """What ops.sample gives rows that are all plain greedy on CPU float32 logits (each
-        row's argmax), without building its tensors; None for any other step."""
-        if (masks is not None or logits.device.type != "cpu" or logits.dtype != torch.float32
-                or not all(map(_plain_greedy, reqs))):
+        """What ops.sample gives rows that are all plain greedy on CPU logits (each row's
+        argmax), without building its tensors; None for any other step."""
+        if masks is not None or logits.device.type != "cpu" or not all(map(_plain_greedy, reqs)):
             return None
         ids = greedy_ids_cpu(logits)
         return None if ids is None else [SampleResult(t) for t in ids]
@@ -377,10 +376,7 @@ class ModelRunner:
               p.frequency_penalty] for p in ps], dtype=torch.float32,
         ).t().to(self.device, non_blocking=True)
 
-        penalties = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-            for p in ps
-        )
+        penalties = any(p.penalized for p in ps)
         prompt_mask = output_counts = None
         if penalties:
             b, v = len(reqs), self.vocab_size
@@ -433,8 +429,7 @@ class ModelRunner:
 def _plain_greedy(req: Request) -> bool:
     """Sampled as the argmax of the raw logits, with no logprobs wanted."""
     p = req.sampling_params
-    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+    return p.greedy and p.logprobs is None and not p.penalized
 
 
 def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
