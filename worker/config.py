@@ -146,12 +146,12 @@ class ModelConfig:
                                "prompts; see BENCHMARKS.md); auto = int16 where the CPU has "
                                "AVX-512 VNNI, float32 elsewhere",
                                ("auto", "float32", "int24", "int16", "int8"))
-    cpu_huge_pages: bool = opt(False, "on the CPU, keep the model's weights in 2 MB pages "
+    cpu_huge_pages: bool = opt(True, "on the CPU, keep the model's weights in 2 MB pages "
                                "(transparent huge pages, where the kernel offers them: THP always "
-                               "or madvise); plain reads run 1.2-1.4x faster in them, but the "
-                               "default model's decode step gained nothing on the project's 2-core "
-                               "machines (BENCHMARKS.md); --cpu-huge-pages for machines where "
-                               "the step waits on memory")
+                               "or madvise; elsewhere plain pages, the same bits): a decode step "
+                               "streams every weight, and with int16 activations the batch-1 "
+                               "call ran 4-6% faster in them on the project's 2-core machines "
+                               "(BENCHMARKS.md); --no-cpu-huge-pages keeps 4 KB pages")
 
     def __post_init__(self) -> None:
         if _dtype(self.dtype) not in DTYPES:  # torch reads half and float too (resolve_dtype)

@@ -126,38 +126,43 @@ INLINE __m512 combine16(__m512i s0, __m512i s1, __m512i s2, int P) {
     return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f)), _mm512_cvtepi32_ps(lo));
 }
 
+/* Record b (at rec) of a tile for R rows: acc[r][h] += its dot products (see the top). */
+INLINE void q4_1_i8_record(const uint8_t *rec, int b, int K, const qact *a, int R, int P, __m512 (*acc)[2]) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512i s[4][3][2];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_loadu_si512(rec + 128 + c * 64), v1 = _mm512_loadu_si512(rec + 128 + (4 + c) * 64);
+        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) {
+                const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                const __m512i xl = _mm512_set1_epi32(load_i32(xq)), xh = _mm512_set1_epi32(load_i32(xq + 4));
+                s[r][p][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][0], lo0, xl), hi0, xh);
+                s[r][p][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][1], lo1, xl), hi1, xh);
+            }
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m512 d = load_half16(rec + 32 * h), m = load_half16(rec + 64 + 32 * h);
+        for (int r = 0; r < R; r++) {
+            const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
+            const __m512 tot = combine16(s[r][0][h], s[r][P > 1 ? 1 : 0][h], s[r][P > 2 ? 2 : 0][h], P);
+            acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
+            acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r].s[b]), acc[r][h]);
+        }
+    }
+}
+
 INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
                          int pf) {
     __m512 acc[4][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
         if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q4_1_I8_RECORD);
-        __m512i s[4][3][2];
-        for (int r = 0; r < R; r++)
-            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-            const __m512i v0 = _mm512_loadu_si512(rec + 128 + c * 64), v1 = _mm512_loadu_si512(rec + 128 + (4 + c) * 64);
-            const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-            const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-            for (int r = 0; r < R; r++)
-                for (int p = 0; p < P; p++) {
-                    const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
-                    const __m512i xl = _mm512_set1_epi32(load_i32(xq)), xh = _mm512_set1_epi32(load_i32(xq + 4));
-                    s[r][p][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][0], lo0, xl), hi0, xh);
-                    s[r][p][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][1], lo1, xl), hi1, xh);
-                }
-        }
-        for (int h = 0; h < 2; h++) {
-            const __m512 d = load_half16(rec + 32 * h), m = load_half16(rec + 64 + 32 * h);
-            for (int r = 0; r < R; r++) {
-                const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
-                const __m512 tot = combine16(s[r][0][h], s[r][P > 1 ? 1 : 0][h], s[r][P > 2 ? 2 : 0][h], P);
-                acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
-                acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r].s[b]), acc[r][h]);
-            }
-        }
+        q4_1_i8_record(rec, b, K, a, R, P, acc);
     }
     for (int r = 0; r < R; r++) {
         _mm512_storeu_ps(y + r * ldy, acc[r][0]);
@@ -166,6 +171,33 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
 }
 
 /* Q8_0: the digits + 128 (a[r].u) are vpdpbusd's unsigned side; 128 sum q comes back out. */
+INLINE void q8_0_i8_record(const uint8_t *rec, int b, int K, const qact *a, int R, int P, __m512 (*acc)[2]) {
+    __m512i s[4][3][2];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        const __m512i q0 = _mm512_loadu_si512(rec + 128 + c * 64), q1 = _mm512_loadu_si512(rec + 128 + (8 + c) * 64);
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) {
+                const __m512i xu = _mm512_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], xu, q0);
+                s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], xu, q1);
+            }
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m512i off = _mm512_slli_epi32(
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h))), 7);
+        const __m512 d = load_half16(rec + 32 * h);
+        for (int r = 0; r < R; r++) {
+            const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
+            const __m512 tot = combine16(_mm512_sub_epi32(s[r][0][h], off),
+                                         _mm512_sub_epi32(s[r][P > 1 ? 1 : 0][h], off),
+                                         _mm512_sub_epi32(s[r][P > 2 ? 2 : 0][h], off), P);
+            acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
+        }
+    }
+}
+
 INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
                          int pf) {
     __m512 acc[4][2];
@@ -173,32 +205,38 @@ INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
         if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q8_0_I8_RECORD);
-        __m512i s[4][3][2];
-        for (int r = 0; r < R; r++)
-            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c++) {
-            const __m512i q0 = _mm512_loadu_si512(rec + 128 + c * 64), q1 = _mm512_loadu_si512(rec + 128 + (8 + c) * 64);
-            for (int r = 0; r < R; r++)
-                for (int p = 0; p < P; p++) {
-                    const __m512i xu = _mm512_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
-                    s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], xu, q0);
-                    s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], xu, q1);
-                }
-        }
-        for (int h = 0; h < 2; h++) {
-            const __m512i off = _mm512_slli_epi32(
-                _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h))), 7);
-            const __m512 d = load_half16(rec + 32 * h);
-            for (int r = 0; r < R; r++) {
-                const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
-                const __m512 tot = combine16(_mm512_sub_epi32(s[r][0][h], off),
-                                             _mm512_sub_epi32(s[r][P > 1 ? 1 : 0][h], off),
-                                             _mm512_sub_epi32(s[r][P > 2 ? 2 : 0][h], off), P);
-                acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
-            }
-        }
+        q8_0_i8_record(rec, b, K, a, R, P, acc);
     }
     for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+
+/* A few rows (2..FEW_ROWS), every one in the same pass over the tile's records: each
+ * record, fetched from memory once, is multiplied with all the rows while it is in L1, so
+ * the rows' integer work overlaps the stream instead of following it (a tile's records
+ * once per group of rows: the first group waited on memory, the others on arithmetic).
+ * Each row's arithmetic is the rows kernel's, in the same order: the same bits. */
+#define FEW_ROWS 16
+INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qact *a, int M, int P, float *y,
+                        size_t ldy) {
+    __m512 acc[FEW_ROWS][2];
+    for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD, R = I8_R(P);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = rec0 + (size_t)b * record;
+        prefetch_bytes(rec + PREFETCH_AHEAD, record);
+        int r = 0;
+        if (qtype == QT_Q4_1_I8) {
+            for (; r + R <= M; r += R) q4_1_i8_record(rec, b, K, a + r, R, P, acc + r);
+            for (; r < M; r++) q4_1_i8_record(rec, b, K, a + r, 1, P, acc + r);
+        } else {
+            for (; r + R <= M; r += R) q8_0_i8_record(rec, b, K, a + r, R, P, acc + r);
+            for (; r < M; r++) q8_0_i8_record(rec, b, K, a + r, 1, P, acc + r);
+        }
+    }
+    for (int r = 0; r < M; r++) {
         _mm512_storeu_ps(y + r * ldy, acc[r][0]);
         _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
     }
@@ -324,6 +362,14 @@ static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, in
             qi_rows(rec, qtype, nb, K, a + r, I8_R(P), P, yt + (size_t)r * ldy, ldy, r == 0);  \
         for (; r < M; r++) qi_rows(rec, qtype, nb, K, a + r, 1, P, yt + (size_t)r * ldy, ldy, r == 0); \
     }
+#if defined(__AVX512VNNI__)
+    if (M > 1 && M <= FEW_ROWS) {
+        if (P == 1) qi_few_rows(rec, qtype, nb, K, a, M, 1, yt, ldy);
+        else if (P == 2) qi_few_rows(rec, qtype, nb, K, a, M, 2, yt, ldy);
+        else qi_few_rows(rec, qtype, nb, K, a, M, 3, yt, ldy);
+        return;
+    }
+#endif
     if (P == 1) ROWS(1)
     else if (P == 2) ROWS(2)
     else ROWS(3)
