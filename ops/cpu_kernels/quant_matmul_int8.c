@@ -126,43 +126,39 @@ INLINE __m512 combine16(__m512i s0, __m512i s1, __m512i s2, int P) {
     return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.0f)), _mm512_cvtepi32_ps(lo));
 }
 
-/* Record b (at rec) of a tile for R rows: acc[r][h] += its dot products (see the top). */
-INLINE void q4_1_i8_record(const uint8_t *rec, int b, int K, const qact *a, int R, int P, __m512 (*acc)[2]) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512i s[4][3][2];
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; c++) {
-        const __m512i v0 = _mm512_loadu_si512(rec + 128 + c * 64), v1 = _mm512_loadu_si512(rec + 128 + (4 + c) * 64);
-        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-        for (int r = 0; r < R; r++)
-            for (int p = 0; p < P; p++) {
-                const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
-                const __m512i xl = _mm512_set1_epi32(load_i32(xq)), xh = _mm512_set1_epi32(load_i32(xq + 4));
-                s[r][p][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][0], lo0, xl), hi0, xh);
-                s[r][p][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][1], lo1, xl), hi1, xh);
-            }
-    }
-    for (int h = 0; h < 2; h++) {
-        const __m512 d = load_half16(rec + 32 * h), m = load_half16(rec + 64 + 32 * h);
-        for (int r = 0; r < R; r++) {
-            const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
-            const __m512 tot = combine16(s[r][0][h], s[r][P > 1 ? 1 : 0][h], s[r][P > 2 ? 2 : 0][h], P);
-            acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
-            acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r].s[b]), acc[r][h]);
-        }
-    }
-}
-
 INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
-                         int pf) {
+                         int pf, int acc_y) {
     __m512 acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = acc_y ? _mm512_loadu_ps(y + r * ldy + 16 * h) : _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
         if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q4_1_I8_RECORD);
-        q4_1_i8_record(rec, b, K, a, R, P, acc);
+        __m512i s[4][3][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m512i v0 = _mm512_loadu_si512(rec + 128 + c * 64), v1 = _mm512_loadu_si512(rec + 128 + (4 + c) * 64);
+            const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+            const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) {
+                    const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                    const __m512i xl = _mm512_set1_epi32(load_i32(xq)), xh = _mm512_set1_epi32(load_i32(xq + 4));
+                    s[r][p][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][0], lo0, xl), hi0, xh);
+                    s[r][p][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][1], lo1, xl), hi1, xh);
+                }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512 d = load_half16(rec + 32 * h), m = load_half16(rec + 64 + 32 * h);
+            for (int r = 0; r < R; r++) {
+                const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
+                const __m512 tot = combine16(s[r][0][h], s[r][P > 1 ? 1 : 0][h], s[r][P > 2 ? 2 : 0][h], P);
+                acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
+                acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r].s[b]), acc[r][h]);
+            }
+        }
     }
     for (int r = 0; r < R; r++) {
         _mm512_storeu_ps(y + r * ldy, acc[r][0]);
@@ -171,72 +167,40 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
 }
 
 /* Q8_0: the digits + 128 (a[r].u) are vpdpbusd's unsigned side; 128 sum q comes back out. */
-INLINE void q8_0_i8_record(const uint8_t *rec, int b, int K, const qact *a, int R, int P, __m512 (*acc)[2]) {
-    __m512i s[4][3][2];
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
-    for (int c = 0; c < 8; c++) {
-        const __m512i q0 = _mm512_loadu_si512(rec + 128 + c * 64), q1 = _mm512_loadu_si512(rec + 128 + (8 + c) * 64);
-        for (int r = 0; r < R; r++)
-            for (int p = 0; p < P; p++) {
-                const __m512i xu = _mm512_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
-                s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], xu, q0);
-                s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], xu, q1);
-            }
-    }
-    for (int h = 0; h < 2; h++) {
-        const __m512i off = _mm512_slli_epi32(
-            _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h))), 7);
-        const __m512 d = load_half16(rec + 32 * h);
-        for (int r = 0; r < R; r++) {
-            const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
-            const __m512 tot = combine16(_mm512_sub_epi32(s[r][0][h], off),
-                                         _mm512_sub_epi32(s[r][P > 1 ? 1 : 0][h], off),
-                                         _mm512_sub_epi32(s[r][P > 2 ? 2 : 0][h], off), P);
-            acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
-        }
-    }
-}
-
 INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
-                         int pf) {
+                         int pf, int acc_y) {
     __m512 acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = acc_y ? _mm512_loadu_ps(y + r * ldy + 16 * h) : _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
         if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q8_0_I8_RECORD);
-        q8_0_i8_record(rec, b, K, a, R, P, acc);
-    }
-    for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
-        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
-    }
-}
-
-/* A few rows (2..FEW_ROWS), every one in the same pass over the tile's records: each
- * record, fetched from memory once, is multiplied with all the rows while it is in L1, so
- * the rows' integer work overlaps the stream instead of following it (a tile's records
- * once per group of rows: the first group waited on memory, the others on arithmetic).
- * Each row's arithmetic is the rows kernel's, in the same order: the same bits. */
-#define FEW_ROWS 16
-INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qact *a, int M, int P, float *y,
-                        size_t ldy) {
-    __m512 acc[FEW_ROWS][2];
-    for (int r = 0; r < M; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD, R = I8_R(P);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *rec = rec0 + (size_t)b * record;
-        prefetch_bytes(rec + PREFETCH_AHEAD, record);
-        int r = 0;
-        if (qtype == QT_Q4_1_I8) {
-            for (; r + R <= M; r += R) q4_1_i8_record(rec, b, K, a + r, R, P, acc + r);
-            for (; r < M; r++) q4_1_i8_record(rec, b, K, a + r, 1, P, acc + r);
-        } else {
-            for (; r + R <= M; r += R) q8_0_i8_record(rec, b, K, a + r, R, P, acc + r);
-            for (; r < M; r++) q8_0_i8_record(rec, b, K, a + r, 1, P, acc + r);
+        __m512i s[4][3][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            const __m512i q0 = _mm512_loadu_si512(rec + 128 + c * 64), q1 = _mm512_loadu_si512(rec + 128 + (8 + c) * 64);
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) {
+                    const __m512i xu = _mm512_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                    s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], xu, q0);
+                    s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], xu, q1);
+                }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512i off = _mm512_slli_epi32(
+                _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h))), 7);
+            const __m512 d = load_half16(rec + 32 * h);
+            for (int r = 0; r < R; r++) {
+                const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
+                const __m512 tot = combine16(_mm512_sub_epi32(s[r][0][h], off),
+                                             _mm512_sub_epi32(s[r][P > 1 ? 1 : 0][h], off),
+                                             _mm512_sub_epi32(s[r][P > 2 ? 2 : 0][h], off), P);
+                acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
+            }
         }
     }
-    for (int r = 0; r < M; r++) {
+    for (int r = 0; r < R; r++) {
         _mm512_storeu_ps(y + r * ldy, acc[r][0]);
         _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
     }
@@ -263,9 +227,10 @@ INLINE __m256 combine8(const __m256i *s, int P) {
 }
 
 INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
-                         int pf) {
+                         int pf, int acc_y) {
     (void)R;
     (void)ldy;
+    (void)acc_y; /* qi_few_rows (the only caller that sets it) is AVX-512 VNNI's */
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
@@ -294,9 +259,10 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
 }
 
 INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
-                         int pf) {
+                         int pf, int acc_y) {
     (void)R;
     (void)ldy;
+    (void)acc_y; /* qi_few_rows (the only caller that sets it) is AVX-512 VNNI's */
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
@@ -342,12 +308,37 @@ static inline int qi_needs_unsigned(void) {
 }
 
 /* R rows (a constant after inlining: the loops over rows and planes unroll) of one tile;
- * `pf`: fetch ahead (the first rows only: the later ones find the tile in the caches). */
+ * `pf`: fetch ahead (the first rows only: the later ones find the tile in the caches);
+ * `acc_y`: add to y's sums (qi_few_rows) instead of starting from zero. */
 INLINE void qi_rows(const uint8_t *rec, int qtype, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
-                    int pf) {
-    if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, K, a, R, P, y, ldy, pf);
-    else q8_0_i8_rows(rec, nb, K, a, R, P, y, ldy, pf);
+                    int pf, int acc_y) {
+    if (qtype == QT_Q4_1_I8) q4_1_i8_rows(rec, nb, K, a, R, P, y, ldy, pf, acc_y);
+    else q8_0_i8_rows(rec, nb, K, a, R, P, y, ldy, pf, acc_y);
 }
+
+#if defined(__AVX512VNNI__)
+/* A few rows (2..FEW_ROWS) in one pass over the tile's records: each record, fetched from
+ * memory once, is multiplied with every row while it is in L1, the rows' sums kept in y
+ * between records. Row by row (groups of I8_R, then singles) after the whole tile, the
+ * first group waited on memory and the others on arithmetic; here the two overlap. Each
+ * row's arithmetic is the rows kernel's in the same order (y holds its float sums exactly):
+ * the same bits. */
+#define FEW_ROWS 16
+INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qact *a, int M, int P, float *y,
+                        size_t ldy) {
+    const size_t record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
+    qact v[FEW_ROWS];
+    for (int b = 0; b < nb; b++) {
+        for (int r = 0; r < M; r++) /* the rows from block b on: the kernel's block 0 */
+            v[r] = (qact){a[r].q + b * I8_QBLOCK, a[r].d + b, a[r].s + b, a[r].u ? a[r].u + b * I8_QBLOCK : NULL};
+        const uint8_t *rec = rec0 + b * record;
+        int r = 0;
+        for (; r + I8_R(P) <= M; r += I8_R(P))
+            qi_rows(rec, qtype, 1, K, v + r, I8_R(P), P, y + (size_t)r * ldy, ldy, r == 0, b > 0);
+        for (; r < M; r++) qi_rows(rec, qtype, 1, K, v + r, 1, P, y + (size_t)r * ldy, ldy, r == 0, b > 0);
+    }
+}
+#endif
 
 /* Tile t for rows 0..M-1 into yt[r * ldy + n] from their activations a in P planes. */
 static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, int M, float *yt, size_t ldy, int t) {
@@ -359,8 +350,8 @@ static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, in
     {                                                                                        \
         int r = 0;                                                                           \
         for (; r + I8_R(P) <= M; r += I8_R(P))                                              \
-            qi_rows(rec, qtype, nb, K, a + r, I8_R(P), P, yt + (size_t)r * ldy, ldy, r == 0);  \
-        for (; r < M; r++) qi_rows(rec, qtype, nb, K, a + r, 1, P, yt + (size_t)r * ldy, ldy, r == 0); \
+            qi_rows(rec, qtype, nb, K, a + r, I8_R(P), P, yt + (size_t)r * ldy, ldy, r == 0, 0);  \
+        for (; r < M; r++) qi_rows(rec, qtype, nb, K, a + r, 1, P, yt + (size_t)r * ldy, ldy, r == 0, 0); \
     }
 #if defined(__AVX512VNNI__)
     if (M > 1 && M <= FEW_ROWS) {
