@@ -80,3 +80,33 @@ def test_every_isa_gives_the_avx2_bits(restore_isa) -> None:
     for name, outs in results.items():
         for i, (a, b) in enumerate(zip(outs, results["avx2"], strict=True)):
             assert torch.equal(a, b), f"{name}: output {i} differs from the AVX2 build's"
+
+
+def _prefetches(lib_path: str) -> dict[str, int]:
+    """prefetcht0/t1 instructions in a built library, counted in objdump's disassembly."""
+    import re
+    import subprocess
+
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", lib_path], capture_output=True, text=True,
+                          check=True).stdout
+    counts = {"prefetcht0": 0, "prefetcht1": 0}
+    for m in re.finditer(r"\s(prefetcht[01])\s", text):
+        counts[m.group(1)] += 1
+    return counts
+
+
+@pytest.mark.skipif(__import__("shutil").which("objdump") is None, reason="no objdump here")
+def test_every_isas_decoder_build_keeps_its_weight_prefetches(restore_isa) -> None:
+    """GCC counts a prefetch as no side effect: a helper it declined to inline was a pure call
+    nobody used, and the integer kernels' record prefetches were deleted from the build without
+    a word (simd.h). Each build of the fused decoder must still hold one per cache line of a
+    record, in every rows kernel it instantiates: dozens, not the attention's two loops."""
+    for name in cpu_kernels.supported_isas():
+        cpu_kernels.force_isa(name)
+        lib = cpu_kernels.load("decoder")
+        assert lib is not None
+        counts = _prefetches(lib._name)
+        # AVX-512 VNNI fetches records into L2 (t1), the other builds into L1 (t0); the
+        # attention's two loops fetch keys and values into L1 everywhere.
+        weights = counts["prefetcht1"] if name == "avx512-vnni" else counts["prefetcht0"] - 2
+        assert weights >= 40, (name, counts)
