@@ -97,19 +97,18 @@ static void qa_row(const float *x, int K, int P, qact a) {
     }
 }
 
-/* Records are fetched this many bytes ahead of the one being multiplied. A decode step reads
- * each weight once, from memory, and the hardware's prefetchers (which stop at every 4 KB
- * page) left the integer work and the memory's latency in turn rather than together: at
- * batch 1, 3 KB ahead made the fused decoder's native call 8-11% faster in one-process A/Bs
- * (commit c1fc25a). A fetch past a tile's end reads the next tile, which the same thread
- * usually takes next. */
+/* Records are fetched ahead of the one being multiplied. A decode step reads each weight
+ * once, from memory, and the hardware's prefetchers (which stop at every 4 KB page) leave the
+ * integer work and the memory's latency in turn rather than together. A fetch past a tile's
+ * end reads the next tile, which the same thread usually takes next.
+ *
+ * The AVX-512 VNNI kernels fetch Q4_1 records 6 KB and Q8_0's 12 KB ahead, into L2: the fused
+ * decoder's batch-1 native call, in one process (benchmarks/native_ab.py, session 7), took
+ * 4.50 ms with no fetch, 4.27 with 3 KB into L1, 3.71 with these. (Until then no build had
+ * fetched at all: GCC had deleted the helper's calls, see simd.h; commit c1fc25a's 8-11% was
+ * the machine's drift.) The AVX2 build fetches 3 KB into L1, not measured on an AVX2-only
+ * machine. */
 #define PREFETCH_AHEAD 3072
-
-/* The AVX-512 VNNI kernels fetch further ahead, into L2: in one-process A/Bs of the fused
- * decoder's batch-1 call (benchmarks/native_ab.py, session 7) Q8_0 records 12 KB ahead and
- * Q4_1's 6 KB ahead, both into L2, made the call 14% faster (3.80 -> 3.27 ms), and 6 rows
- * 16%; 3 KB into L1 for Q4_1 then was 10% slower than 6 KB into L2. The AVX2 build keeps
- * the L1 fetch above (not measured on an AVX2-only machine). */
 #define Q4_1_AHEAD_L2 6144
 #define Q8_0_AHEAD_L2 12288
 

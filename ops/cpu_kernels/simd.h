@@ -42,8 +42,8 @@ static inline __m256 exp8(__m256 x) {
 /* Asks for the cache lines of bytes [p, p + bytes) into L1 (a hint: never faults).
  * always_inline: GCC (12) counts a prefetch as no side effect, so a call it does not inline
  * (a large kernel's inlining budget spent) is a call to a pure function whose result nobody
- * uses, and it deletes it: the integer kernels' weight prefetches were compiled away that way
- * (tests/test_cpu_kernels.py counts them in the built library). */
+ * uses, and it deletes it: the integer kernels' weight prefetches had been compiled away that
+ * way since they were written (tests/test_cpu_isa.py counts them in each build). */
 static inline __attribute__((always_inline)) void prefetch_bytes(const void *p, size_t bytes) {
     for (size_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + l, _MM_HINT_T0);
 }
