@@ -55,9 +55,10 @@ class _Timed:
         return rc
 
 
-def _engine(batch: int, context: int, huge_pages: bool):
+def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto"):
     """An engine mid-decode, its decoder, and the arguments of one decode step."""
-    config = WorkerConfig(model=ModelConfig(cpu_huge_pages=huge_pages), cache=CacheConfig(kv_cache_memory=0.5),
+    config = WorkerConfig(model=ModelConfig(cpu_huge_pages=huge_pages, cpu_activations=activations),
+                          cache=CacheConfig(kv_cache_memory=0.5),
                           scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192))
     engine = Engine(config)
     if engine.runner.cpu_decoder is None:
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--pages", choices=("huge", "4k", "both"), default="huge",
                     help="the engine's --cpu-huge-pages: on, off, or both as sides of their own")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--cpu-activations", default="auto", help="the engine's --cpu-activations (every side's)")
     ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--calls", type=int, default=10, help="calls per side per round")
@@ -113,7 +115,7 @@ def main() -> None:
     print(f"a plain read of 100 MB: {reads['4k']:.1f} GB/s in 4 KB pages, {reads['huge']:.1f} GB/s in 2 MB pages "
           f"({reads['huge_bytes'] >> 20} MiB of the buffer in huge pages)")
 
-    engines = {p: _engine(args.batch, args.context, p == "huge")
+    engines = {p: _engine(args.batch, args.context, p == "huge", args.cpu_activations)
                for p in (("huge", "4k") if args.pages == "both" else (args.pages,))}
     here = Path(__file__).resolve().parents[1]
     sides: dict[str, tuple[str, ctypes.CDLL]] = {}
@@ -139,6 +141,7 @@ def main() -> None:
                 first = reference.setdefault(pages, logits.clone())
                 same[side] = same[side] and bool((logits == first).all())
     out = {"batch": args.batch, "context": args.context, "rounds": args.rounds, "calls": args.calls,
+           "cpu_activations": args.cpu_activations,
            "read_gbps": reads, "sides": {}}
     print("| side | native call ms: median (p10, fastest) | logits as the first side's |")
     print("|---|---|---|")

@@ -45,7 +45,11 @@ typedef struct {
 /* Tokens ahead of the one being read whose keys (values) are prefetched. The cache is read
  * from memory every step (the weights streamed since evict it), a token's rows of a kv head
  * are a few lines at a stride, and a new block every block_size tokens: unaided, the loops
- * waited on memory for most of their time (at 400 tokens of context, 1.4x the whole step). */
+ * waited on memory for most of their time (at 400 tokens of context, 1.4x the whole step).
+ * Into L2 (simd.h's T1 hint): a token's keys are 12 lines, 8 tokens ahead ~100 lines in flight,
+ * more than L1's miss buffers hold. In one process (benchmarks/native_ab.py, session 7), into
+ * L2 rather than L1: batch 1 at 500 tokens of context 4.73 -> 4.45 ms, at 100 3.49 -> 3.37;
+ * 64 requests at 300 58.4 -> 52.3 ms (16 tokens ahead: no different). */
 #define PREFETCH_TOKENS 8
 
 static inline const float *cached_row(const float *cache, const int64_t *table, int block_size, size_t tok,
@@ -118,7 +122,7 @@ static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_
     for (int64_t j = j0; j < j1; j++) {
         const float *kt = cached_row(a->k_cache, table, a->block_size, tok, j);
         if (j + PREFETCH_TOKENS < j1)
-            prefetch_bytes(cached_row(a->k_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
+            prefetch_bytes_l2(cached_row(a->k_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
         for (int h = 0; h < nh; h++) {
             const float *qa = qi + (size_t)h * D, *kp = kt + (size_t)(h / group) * D;
             __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -160,7 +164,7 @@ static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_
     for (int64_t j = j0; j < j1; j++) {
         const float *vt = cached_row(a->v_cache, table, a->block_size, tok, j);
         if (j + PREFETCH_TOKENS < j1)
-            prefetch_bytes(cached_row(a->v_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
+            prefetch_bytes_l2(cached_row(a->v_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
         for (int h = 0; h < nh; h++) {
             const __m256 p = _mm256_set1_ps(scores[h * stride + (j - j0)]);
             const float *vp = vt + (size_t)(h / group) * D;
