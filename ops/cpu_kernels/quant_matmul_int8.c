@@ -97,18 +97,15 @@ static void qa_row(const float *x, int K, int P, qact a) {
     }
 }
 
-/* Records are fetched ahead of the one being multiplied. A decode step reads each weight
- * once, from memory, and the hardware's prefetchers (which stop at every 4 KB page) leave the
- * integer work and the memory's latency in turn rather than together. A fetch past a tile's
- * end reads the next tile, which the same thread usually takes next.
- *
- * The AVX-512 VNNI kernels fetch Q4_1 records 6 KB and Q8_0's 12 KB ahead, into L2: the fused
- * decoder's batch-1 native call, in one process (benchmarks/native_ab.py, session 7), took
- * 4.50 ms with no fetch, 4.27 with 3 KB into L1, 3.71 with these. (Until then no build had
- * fetched at all: GCC had deleted the helper's calls, see simd.h; commit c1fc25a's 8-11% was
- * the machine's drift.) The AVX2 build fetches 3 KB into L1, not measured on an AVX2-only
- * machine. */
-#define PREFETCH_AHEAD 3072
+/* Records are fetched ahead of the one being multiplied, into L2. A decode step reads each
+ * weight once, from memory, and the hardware's prefetchers (which stop at every 4 KB page)
+ * leave the integer work and the memory's latency in turn rather than together. A fetch past
+ * a tile's end reads the next tile, which the same thread usually takes next. The fused
+ * decoder's batch-1 native call, in one process (benchmarks/native_ab.py, session 7):
+ * AVX-512 VNNI build 4.50 ms with no fetch, 4.27 with 3 KB ahead into L1, 3.71 with these;
+ * AVX2 build (same Zen 4, int16) 3.37 with none, 3.39 with 3 KB into L1, 3.05 with these.
+ * (Until then no build had fetched at all: GCC had deleted the helper's calls, see simd.h;
+ * commit c1fc25a's 8-11% was the machine's drift.) */
 #define Q4_1_AHEAD_L2 6144
 #define Q8_0_AHEAD_L2 12288
 
@@ -242,7 +239,7 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
-        if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q4_1_I8_RECORD);
+        if (pf) prefetch_bytes_l2(rec + Q4_1_AHEAD_L2, Q4_1_I8_RECORD);
         const __m256 dx = _mm256_set1_ps(a[0].d[b]), sx = _mm256_set1_ps(a[0].s[b]);
         for (int e = 0; e < 4; e++) { /* outputs 8e..8e+7: half h = e / 2, bytes 32 (e % 2) */
             __m256i s[3];
@@ -273,7 +270,7 @@ INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
-        if (pf) prefetch_bytes(rec + PREFETCH_AHEAD, Q8_0_I8_RECORD);
+        if (pf) prefetch_bytes_l2(rec + Q8_0_AHEAD_L2, Q8_0_I8_RECORD);
         const __m256 dx = _mm256_set1_ps(a[0].d[b]);
         for (int e = 0; e < 4; e++) {
             __m256i s[3];

@@ -39,17 +39,12 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* Asks for the cache lines of bytes [p, p + bytes) into L1 (a hint: never faults).
+/* Asks for the cache lines of bytes [p, p + bytes) into L2 (the T1 hint; never faults): the
+ * kernels' streams are read a few KB ahead, more lines in flight than L1's miss buffers hold.
  * always_inline: GCC (12) counts a prefetch as no side effect, so a call it does not inline
  * (a large kernel's inlining budget spent) is a call to a pure function whose result nobody
  * uses, and it deletes it: the integer kernels' weight prefetches had been compiled away that
  * way since they were written (tests/test_cpu_isa.py counts them in each build). */
-static inline __attribute__((always_inline)) void prefetch_bytes(const void *p, size_t bytes) {
-    for (size_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + l, _MM_HINT_T0);
-}
-
-/* The same into L2 (the T1 hint): for streams read a few KB ahead, whose lines L1's few
- * miss buffers would hold up (see quant_matmul_int8.c). */
 static inline __attribute__((always_inline)) void prefetch_bytes_l2(const void *p, size_t bytes) {
     for (size_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + l, _MM_HINT_T1);
 }
