@@ -59,7 +59,8 @@ def arena(nbytes: int) -> torch.Tensor:
     return tensor
 
 
-def _in_arena(ptr: int) -> bool:
+def in_arena(ptr: int) -> bool:
+    """Whether address `ptr` lies in an arena made here (its storage holds many tensors)."""
     return any(lo <= ptr < hi for lo, hi in _arenas)
 
 
@@ -84,7 +85,7 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> tuple[in
             continue
         s = t.untyped_storage()
         ptr = s.data_ptr()
-        if s.nbytes() < min_bytes or _in_arena(ptr):
+        if s.nbytes() < min_bytes or in_arena(ptr):
             continue
         if all(t is not u for u in by_storage.get(ptr, ())):
             by_storage.setdefault(ptr, []).append(t)

@@ -1,8 +1,13 @@
 """The C kernels built per instruction set (ops/cpu_kernels): the best ISA the CPU has is
 taken, each ISA's build is its own cached file, and every build this CPU can run gives the
-same bits as the AVX2 one (float32 and integer-activation matmuls, decode attention)."""
+same bits as the AVX2 one (float32 and integer-activation matmuls, decode attention), and
+every build keeps the prefetches its source asks for."""
 
 from __future__ import annotations
+
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -84,9 +89,6 @@ def test_every_isa_gives_the_avx2_bits(restore_isa) -> None:
 
 def _prefetches(lib_path: str) -> dict[str, int]:
     """prefetcht0/t1 instructions in a built library, counted in objdump's disassembly."""
-    import re
-    import subprocess
-
     text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", lib_path], capture_output=True, text=True,
                           check=True).stdout
     counts = {"prefetcht0": 0, "prefetcht1": 0}
@@ -95,12 +97,12 @@ def _prefetches(lib_path: str) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.skipif(__import__("shutil").which("objdump") is None, reason="no objdump here")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump here")
 def test_every_isas_decoder_build_keeps_its_weight_prefetches(restore_isa) -> None:
-    """GCC counts a prefetch as no side effect: a helper it declined to inline was a pure call
-    nobody used, and the integer kernels' record prefetches were deleted from the build without
-    a word (simd.h). Each build of the fused decoder must still hold one per cache line of a
-    record, in every rows kernel it instantiates: dozens, not the attention's two loops."""
+    """GCC counts a prefetch as no side effect: a helper it did not inline was a pure call
+    nobody used, and the integer kernels' record prefetches were deleted from every build
+    without a word (simd.h). Each build of the fused decoder must hold one per cache line of
+    a record in every rows kernel it instantiates: dozens, not a loop or two."""
     for name in cpu_kernels.supported_isas():
         cpu_kernels.force_isa(name)
         lib = cpu_kernels.load("decoder")

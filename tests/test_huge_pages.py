@@ -37,7 +37,7 @@ def test_every_tensor_keeps_its_values_and_its_ties() -> None:
     for name, value in before.items():
         assert torch.equal(getattr(m, name), value), name
     for t in (m.weight, m.table, m.packed, m.rows):
-        assert huge_pages._in_arena(t.data_ptr())
+        assert huge_pages.in_arena(t.data_ptr())
         assert t.data_ptr() % huge_pages.ALIGN == 0 or t is m.rows
     assert m.small.data_ptr() == small_ptr
     assert isinstance(m.weight, nn.Parameter) and not m.weight.requires_grad

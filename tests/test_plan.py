@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from ops import quantized_linear
+from ops import huge_pages, quantized_linear
 from worker import cli, memory, plan
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
@@ -95,6 +95,8 @@ def _held_bytes(model: nn.Module) -> int:
         for t in tensors:
             if t.is_mkldnn:  # oneDNN's opaque packed weights
                 seen[id(t)] = t.numel() * t.element_size()
+            elif huge_pages.in_arena(t.data_ptr()):  # one storage holds them all: each its own bytes
+                seen[t.data_ptr()] = t.numel() * t.element_size()
             else:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())

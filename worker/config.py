@@ -150,7 +150,7 @@ class ModelConfig:
                                "(transparent huge pages, where the kernel offers them: THP always "
                                "or madvise; elsewhere plain pages, the same bits): a decode step "
                                "streams every weight, and with int16 activations the batch-1 "
-                               "call ran 4-6% faster in them on the project's 2-core machines "
+                               "call ran 1-6% faster in them on the project's 2-core machines "
                                "(BENCHMARKS.md); --no-cpu-huge-pages keeps 4 KB pages")
 
     def __post_init__(self) -> None:
@@ -547,7 +547,8 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
                 default=default,
                 choices=meta["choices"],
                 metavar=meta["metavar"] or (typ.__name__.upper() if typ is not bool else "BOOL"),
-                help=f"{meta['help']} (default {f.default!r}; env {env})",
+                # argparse formats help with %: a literal one ("5% faster") must be doubled
+                help=f"{meta['help']} (default {f.default!r}; env {env})".replace("%", "%%"),
                 **kind,
             )
             if typ is bool:
