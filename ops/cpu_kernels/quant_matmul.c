@@ -216,7 +216,7 @@ static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t l
          * decoder's float32 call, 8 rows: 16.88 -> 15.48 ms (AVX-512 build), 17.28 -> 15.87
          * (AVX2 build, same machine); one row (fused1 above) lost 8% in the AVX2 build, so
          * not there (benchmarks/native_ab.py, session 7). */
-        prefetch_bytes_l2(rec + (qtype == QT_Q4_1 ? 6144 : 12288), (size_t)record);
+        prefetch_bytes_l2(rec + (qtype == QT_Q4_1 ? Q4_1_AHEAD_L2 : Q8_0_AHEAD_L2), (size_t)record);
         if (qtype == QT_Q4_1) dequant_Q4_1(rec, buf);
         else dequant_Q8_0(rec, buf);
         int r = 0;

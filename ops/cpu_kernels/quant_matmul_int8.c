@@ -97,18 +97,16 @@ static void qa_row(const float *x, int K, int P, qact a) {
     }
 }
 
-/* Records are fetched ahead of the one being multiplied, into L2. A decode step reads each
- * weight once, from memory, and the hardware's prefetchers (which stop at every 4 KB page)
- * leave the integer work and the memory's latency in turn rather than together. A fetch past
- * a tile's end reads the next tile, which the same thread usually takes next. The fused
+/* Records are fetched Q4_1_AHEAD_L2 / Q8_0_AHEAD_L2 bytes ahead (simd.h) of the one being
+ * multiplied, into L2. A decode step reads each weight once, from memory, and the hardware's
+ * prefetchers (which stop at every 4 KB page) leave the integer work and the memory's latency
+ * in turn rather than together. A fetch past a tile's end reads the next tile, which the same
+ * thread usually takes next. The fused
  * decoder's batch-1 native call, in one process (benchmarks/native_ab.py, session 7):
  * AVX-512 VNNI build 4.50 ms with no fetch, 4.27 with 3 KB ahead into L1, 3.71 with these;
  * AVX2 build (same Zen 4, int16) 3.37 with none, 3.39 with 3 KB into L1, 3.05 with these.
  * (Until then no build had fetched at all: GCC had deleted the helper's calls, see simd.h;
  * commit c1fc25a's 8-11% was the machine's drift.) */
-#define Q4_1_AHEAD_L2 6144
-#define Q8_0_AHEAD_L2 12288
-
 static inline int32_t load_i32(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);

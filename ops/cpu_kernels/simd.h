@@ -49,6 +49,11 @@ static inline __attribute__((always_inline)) void prefetch_bytes_l2(const void *
     for (size_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)p + l, _MM_HINT_T1);
 }
 
+/* How far ahead the weight kernels fetch a quantized block's record into L2, by the block's
+ * GGUF type (quant_matmul.c, quant_matmul_int8.c; their figures are there). */
+#define Q4_1_AHEAD_L2 6144
+#define Q8_0_AHEAD_L2 12288
+
 /* Eight fp16 scales at p, as floats. */
 static inline __m256 load_half8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
