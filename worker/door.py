@@ -56,6 +56,7 @@ from worker.config import WorkerConfig
 from worker.load import Load, snapshot
 from worker.lora.adapter import LoraAdapterError
 from worker.lora.registry import LoraInfo, LoraInUseError, LoraRegistry, UnknownLoraError
+from worker.oneshot_thread import in_oneshot_thread
 from worker.outputs import RequestOutput
 from worker.structured import Constraint, ConstraintError, Grammar, GrammarCompiler
 from worker.tokenizer import Tokenizer
@@ -389,7 +390,8 @@ class Door:
             await abort(context, grpc.StatusCode.ALREADY_EXISTS,
                         f"LoRA adapter {quote(name)} is already loaded; unload it first")
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._prep, loras.load, name, path)
+            # Torch work: in a thread that ends, as the engine's build (worker.oneshot_thread).
+            return await in_oneshot_thread(loras.load, name, path, thread_name="lora-load")
         except ValueError as e:  # LoraAdapterError, a bad name, or loaded meanwhile
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -36,6 +36,7 @@ from worker.door import Door
 from worker.engine import Engine
 from worker.kv_events import KvEventHub
 from worker.metrics import MetricsServer
+from worker.oneshot_thread import in_oneshot_thread
 from worker.service import SERVICE_NAME, WorkerServicer
 from worker.vllm_service import SERVICE_NAME as VLLM_SERVICE_NAME
 from worker.vllm_service import VllmEngineServicer
@@ -163,7 +164,9 @@ async def serve(config: WorkerConfig) -> int:
     bridge: EngineBridge | None = None
     metrics: MetricsServer | None = None
     try:
-        engine = await asyncio.to_thread(Engine, config)  # the loop keeps serving health
+        # The loop keeps serving health meanwhile; a thread that ends, so that the engine
+        # thread's OpenMP pool is the process's only one (see worker.oneshot_thread).
+        engine = await in_oneshot_thread(Engine, config, thread_name="engine-build")
         bridge = EngineBridge(engine)
         bridge.on_dead = on_engine_dead
         bridge.start()
