@@ -208,6 +208,7 @@ static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t l
         const float *xb = x + (size_t)b * QBLOCK;
         const int first = b == 0;
         if (M == 1) {
+            prefetch_bytes_l2(rec + (qtype == QT_Q4_1 ? Q4_1_AHEAD_L2 : Q8_0_AHEAD_L2), (size_t)record);
             if (qtype == QT_Q4_1) fused1_Q4_1(rec, xb, yt, first);
             else fused1_Q8_0(rec, xb, yt, first);
             continue;

@@ -208,8 +208,11 @@ INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     }
 }
 #else
-/* ---- AVX2 (with or without AVX-VNNI): 8 outputs per ymm, one row at a time ---- */
-#define I8_R(P) 1
+/* ---- AVX2 (with or without AVX-VNNI): 8 outputs per ymm; one row (its float sums in
+ * registers), or groups of I8_R rows that share each loaded and unpacked chunk (their float
+ * sums in y between blocks: a float store and load change nothing, so each row's arithmetic
+ * and bits are the one-row kernel's) ---- */
+#define I8_R(P) ((P) == 3 ? 2 : 4)
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVXVNNI__)
@@ -228,11 +231,86 @@ INLINE __m256 combine8(const __m256i *s, int P) {
     return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s[0]), _mm256_set1_ps(65536.0f)), _mm256_cvtepi32_ps(lo));
 }
 
+/* One row's epilogue of a block's 8 outputs 8e..8e+7 (as the one-row kernels write it):
+ * y = fma(sum m q, d dx, y) [, then fma(m, sx, y) for Q4_1]; y starts at 0 in block 0. */
+INLINE void epilogue8(float *y, int b, __m256 tot, __m256 d8, float dx, const __m256 *m8, float sx) {
+    __m256 acc = b ? _mm256_loadu_ps(y) : _mm256_setzero_ps();
+    acc = _mm256_fmadd_ps(tot, _mm256_mul_ps(d8, _mm256_set1_ps(dx)), acc);
+    if (m8) acc = _mm256_fmadd_ps(*m8, _mm256_set1_ps(sx), acc);
+    _mm256_storeu_ps(y, acc);
+}
+
+INLINE void q4_1_i8_group(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
+                          int pf) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = rec0 + (size_t)b * Q4_1_I8_RECORD;
+        if (pf) prefetch_bytes_l2(rec + Q4_1_AHEAD_L2, Q4_1_I8_RECORD);
+        for (int e = 0; e < 4; e++) {
+            __m256i s[4][3];
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) s[r][p] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 4 + c) * 64 + 32 * (e % 2)));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int r = 0; r < R; r++)
+                    for (int p = 0; p < P; p++) {
+                        const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                        DOT_ADD(s[r][p], lo, _mm256_set1_epi32(load_i32(xq)));
+                        DOT_ADD(s[r][p], hi, _mm256_set1_epi32(load_i32(xq + 4)));
+                    }
+            }
+            const __m256 d8 = load_half8(rec + 16 * e), m8 = load_half8(rec + 64 + 16 * e);
+            for (int r = 0; r < R; r++) {
+                for (int p = 0; p < P; p++) s[r][p] = DOT_DONE(s[r][p]);
+                epilogue8(y + (size_t)r * ldy + 8 * e, b, combine8(s[r], P), d8, a[r].d[b], &m8, a[r].s[b]);
+            }
+        }
+    }
+}
+
+INLINE void q8_0_i8_group(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
+                          int pf) {
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
+        if (pf) prefetch_bytes_l2(rec + Q8_0_AHEAD_L2, Q8_0_I8_RECORD);
+        for (int e = 0; e < 4; e++) {
+            __m256i s[4][3];
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) s[r][p] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 8 + c) * 64 + 32 * (e % 2)));
+                for (int r = 0; r < R; r++)
+                    for (int p = 0; p < P; p++) {
+#if defined(__AVXVNNI__)
+                        const __m256i u4 = _mm256_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                        s[r][p] = _mm256_dpbusd_avx_epi32(s[r][p], u4, q);
+#else
+                        const __m256i x4 = _mm256_set1_epi32(load_i32(a[r].q + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                        s[r][p] = _mm256_add_epi32(s[r][p], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(x4, x4), _mm256_sign_epi8(q, x4)), _mm256_set1_epi16(1)));
+#endif
+                    }
+            }
+#if defined(__AVXVNNI__)
+            const __m256i off = _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(rec + 64 + 16 * e))), 7);
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) s[r][p] = _mm256_sub_epi32(s[r][p], off);
+#endif
+            const __m256 d8 = load_half8(rec + 16 * e);
+            for (int r = 0; r < R; r++)
+                epilogue8(y + (size_t)r * ldy + 8 * e, b, combine8(s[r], P), d8, a[r].d[b], NULL, 0.0f);
+        }
+    }
+}
+
 INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
                          int pf, int acc_y) {
-    (void)R;
-    (void)ldy;
     (void)acc_y; /* qi_few_rows (the only caller that sets it) is AVX-512 VNNI's */
+    if (R > 1) {
+        q4_1_i8_group(rec0, nb, K, a, R, P, y, ldy, pf);
+        return;
+    }
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; b++) {
@@ -262,9 +340,11 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
 
 INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
                          int pf, int acc_y) {
-    (void)R;
-    (void)ldy;
     (void)acc_y; /* qi_few_rows (the only caller that sets it) is AVX-512 VNNI's */
+    if (R > 1) {
+        q8_0_i8_group(rec0, nb, K, a, R, P, y, ldy, pf);
+        return;
+    }
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
