@@ -573,6 +573,32 @@ def test_bridge_coalesces_steps_for_a_slow_reader() -> None:
     asyncio.run(main())
 
 
+def test_a_woken_stream_gives_none_once_and_its_output_first() -> None:
+    """`RequestStream.wake` (the door's one deadline timer a request) ends a waiting `next`
+    with None; a pending output is read before the wake is seen; the wake is used once."""
+    async def main() -> None:
+        eng = FakeEngine()
+        bridge = EngineBridge(eng)  # type: ignore[arg-type]
+        bridge.start()
+        stream = bridge.open(Request("a", [1]))
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, stream.wake)
+        assert await asyncio.wait_for(stream.next(), 5) is None
+        await asyncio.to_thread(eng.sink, [_out("a", [5], "x")])
+        await asyncio.sleep(0)
+        stream.wake()
+        assert (await stream.next()).new_token_ids == [5]  # the output, then the wake
+        assert await stream.next() is None
+        waiting = asyncio.ensure_future(stream.next())  # no wake left: it waits for output
+        await asyncio.sleep(0.02)
+        assert not waiting.done()
+        await asyncio.to_thread(eng.sink, [_out("a", [6], "y", finished=True, finish_reason="length")])
+        assert (await asyncio.wait_for(waiting, 5)).new_token_ids == [6]
+        await bridge.close()
+
+    asyncio.run(main())
+
+
 def test_bridge_fails_streams_when_the_engine_thread_dies() -> None:
     async def main() -> None:
         eng = FakeEngine()

@@ -63,6 +63,7 @@ class RequestStream:
         self._finished_samples: set[int] = set()
         self._pending: dict[int, RequestOutput] = {}  # by sample index, oldest first
         self._ready = asyncio.Event()
+        self._woken = False  # `wake` was called: `next` returns None once
 
     def push(self, out: RequestOutput) -> None:
         i = out.index
@@ -77,10 +78,19 @@ class RequestStream:
             self.finished = len(self._finished_samples) == self.num_samples
         self._ready.set()
 
-    async def next(self) -> RequestOutput:
+    def wake(self) -> None:
+        """Ends the reader's wait: its `next` returns None when no output is pending (a
+        deadline timer's callback: one timer a request, not one a token)."""
+        self._woken = True
+        self._ready.set()
+
+    async def next(self) -> RequestOutput | None:
         """One sample's outputs since the last call, merged into one (the sample pending
-        longest); waits for at least one."""
+        longest); waits for at least one, or returns None after `wake` with none pending."""
         while not self._pending:
+            if self._woken:
+                self._woken = False
+                return None
             self._ready.clear()
             await self._ready.wait()
         return self._pending.pop(next(iter(self._pending)))
