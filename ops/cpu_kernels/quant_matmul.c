@@ -207,19 +207,17 @@ static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t l
     for (int b = 0; b < nb; b++, rec += record) {
         const float *xb = x + (size_t)b * QBLOCK;
         const int first = b == 0;
-        /* Records are fetched ahead into L2 (simd.h), for one row too: on a real AVX2-only
-         * Zen 3 the batch-1 float32 native call ran 9.98 -> 9.42 ms with it (session 8; the
-         * AVX2 build forced on a Zen 4 had lost 8% with it in session 7, but float32 is not
-         * that machine's default). */
+        /* Records are fetched ahead into L2 (simd.h), for any number of rows. 8 rows, the fused
+         * decoder's float32 call, one process: 16.88 -> 15.48 ms (AVX-512 build), 17.28 ->
+         * 15.87 (AVX2 build, same Zen 4; session 7). One row: on a real AVX2-only Zen 3 the
+         * batch-1 call ran 9.98 -> 9.42 ms with it (session 8; the AVX2 build forced on Zen 4
+         * had lost 8%, but float32 is not that machine's default). */
+        prefetch_bytes_l2(rec + (qtype == QT_Q4_1 ? Q4_1_AHEAD_L2 : Q8_0_AHEAD_L2), (size_t)record);
         if (M == 1) {
-            prefetch_bytes_l2(rec + (qtype == QT_Q4_1 ? Q4_1_AHEAD_L2 : Q8_0_AHEAD_L2), (size_t)record);
             if (qtype == QT_Q4_1) fused1_Q4_1(rec, xb, yt, first);
             else fused1_Q8_0(rec, xb, yt, first);
             continue;
         }
-        /* Several rows: one process, the fused decoder's float32 call, 8 rows: 16.88 ->
-         * 15.48 ms (AVX-512 build), 17.28 -> 15.87 (AVX2 build, same machine; session 7). */
-        prefetch_bytes_l2(rec + (qtype == QT_Q4_1 ? Q4_1_AHEAD_L2 : Q8_0_AHEAD_L2), (size_t)record);
         if (qtype == QT_Q4_1) dequant_Q4_1(rec, buf);
         else dequant_Q8_0(rec, buf);
         int r = 0;
