@@ -1,23 +1,25 @@
-"""A Llama-family model's forward pass on the CPU in float32 as a few native calls per step
+"""A Llama-family model's forward pass on the CPU in float32 as one native call per step
 (`cpu_kernels/decoder.c`), for a model whose every linear layer is a `QuantLinear`.
 
 Op by op, a batch-1 decode step of the default model issues hundreds of small torch ops and
 ctypes calls (norms, rotary, cache writes, activations, 121 matmuls, 30 attentions), and
-their dispatch costs more than their arithmetic. Here a step whose every token is a decode
-is one call; a step with prefill chunks is three calls per layer around torch's SDPA for
-the chunks (decode rows still take the C attention):
+their dispatch costs more than their arithmetic. Here every step is one call:
 
-    all decodes:  decode(embed -> 30 x [attn_in, attention, attn_out] -> final norm [-> head])
-    with chunks:  embed; per layer: attn_in, attention (decodes), SDPA (chunks), attn_out; final
+    decode(embed -> 30 x [attn_in, attention, attn_out] -> final norm [-> head, all decodes])
+
+Every row attends as a decode query (`cpu_kernels/paged_attention.c`): a prefill row at
+position p over its request's first p + 1 cached tokens. So a prompt's bits do not depend
+on how the scheduler chunked it (torch's SDPA, which ran the chunks before, rounds with
+the chunk's length: a request's logprobs changed in the sixth digit beside other work).
 
 With LoRA slots (worker/lora/slots.py) the C layers also add each adapter row's low-rank
 delta to its linears' outputs (`cpu_kernels/lora.c`); base rows are never touched.
 
-Every token of every step goes through the same C code for the norms, rotary, SiLU and
-residual adds, whichever of the two ways its step runs, so a request's bits do not depend
-on its batch. Those ops round a little differently from torch's (`decoder.c` says how), so
-the runner uses this module for every step or for none. It reads the model's modules as
-`worker/models/llama.py` names them (this package imports nothing of ours).
+Every token of every step goes through the same C code, so a request's bits do not depend
+on its batch. The norms, rotary, SiLU and attention round a little differently from
+torch's (`decoder.c` says how), so the runner uses this module for every step or for none.
+It reads the model's modules as `worker/models/llama.py` names them (this package imports
+nothing of ours).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ops import cpu_kernels
@@ -83,14 +84,8 @@ LORA_GROUPS = {"qkv_proj": 1, "o_proj": 2, "gate_up_proj": 4, "down_proj": 8}
 def _library() -> ctypes.CDLL | None:
     lib = cpu_kernels.load("decoder")
     if lib is not None:
-        step = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
-        for name in ("cpu_decoder_decode", "cpu_decoder_embed", "cpu_decoder_final"):
-            getattr(lib, name).argtypes = step
-        for name in ("cpu_decoder_attn_in", "cpu_decoder_attention", "cpu_decoder_attn_out"):
-            getattr(lib, name).argtypes = [*step, _i32]
-        for name in ("cpu_decoder_decode", "cpu_decoder_embed", "cpu_decoder_final", "cpu_decoder_attn_in",
-                     "cpu_decoder_attention", "cpu_decoder_attn_out"):
-            getattr(lib, name).restype = _i32
+        lib.cpu_decoder_decode.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+        lib.cpu_decoder_decode.restype = _i32
     return lib
 
 
@@ -222,17 +217,19 @@ class CpuDecoder:
         tables = meta.block_tables.long().contiguous()
         lens = meta.seq_lens.long().contiguous()
         starts = meta.query_start_loc.long()
-        prefills: list[tuple[int, int, int]] = []  # (first row, end row, request) of each chunk
         if meta.max_query_len == 1:
             dec_rows, dec_tables, dec_lens = starts[:-1].contiguous(), tables, lens
         else:
-            bounds = starts.tolist()
-            decodes = [i for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] == 1]
-            prefills = [(bounds[i], bounds[i + 1], i) for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] > 1]
-            idx = torch.tensor(decodes, dtype=torch.long)
-            dec_rows = starts.index_select(0, idx).contiguous()
-            dec_tables = tables.index_select(0, idx).contiguous()
-            dec_lens = lens.index_select(0, idx).contiguous()
+            # Every row attends as a decode row of its own (paged_attention.c): a prefill
+            # row at position p is a query over the request's first p + 1 cached tokens.
+            # Its arithmetic then depends on p alone, not on how the prompt was chunked
+            # (torch's SDPA rounds differently with the chunk's length).
+            per_request = starts[1:] - starts[:-1]
+            assert int(starts[-1]) == t, "rows outside every request"
+            request = torch.repeat_interleave(torch.arange(per_request.shape[0]), per_request)
+            dec_rows = torch.arange(t, dtype=torch.long)
+            dec_tables = tables.index_select(0, request).contiguous()
+            dec_lens = (lens.index_select(0, request) - starts[1:].index_select(0, request) + 1 + dec_rows).contiguous()
         qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         residual = torch.empty(t, cfg.hidden_size)
         qkv = torch.empty(t, qkv_width)
@@ -254,38 +251,12 @@ class CpuDecoder:
             step.n_lora = lora_pairs.shape[0]
             step.lora_groups = sum(LORA_GROUPS[g] for g in step_lora.layers[0])
         m, s, lib = ctypes.byref(self._model), ctypes.byref(step), self._lib
-        if not prefills:
-            all_logits = None
-            if logits and self.head is not None:
-                all_logits = torch.empty(t, self.head.out_features)
-                step.logits = all_logits.data_ptr()
-            _check(lib.cpu_decoder_decode(m, s))
-            return out, all_logits
-        _check(lib.cpu_decoder_embed(m, s))
-        for layer in range(cfg.num_layers):
-            _check(lib.cpu_decoder_attn_in(m, s, layer))
-            if dec_rows.shape[0]:
-                _check(lib.cpu_decoder_attention(m, s, layer))
-            k_cache, v_cache = kv_caches[layer]
-            for start, end, r in prefills:
-                self._prefill_attention(qkv, att, start, end, int(lens[r]), tables[r], k_cache, v_cache)
-            _check(lib.cpu_decoder_attn_out(m, s, layer))
-        _check(lib.cpu_decoder_final(m, s))
-        return out, None
-
-    def _prefill_attention(self, qkv: torch.Tensor, att: torch.Tensor, start: int, end: int, n: int,
-                           table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """One prefill chunk's causal attention over its request's cached keys (written by
-        attn_in, this chunk's included): rows start..end-1 sit at positions n - (end - start)..n-1."""
-        cfg = self.config
-        q_len, nblk = end - start, -(-n // self.block_size)
-        q = qkv[start:end, : cfg.num_heads * cfg.head_dim].view(q_len, cfg.num_heads, cfg.head_dim)
-        k = k_cache.index_select(0, table[:nblk]).flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
-        v = v_cache.index_select(0, table[:nblk]).flatten(0, 1)[:n].transpose(0, 1)
-        mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
-                                           scale=cfg.head_dim**-0.5, enable_gqa=True)
-        att[start:end] = o[0].transpose(0, 1).reshape(q_len, -1)
+        all_logits = None
+        if logits and meta.max_query_len == 1 and self.head is not None:
+            all_logits = torch.empty(t, self.head.out_features)
+            step.logits = all_logits.data_ptr()
+        _check(lib.cpu_decoder_decode(m, s))
+        return out, all_logits
 
 
 def _pairs_by_slot(token_slots: Sequence[int]) -> list[list[int]]:

@@ -84,8 +84,7 @@ def test_matches_the_op_by_op_model(decoder) -> None:
 
 def test_a_rows_bits_do_not_depend_on_its_batch(decoder) -> None:
     """64 requests with contexts of 1 to 40 tokens: each decode alone, in every batch size
-    2..64, and beside another request's prefill chunk (the staged entry points) gives the
-    same hidden state bits."""
+    2..64, and beside another request's prefill chunk gives the same hidden state bits."""
     dec, model = decoder
     rng = random.Random(7)
     lens = [rng.randint(1, 40) for _ in range(64)]
@@ -101,6 +100,27 @@ def test_a_rows_bits_do_not_depend_on_its_batch(decoder) -> None:
     # that rewrites request 5's first 20 positions with the same values.
     out = dec(*reqs.step([(3, lens[3], 1), (5, 0, 20), (9, lens[9], 1)]))
     assert torch.equal(out[0], alone[3]) and torch.equal(out[-1], alone[9])
+
+
+def test_a_prompts_bits_do_not_depend_on_its_chunking(decoder) -> None:
+    """A 70-token prompt prefilled whole, in chunks of the sizes a token budget cuts (beside
+    other requests' rows), or one token a step as decodes: every position's hidden state has
+    the same bits (each row attends as a decode query over its first p + 1 tokens; torch's
+    SDPA, used for chunks before, rounded with the chunk's length)."""
+    dec, model = decoder
+    n = 70
+    reqs = _Requests(model, [n, 12, 30], seed=5)
+    whole = dec(*reqs.step([(0, 0, n)]))
+    dec(*reqs.step([(1, 0, 12), (2, 0, 30)]))  # the neighbours' caches
+    for cuts in ([1, 2, 5, 16, 33, 70], [37, 70], [64, 70]):
+        got, p0 = [], 0
+        for p1 in cuts:
+            out = dec(*reqs.step([(1, 12, 1), (0, p0, p1 - p0), (2, 30, 1)]))
+            got.append(out[1 : 1 + p1 - p0])
+            p0 = p1
+        assert torch.equal(torch.cat(got), whole), f"chunks ending at {cuts} differ from one prefill"
+    one_by_one = torch.cat([dec(*reqs.step([(0, p, 1)])) for p in range(n)])
+    assert torch.equal(one_by_one, whole), "decoding the prompt token by token differs from its prefill"
 
 
 def test_a_decode_steps_logits_from_the_same_call_are_the_heads_bits(decoder) -> None:

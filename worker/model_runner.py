@@ -173,9 +173,12 @@ class ModelRunner:
             moved, huge = self.huge_pages
             thp = huge_pages.thp_mode() or "unknown"
             pages = f"; weights in 2 MB pages: {huge >> 20} of {moved >> 20} MiB (THP {thp})"
+        # The fused decoder runs every row's attention (prefill rows too), norm, rotary and
+        # activation in its own C; op by op, only decode attention has a C kernel.
+        rest = ("prefill attention, norm, rotary, activation: C (in the decoder); sampling: torch"
+                if self.cpu_decoder else f"prefill attention, norm, rotary, activation, sampling: {others}")
         return (f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}; "
-                f"prefill attention, norm, rotary, activation, sampling: {others}; "
-                f"decoder: {decoder} (--kernels {ops.backend()}){pages}")
+                f"{rest}; decoder: {decoder} (--kernels {ops.backend()}){pages}")
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)

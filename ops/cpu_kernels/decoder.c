@@ -6,8 +6,9 @@
  *   attn_in    xn = rms_norm(r) * w_in                        (rows shared among threads)
  *              qkv = xn @ Wqkv^T (+ bias)   per head: its D/32 tiles, then rotary on q and k
  *                                           heads, k and v heads written to the paged cache
- *   attention  att = softmax(q k^T / sqrt(D)) v   decode rows here (paged_attention.c);
- *                                           prefill chunks by the caller (torch SDPA)
+ *   attention  att = softmax(q k^T / sqrt(D)) v   every row as a decode query over its
+ *                                           request's first position + 1 cached tokens
+ *                                           (paged_attention.c), prefill rows included
  *   attn_out   r += att @ Wo^T                         per tile, into r
  *              xn = rms_norm(r) * w_post
  *              act = silu(g) * u, [g | u] = xn @ Wgu^T  per tile pair (t, t + I/32)
@@ -19,12 +20,11 @@
  * bits). With integer activations
  * (quant_matmul_int8.c) each matmul's input is written as integers per row first.
  *
- * `cpu_decoder_decode` runs the whole step, every token a decode, in one OpenMP parallel
- * region (the runner's batch-1 step is one call), its loops shared out without barriers
- * (workshare.h: a thread descheduled by the server's other threads holds nobody up); the `cpu_decoder_*` stages run the same
- * team functions one region each, for steps with prefill chunks whose attention the caller
- * runs between `attn_in` and `attn_out`. Either way a row's arithmetic is the same code
- * on the row alone: its bits do not depend on the other rows, nor on which entry ran it.
+ * `cpu_decoder_decode` runs the whole step in one OpenMP parallel region (the runner's
+ * batch-1 step is one call), its loops shared out without barriers (workshare.h: a thread
+ * descheduled by the server's other threads holds nobody up). A row's arithmetic is the
+ * same code on the row alone, its attention included: its bits depend neither on the
+ * other rows nor on how its prompt was chunked.
  *
  * rms_norm: sum of squares in 16 float lanes over H in order, then hsum8 of the two
  * halves' sum (H a multiple of 16); rotary as the torch reference computes it (x cos +
@@ -116,6 +116,8 @@ typedef struct {
     size_t attn_floats;
     float *attn_parts;        /* decode attention's chunk partials (paged_attention.c) */
     atomic_int *attn_pending; /* [n_dec], zeroed */
+    int32_t *attn_items;      /* [n_dec][2]: attention_blocks' items, when they are shared out whole */
+    int n_attn_items;
     int64_t max_len;
     float *lora_h;    /* [M, 3 R]: each adapter row's shrink of the linear at hand */
     float *lora_x;    /* [threads][2][kmax]: a thread's normed rows for the shrink */
@@ -149,6 +151,8 @@ static char *input_carve(char *p, size_t M, size_t H, size_t kmax, input_buf *b)
     return p;
 }
 
+static attn_args decode_args(const model_desc *m, int l, const step_desc *s);
+
 static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, temps *t) {
     const size_t M = (size_t)s->M, H = (size_t)m->hidden, I = (size_t)m->intermediate;
     const size_t Dq = (size_t)m->num_heads * m->head_dim;
@@ -173,11 +177,12 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     const size_t phase_bytes = ALIGN64((size_t)t->num_phases * sizeof(ws_phase))
                                + ALIGN64((size_t)t->num_phases * nthreads * sizeof(ws_counter)) + pending_bytes;
     const size_t parts_bytes = ALIGN64(attention_parts(&probe) * sizeof(float));
+    const size_t items_bytes = ALIGN64((size_t)s->n_dec * 2 * sizeof(int32_t));
     const size_t bytes = copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
                          + ALIGN64(M * I * sizeof(float)) + (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float))
                          + (size_t)nthreads * t->attn_floats * sizeof(float) + phase_bytes
                          + ALIGN64(M * 3 * R * sizeof(float)) + 2 * (size_t)nthreads * ALIGN64(kmax * sizeof(float))
-                         + parts_bytes;
+                         + parts_bytes + items_bytes;
     char *p = aligned_alloc(64, ALIGN64(bytes));
     if (!p) return -3;
     t->block = p;
@@ -188,6 +193,12 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     p += phase_bytes;
     t->attn_parts = (float *)p;
     p += parts_bytes;
+    t->attn_items = (int32_t *)p;
+    p += items_bytes;
+    if (s->n_dec) {
+        attn_args a = decode_args(m, 0, s);
+        t->n_attn_items = attention_blocks(&a, nthreads, t->attn_items);
+    }
     p = input_carve(p, M, H, kmax, &t->shared);
     t->priv = (input_buf *)p;
     p += ALIGN64(copies * sizeof(input_buf));
@@ -406,7 +417,15 @@ static void attention_decode_team(const model_desc *m, int l, const step_desc *s
     a.pending = t->attn_pending;
     const int split = attention_split(&a, omp_get_num_threads());
     float *scratch = t->attn + (size_t)omp_get_thread_num() * t->attn_floats;
-    WS_FOR(ws, item, mine, s->n_dec * split) attention_item(&a, t->max_len, split, item, scratch);
+    if (split > 1) {
+        WS_FOR(ws, item, mine, s->n_dec * split) attention_item(&a, t->max_len, split, item, scratch);
+        return;
+    }
+    WS_FOR(ws, k, mine, t->n_attn_items) {
+        const int i0 = t->attn_items[2 * k], R = t->attn_items[2 * k + 1];
+        if (R == 1) attention_item(&a, t->max_len, 1, i0, scratch);
+        else attention_rows(&a, t->max_len, i0, R, scratch);
+    }
 }
 
 /* r[:, tile] += tmp (M rows of one tile): the residual add, one rounding as torch's. */
@@ -471,51 +490,30 @@ static void head_team(const model_desc *m, const step_desc *s, temps *t, ws_loca
     }
 }
 
-/* ---- entry points: each one parallel region ---- */
+/* ---- the entry point: one parallel region ---- */
 
-enum { STAGE_EMBED, STAGE_ATTN_IN, STAGE_ATTENTION, STAGE_ATTN_OUT, STAGE_FINAL, STAGE_DECODE };
-
-static int run(const model_desc *m, const step_desc *s, int stage, int l) {
-    if (s->M < 1 || l < 0 || l >= m->num_layers) return -1;
-    if (s->n_dec) {
-        const attn_args a = decode_args(m, 0, s);
-        if (attention_check(&a) < 0) return -2;
-    }
+/* The whole step: every row is an attention row (n_dec == M; a prefill row's length is
+ * its position + 1). */
+int cpu_decoder_decode(const model_desc *m, const step_desc *s) {
+    if (s->M < 1 || s->n_dec != s->M) return -1;
+    if (s->logits && (!m->head.w || m->head.K != m->hidden || m->head.N % TILE)) return -1;
+    const attn_args a = decode_args(m, 0, s);
+    if (attention_check(&a) < 0) return -2;
     temps t;
     if (temps_alloc(m, s, s->nthreads, &t)) return -3;
 #pragma omp parallel num_threads(s->nthreads)
     {
         /* this thread's view of the loops */
         ws_local ws = {t.phases, t.counters, t.num_phases, 0, omp_get_thread_num(), omp_get_num_threads()};
-        switch (stage) {
-        case STAGE_EMBED: embed_team(m, s, &ws); break;
-        case STAGE_ATTN_IN: attn_in_team(m, l, s, &t, &ws); break;
-        case STAGE_ATTENTION: attention_decode_team(m, l, s, &t, &ws); break;
-        case STAGE_ATTN_OUT: attn_out_team(m, l, s, &t, &ws); break;
-        case STAGE_FINAL: final_team(m, s, &ws); break;
-        default: /* STAGE_DECODE: the whole step */
-            embed_team(m, s, &ws);
-            for (int i = 0; i < m->num_layers; i++) {
-                attn_in_team(m, i, s, &t, &ws);
-                attention_decode_team(m, i, s, &t, &ws);
-                attn_out_team(m, i, s, &t, &ws);
-            }
-            final_team(m, s, &ws);
-            if (s->logits) head_team(m, s, &t, &ws);
+        embed_team(m, s, &ws);
+        for (int i = 0; i < m->num_layers; i++) {
+            attn_in_team(m, i, s, &t, &ws);
+            attention_decode_team(m, i, s, &t, &ws);
+            attn_out_team(m, i, s, &t, &ws);
         }
+        final_team(m, s, &ws);
+        if (s->logits) head_team(m, s, &t, &ws);
     }
     free(t.block);
     return 0;
 }
-
-/* The whole step when every token is a decode (n_dec == M). */
-int cpu_decoder_decode(const model_desc *m, const step_desc *s) {
-    if (s->n_dec != s->M || (s->logits && (!m->head.w || m->head.K != m->hidden || m->head.N % TILE))) return -1;
-    return run(m, s, STAGE_DECODE, 0);
-}
-
-int cpu_decoder_embed(const model_desc *m, const step_desc *s) { return run(m, s, STAGE_EMBED, 0); }
-int cpu_decoder_attn_in(const model_desc *m, const step_desc *s, int l) { return run(m, s, STAGE_ATTN_IN, l); }
-int cpu_decoder_attention(const model_desc *m, const step_desc *s, int l) { return run(m, s, STAGE_ATTENTION, l); }
-int cpu_decoder_attn_out(const model_desc *m, const step_desc *s, int l) { return run(m, s, STAGE_ATTN_OUT, l); }
-int cpu_decoder_final(const model_desc *m, const step_desc *s) { return run(m, s, STAGE_FINAL, 0); }

@@ -14,6 +14,11 @@
  * its length only, so its result does not depend on the rest of the batch. (AVX2 code in
  * every build: the same bits on every ISA.)
  *
+ * The fused decoder (decoder.c) runs prefill rows here too, each a query of its own over
+ * its position + 1 tokens: a prompt's bits then do not depend on its chunking. Consecutive
+ * rows of one prompt are items of up to ATTN_ROWS rows (attention_rows) that read each key
+ * and value once for all of them, each row's arithmetic unchanged.
+ *
  * `attention_team` is an OpenMP team function (an orphaned `omp for`; see quant_matmul.c);
  * the fused decoder (decoder.c) shares out `attention_item`s its own way (workshare.h).
  */
@@ -96,9 +101,13 @@ static inline size_t part_floats(const attn_args *a) {
 /* Floats of the shared partials a call needs (`parts`: [n][ATTN_CHUNKS] of part_floats). */
 static size_t attention_parts(const attn_args *a) { return (size_t)a->n * ATTN_CHUNKS * part_floats(a); }
 
-/* Floats of per-thread scratch an item needs for lengths up to max_len. */
+/* Rows of one request's prefill a work item takes at most (attention_blocks). */
+#define ATTN_ROWS 8
+
+/* Floats of per-thread scratch an item needs for lengths up to max_len: for each of up to
+ * ATTN_ROWS rows, its scores [Hq][max_len + 8] and its chunks' partials. */
 static size_t attention_scratch(const attn_args *a, int64_t max_len) {
-    return (size_t)a->num_heads * (size_t)(max_len + 8) + ATTN_CHUNKS * part_floats(a) + 16;
+    return ATTN_ROWS * ((size_t)a->num_heads * (size_t)(max_len + 8) + ATTN_CHUNKS * part_floats(a)) + 16;
 }
 
 /* Items per request: with enough requests to share out, an item is a whole request (its
@@ -108,36 +117,32 @@ static int attention_split(const attn_args *a, int nthreads) {
     return a->n >= 2 * nthreads ? 1 : ATTN_CHUNKS;
 }
 
-/* Chunk c of request i into part. `scores`: [Hq][stride] floats. Every kv head at once: a
- * token's keys (values) are one contiguous run of the cache. */
-static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_t stride, float *part) {
+/* Row i's scores against key token j, every query head: scores[h * stride + j] = scale *
+ * q_h . k_j. `kt`: the token's keys, every kv head (one contiguous run of the cache). */
+static inline void key_scores(const attn_args *a, int i, const float *kt, int64_t j, float *scores, size_t stride) {
     const int group = a->num_heads / a->num_kv_heads, D = a->head_dim, nh = a->num_heads;
-    const size_t tok = (size_t)a->num_kv_heads * D; /* floats per cached token */
-    const int64_t L = a->lens[i], clen = chunk_len(L), j0 = c * clen, j1 = j0 + clen < L ? j0 + clen : L;
-    const int64_t n = j1 - j0;
-    const int64_t *table = a->tables + (size_t)i * a->max_blocks;
     const float *qi = a->q + (size_t)a->rows[i] * a->q_stride;
-    float *o = part, *mh = part + (size_t)nh * D, *sh = mh + nh;
-    /* scores[h][j - j0] = scale * q_h . k_j */
-    for (int64_t j = j0; j < j1; j++) {
-        const float *kt = cached_row(a->k_cache, table, a->block_size, tok, j);
-        if (j + PREFETCH_TOKENS < j1)
-            prefetch_bytes_l2(cached_row(a->k_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
-        for (int h = 0; h < nh; h++) {
-            const float *qa = qi + (size_t)h * D, *kp = kt + (size_t)(h / group) * D;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int d = 0;
-            for (; d + 16 <= D; d += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), _mm256_loadu_ps(kp + d), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d + 8), _mm256_loadu_ps(kp + d + 8), a1);
-            }
-            if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), _mm256_loadu_ps(kp + d), a0);
-            scores[h * stride + (j - j0)] = hsum8(_mm256_add_ps(a0, a1)) * a->scale;
-        }
-    }
-    /* per query head: the max, e^(score - max) in place, their sum */
     for (int h = 0; h < nh; h++) {
-        float *sc = scores + h * stride;
+        const float *qa = qi + (size_t)h * D, *kp = kt + (size_t)(h / group) * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 16 <= D; d += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), _mm256_loadu_ps(kp + d), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d + 8), _mm256_loadu_ps(kp + d + 8), a1);
+        }
+        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), _mm256_loadu_ps(kp + d), a0);
+        scores[h * stride + j] = hsum8(_mm256_add_ps(a0, a1)) * a->scale;
+    }
+}
+
+/* Keys j0..j1-1 of every head's scores (scores[h * stride + j]): the max, e^(score - max)
+ * in place, their sum, into part's m and s. */
+static void chunk_softmax(const attn_args *a, int64_t j0, int64_t j1, float *scores, size_t stride, float *part) {
+    const int D = a->head_dim, nh = a->num_heads;
+    const int64_t n = j1 - j0;
+    float *mh = part + (size_t)nh * D, *sh = mh + nh;
+    for (int h = 0; h < nh; h++) {
+        float *sc = scores + h * stride + j0;
         float mx = sc[0];
         for (int64_t j = 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
         const __m256 vmx = _mm256_set1_ps(mx);
@@ -159,19 +164,37 @@ static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_
         mh[h] = mx;
         sh[h] = sum;
     }
-    /* o_h = sum_j e_hj v_j, in key order */
-    memset(o, 0, sizeof(float) * (size_t)nh * D);
+}
+
+/* o_h += e_hj v_j for every query head (o: [Hq, D], aligned): key j's turn in its chunk. */
+static inline void key_values(const attn_args *a, const float *vt, int64_t j, const float *scores, size_t stride,
+                              float *o) {
+    const int group = a->num_heads / a->num_kv_heads, D = a->head_dim, nh = a->num_heads;
+    for (int h = 0; h < nh; h++) {
+        const __m256 p = _mm256_set1_ps(scores[h * stride + j]);
+        const float *vp = vt + (size_t)(h / group) * D;
+        float *oa = o + (size_t)h * D;
+        for (int d = 0; d < D; d += 8)
+            _mm256_store_ps(oa + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + d), _mm256_load_ps(oa + d)));
+    }
+}
+
+/* Chunk c of request i into part. `scores`: [Hq][stride] floats, indexed by key. */
+static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_t stride, float *part) {
+    const size_t tok = (size_t)a->num_kv_heads * a->head_dim; /* floats per cached token */
+    const int64_t L = a->lens[i], clen = chunk_len(L), j0 = c * clen, j1 = j0 + clen < L ? j0 + clen : L;
+    const int64_t *table = a->tables + (size_t)i * a->max_blocks;
     for (int64_t j = j0; j < j1; j++) {
-        const float *vt = cached_row(a->v_cache, table, a->block_size, tok, j);
+        if (j + PREFETCH_TOKENS < j1)
+            prefetch_bytes_l2(cached_row(a->k_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
+        key_scores(a, i, cached_row(a->k_cache, table, a->block_size, tok, j), j, scores, stride);
+    }
+    chunk_softmax(a, j0, j1, scores, stride, part);
+    memset(part, 0, sizeof(float) * (size_t)a->num_heads * a->head_dim);
+    for (int64_t j = j0; j < j1; j++) {
         if (j + PREFETCH_TOKENS < j1)
             prefetch_bytes_l2(cached_row(a->v_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
-        for (int h = 0; h < nh; h++) {
-            const __m256 p = _mm256_set1_ps(scores[h * stride + (j - j0)]);
-            const float *vp = vt + (size_t)(h / group) * D;
-            float *oa = o + (size_t)h * D;
-            for (int d = 0; d < D; d += 8)
-                _mm256_store_ps(oa + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + d), _mm256_load_ps(oa + d)));
-        }
+        key_values(a, cached_row(a->v_cache, table, a->block_size, tok, j), j, scores, stride, part);
     }
 }
 
@@ -202,11 +225,16 @@ static void combine_chunks(const attn_args *a, int i, const float *parts, int nc
     }
 }
 
+/* The scratch's layout: row r's scores at r Hq stride, its partials after every row's
+ * scores (64-byte aligned). */
+static inline float *scratch_parts(const attn_args *a, float *scratch, size_t stride, int rows) {
+    return (float *)(((uintptr_t)(scratch + (size_t)rows * a->num_heads * stride) + 63) & ~(uintptr_t)63);
+}
+
 /* One item (of a->n * split); `scratch`: this thread's attention_scratch floats. */
 static void attention_item(const attn_args *a, int64_t max_len, int split, int item, float *scratch) {
     const size_t stride = (size_t)(max_len + 8);
-    float *scores = scratch;
-    float *local = (float *)(((uintptr_t)(scratch + (size_t)a->num_heads * stride) + 63) & ~(uintptr_t)63);
+    float *scores = scratch, *local = scratch_parts(a, scratch, stride, ATTN_ROWS);
     const size_t pf = part_floats(a);
     if (split == 1) { /* the whole request, its partials here */
         const int i = item, nc = num_chunks(a->lens[i]);
@@ -224,6 +252,158 @@ static void attention_item(const attn_args *a, int64_t max_len, int split, int i
         combine_chunks(a, i, parts, nc);
         atomic_store_explicit(&a->pending[i], 0, memory_order_relaxed);
     }
+}
+
+/* Rows i0..i0+R-1 of one request's prefill (lens[i] = lens[i0] + i - i0; their tables agree
+ * on every block they read: attention_blocks), together: each key and value token is read
+ * once for all R rows (a row alone reads them all again: from L3, past ~300 tokens). Each
+ * row's arithmetic is chunk_partial's and combine_chunks', in the same order: the same
+ * bits as the row alone. */
+/* Keys (values) of one tile of ATTN_TILE tokens, read by every row of a block: 24 KB for
+ * the default model's three kv heads, so a tile stays in L1 while the rows take turns. */
+#define ATTN_TILE 32
+
+/* Rows r (from r0) of a block, keys t0..t1-1, head_dim 64: key_scores' arithmetic with the
+ * query head's 64 floats held in registers across the tile. */
+static void tile_scores64(const attn_args *a, int i0, int r0, int R, int64_t L0, const float *const *kt, int64_t t0,
+                          int64_t t1, float *scratch, size_t sh, size_t stride) {
+    const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
+    for (int r = r0; r < R; r++) {
+        const int64_t end = t1 < L0 + r ? t1 : L0 + r;
+        const float *qi = a->q + (size_t)a->rows[i0 + r] * a->q_stride;
+        for (int h = 0; h < nh; h++) {
+            const float *qa = qi + (size_t)h * 64;
+            const __m256 q0 = _mm256_loadu_ps(qa), q1 = _mm256_loadu_ps(qa + 8), q2 = _mm256_loadu_ps(qa + 16),
+                         q3 = _mm256_loadu_ps(qa + 24), q4 = _mm256_loadu_ps(qa + 32), q5 = _mm256_loadu_ps(qa + 40),
+                         q6 = _mm256_loadu_ps(qa + 48), q7 = _mm256_loadu_ps(qa + 56);
+            float *sc = scratch + r * sh + (size_t)h * stride;
+            const size_t off = (size_t)(h / group) * 64;
+            for (int64_t j = t0; j < end; j++) {
+                const float *kp = kt[j - t0] + off;
+                __m256 a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kp), _mm256_setzero_ps());
+                __m256 a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kp + 8), _mm256_setzero_ps());
+                a0 = _mm256_fmadd_ps(q2, _mm256_loadu_ps(kp + 16), a0);
+                a1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(kp + 24), a1);
+                a0 = _mm256_fmadd_ps(q4, _mm256_loadu_ps(kp + 32), a0);
+                a1 = _mm256_fmadd_ps(q5, _mm256_loadu_ps(kp + 40), a1);
+                a0 = _mm256_fmadd_ps(q6, _mm256_loadu_ps(kp + 48), a0);
+                a1 = _mm256_fmadd_ps(q7, _mm256_loadu_ps(kp + 56), a1);
+                sc[j] = hsum8(_mm256_add_ps(a0, a1)) * a->scale;
+            }
+        }
+    }
+}
+
+/* Rows of a block, values t0..t1-1, head_dim 64: key_values' arithmetic with a head's
+ * output sums held in registers over the keys of one chunk within the tile. */
+static void tile_values64(const attn_args *a, int r0, int R, int64_t L0, const float *const *vt, int64_t t0,
+                          int64_t t1, const float *scratch, size_t sh, size_t stride, float *parts, size_t ph) {
+    const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
+    const size_t pf = part_floats(a);
+    for (int r = r0; r < R; r++) {
+        const int64_t L = L0 + r, end = t1 < L ? t1 : L, clen = chunk_len(L);
+        for (int64_t js = t0; js < end;) { /* [js, je): one chunk's keys within the tile */
+            const int64_t c = js / clen, je = (c + 1) * clen < end ? (c + 1) * clen : end;
+            for (int h = 0; h < nh; h++) {
+                float *o = parts + r * ph + c * pf + (size_t)h * 64;
+                const float *sc = scratch + r * sh + (size_t)h * stride;
+                const size_t off = (size_t)(h / group) * 64;
+                __m256 o0 = _mm256_load_ps(o), o1 = _mm256_load_ps(o + 8), o2 = _mm256_load_ps(o + 16),
+                       o3 = _mm256_load_ps(o + 24), o4 = _mm256_load_ps(o + 32), o5 = _mm256_load_ps(o + 40),
+                       o6 = _mm256_load_ps(o + 48), o7 = _mm256_load_ps(o + 56);
+                for (int64_t j = js; j < je; j++) {
+                    const __m256 p = _mm256_set1_ps(sc[j]);
+                    const float *vp = vt[j - t0] + off;
+                    o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp), o0);
+                    o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8), o1);
+                    o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 16), o2);
+                    o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 24), o3);
+                    o4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 32), o4);
+                    o5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 40), o5);
+                    o6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 48), o6);
+                    o7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 56), o7);
+                }
+                _mm256_store_ps(o, o0), _mm256_store_ps(o + 8, o1), _mm256_store_ps(o + 16, o2);
+                _mm256_store_ps(o + 24, o3), _mm256_store_ps(o + 32, o4), _mm256_store_ps(o + 40, o5);
+                _mm256_store_ps(o + 48, o6), _mm256_store_ps(o + 56, o7);
+            }
+            js = je;
+        }
+    }
+}
+
+static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, float *scratch) {
+    const size_t stride = (size_t)(max_len + 8), pf = part_floats(a), tok = (size_t)a->num_kv_heads * a->head_dim;
+    const size_t sh = (size_t)a->num_heads * stride, ph = ATTN_CHUNKS * pf;
+    float *parts = scratch_parts(a, scratch, stride, ATTN_ROWS);
+    const int64_t L0 = a->lens[i0], Lmax = L0 + R - 1;
+    const int64_t *table = a->tables + (size_t)(i0 + R - 1) * a->max_blocks;
+    const float *tile[ATTN_TILE];
+    const int d64 = a->head_dim == 64;
+    /* scores: a tile of keys at a time (d64), every row that reaches it */
+    for (int64_t t0 = 0; t0 < Lmax; t0 += ATTN_TILE) {
+        const int64_t t1 = t0 + ATTN_TILE < Lmax ? t0 + ATTN_TILE : Lmax;
+        for (int64_t j = t0; j < t1; j++) {
+            tile[j - t0] = cached_row(a->k_cache, table, a->block_size, tok, j);
+            if (j + ATTN_TILE < Lmax)
+                prefetch_bytes_l2(cached_row(a->k_cache, table, a->block_size, tok, j + ATTN_TILE), tok * sizeof(float));
+        }
+        const int r0 = t0 < L0 ? 0 : (int)(t0 - L0 + 1);
+        if (d64) {
+            tile_scores64(a, i0, r0, R, L0, tile, t0, t1, scratch, sh, stride);
+            continue;
+        }
+        for (int64_t j = t0; j < t1; j++)
+            for (int r = j < L0 ? r0 : (int)(j - L0 + 1); r < R; r++) key_scores(a, i0 + r, tile[j - t0], j, scratch + r * sh, stride);
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t L = L0 + r, clen = chunk_len(L);
+        for (int c = 0; c < num_chunks(L); c++) {
+            float *part = parts + r * ph + c * pf;
+            chunk_softmax(a, c * clen, (c + 1) * clen < L ? (c + 1) * clen : L, scratch + r * sh, stride, part);
+            memset(part, 0, sizeof(float) * (size_t)a->num_heads * a->head_dim);
+        }
+    }
+    for (int64_t t0 = 0; t0 < Lmax; t0 += ATTN_TILE) {
+        const int64_t t1 = t0 + ATTN_TILE < Lmax ? t0 + ATTN_TILE : Lmax;
+        for (int64_t j = t0; j < t1; j++) {
+            tile[j - t0] = cached_row(a->v_cache, table, a->block_size, tok, j);
+            if (j + ATTN_TILE < Lmax)
+                prefetch_bytes_l2(cached_row(a->v_cache, table, a->block_size, tok, j + ATTN_TILE), tok * sizeof(float));
+        }
+        const int r0 = t0 < L0 ? 0 : (int)(t0 - L0 + 1);
+        if (d64) {
+            tile_values64(a, r0, R, L0, tile, t0, t1, scratch, sh, stride, parts, ph);
+            continue;
+        }
+        for (int64_t j = t0; j < t1; j++)
+            for (int r = j < L0 ? r0 : (int)(j - L0 + 1); r < R; r++)
+                key_values(a, tile[j - t0], j, scratch + r * sh, stride, parts + r * ph + (j / chunk_len(L0 + r)) * pf);
+    }
+    for (int r = 0; r < R; r++) combine_chunks(a, i0 + r, parts + r * ph, num_chunks(L0 + r));
+}
+
+/* Work items when there are enough rows to share out (n >= 2 threads): runs of one
+ * request's consecutive prefill rows, up to ATTN_ROWS a run but at least 4 items a thread;
+ * a decode row is an item alone. items[2k], items[2k + 1]: the first row and the count. */
+static int attention_blocks(const attn_args *a, int nthreads, int32_t *items) {
+    int most = a->n / (4 * nthreads);
+    most = most < 1 ? 1 : most > ATTN_ROWS ? ATTN_ROWS : most;
+    int n_items = 0;
+    for (int i = 0; i < a->n;) {
+        int R = 1;
+        while (R < most && i + R < a->n && a->lens[i + R] == a->lens[i] + R) {
+            /* the longer row's table must hold the shorter rows' blocks */
+            const int64_t *t0 = a->tables + (size_t)(i + R - 1) * a->max_blocks, *t1 = t0 + a->max_blocks;
+            const int64_t used = (a->lens[i + R - 1] + a->block_size - 1) / a->block_size;
+            if (memcmp(t0, t1, sizeof(int64_t) * (size_t)used)) break;
+            R++;
+        }
+        items[2 * n_items] = i, items[2 * n_items + 1] = R;
+        n_items++;
+        i += R;
+    }
+    return n_items;
 }
 
 /* The items, shared among the team; `scratch`: this thread's attention_scratch floats. */
