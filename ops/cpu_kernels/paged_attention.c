@@ -101,13 +101,20 @@ static inline size_t part_floats(const attn_args *a) {
 /* Floats of the shared partials a call needs (`parts`: [n][ATTN_CHUNKS] of part_floats). */
 static size_t attention_parts(const attn_args *a) { return (size_t)a->n * ATTN_CHUNKS * part_floats(a); }
 
-/* Rows of one request's prefill a work item takes at most (attention_blocks). */
+/* Rows of one request's prefill a work item takes at most (attention_blocks), and the
+ * scores of those rows kept at once at most (floats: 4 MB; a long context takes fewer rows). */
 #define ATTN_ROWS 8
+#define ATTN_SCORES_MAX (1 << 20)
+
+static inline int rows_max(const attn_args *a, int64_t max_len) {
+    const size_t fit = ATTN_SCORES_MAX / ((size_t)a->num_heads * (size_t)(max_len + 8));
+    return fit < 1 ? 1 : fit > ATTN_ROWS ? ATTN_ROWS : (int)fit;
+}
 
 /* Floats of per-thread scratch an item needs for lengths up to max_len: for each of up to
- * ATTN_ROWS rows, its scores [Hq][max_len + 8] and its chunks' partials. */
+ * rows_max rows, its scores [Hq][max_len + 8] and its chunks' partials. */
 static size_t attention_scratch(const attn_args *a, int64_t max_len) {
-    return ATTN_ROWS * ((size_t)a->num_heads * (size_t)(max_len + 8) + ATTN_CHUNKS * part_floats(a)) + 16;
+    return rows_max(a, max_len) * ((size_t)a->num_heads * (size_t)(max_len + 8) + ATTN_CHUNKS * part_floats(a)) + 16;
 }
 
 /* Items per request: with enough requests to share out, an item is a whole request (its
@@ -234,7 +241,7 @@ static inline float *scratch_parts(const attn_args *a, float *scratch, size_t st
 /* One item (of a->n * split); `scratch`: this thread's attention_scratch floats. */
 static void attention_item(const attn_args *a, int64_t max_len, int split, int item, float *scratch) {
     const size_t stride = (size_t)(max_len + 8);
-    float *scores = scratch, *local = scratch_parts(a, scratch, stride, ATTN_ROWS);
+    float *scores = scratch, *local = scratch_parts(a, scratch, stride, rows_max(a, max_len));
     const size_t pf = part_floats(a);
     if (split == 1) { /* the whole request, its partials here */
         const int i = item, nc = num_chunks(a->lens[i]);
@@ -335,7 +342,7 @@ static void tile_values64(const attn_args *a, int r0, int R, int64_t L0, const f
 static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, float *scratch) {
     const size_t stride = (size_t)(max_len + 8), pf = part_floats(a), tok = (size_t)a->num_kv_heads * a->head_dim;
     const size_t sh = (size_t)a->num_heads * stride, ph = ATTN_CHUNKS * pf;
-    float *parts = scratch_parts(a, scratch, stride, ATTN_ROWS);
+    float *parts = scratch_parts(a, scratch, stride, rows_max(a, max_len));
     const int64_t L0 = a->lens[i0], Lmax = L0 + R - 1;
     const int64_t *table = a->tables + (size_t)(i0 + R - 1) * a->max_blocks;
     const float *tile[ATTN_TILE];
@@ -384,11 +391,13 @@ static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, f
 }
 
 /* Work items when there are enough rows to share out (n >= 2 threads): runs of one
- * request's consecutive prefill rows, up to ATTN_ROWS a run but at least 4 items a thread;
+ * request's consecutive prefill rows, up to rows_max a run but at least 4 items a thread;
  * a decode row is an item alone. items[2k], items[2k + 1]: the first row and the count. */
 static int attention_blocks(const attn_args *a, int nthreads, int32_t *items) {
+    int64_t max_len = 1;
+    for (int i = 0; i < a->n; i++) max_len = a->lens[i] > max_len ? a->lens[i] : max_len;
     int most = a->n / (4 * nthreads);
-    most = most < 1 ? 1 : most > ATTN_ROWS ? ATTN_ROWS : most;
+    most = most < 1 ? 1 : most > rows_max(a, max_len) ? rows_max(a, max_len) : most;
     int n_items = 0;
     for (int i = 0; i < a->n;) {
         int R = 1;
