@@ -339,8 +339,20 @@ static void tile_values64(const attn_args *a, int r0, int R, int64_t L0, const f
     }
 }
 
+/* tile[j - t0] = token j's row of `cache` for j in t0..t1-1; the next tile's rows (below
+ * Lmax) fetched into L2 meanwhile. */
+static inline void tile_rows(const attn_args *a, const float *cache, const int64_t *table, int64_t t0, int64_t t1,
+                             int64_t Lmax, const float **tile) {
+    const size_t tok = (size_t)a->num_kv_heads * a->head_dim;
+    for (int64_t j = t0; j < t1; j++) {
+        tile[j - t0] = cached_row(cache, table, a->block_size, tok, j);
+        if (j + ATTN_TILE < Lmax)
+            prefetch_bytes_l2(cached_row(cache, table, a->block_size, tok, j + ATTN_TILE), tok * sizeof(float));
+    }
+}
+
 static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, float *scratch) {
-    const size_t stride = (size_t)(max_len + 8), pf = part_floats(a), tok = (size_t)a->num_kv_heads * a->head_dim;
+    const size_t stride = (size_t)(max_len + 8), pf = part_floats(a);
     const size_t sh = (size_t)a->num_heads * stride, ph = ATTN_CHUNKS * pf;
     float *parts = scratch_parts(a, scratch, stride, rows_max(a, max_len));
     const int64_t L0 = a->lens[i0], Lmax = L0 + R - 1;
@@ -350,11 +362,7 @@ static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, f
     /* scores: a tile of keys at a time (d64), every row that reaches it */
     for (int64_t t0 = 0; t0 < Lmax; t0 += ATTN_TILE) {
         const int64_t t1 = t0 + ATTN_TILE < Lmax ? t0 + ATTN_TILE : Lmax;
-        for (int64_t j = t0; j < t1; j++) {
-            tile[j - t0] = cached_row(a->k_cache, table, a->block_size, tok, j);
-            if (j + ATTN_TILE < Lmax)
-                prefetch_bytes_l2(cached_row(a->k_cache, table, a->block_size, tok, j + ATTN_TILE), tok * sizeof(float));
-        }
+        tile_rows(a, a->k_cache, table, t0, t1, Lmax, tile);
         const int r0 = t0 < L0 ? 0 : (int)(t0 - L0 + 1);
         if (d64) {
             tile_scores64(a, i0, r0, R, L0, tile, t0, t1, scratch, sh, stride);
@@ -373,11 +381,7 @@ static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, f
     }
     for (int64_t t0 = 0; t0 < Lmax; t0 += ATTN_TILE) {
         const int64_t t1 = t0 + ATTN_TILE < Lmax ? t0 + ATTN_TILE : Lmax;
-        for (int64_t j = t0; j < t1; j++) {
-            tile[j - t0] = cached_row(a->v_cache, table, a->block_size, tok, j);
-            if (j + ATTN_TILE < Lmax)
-                prefetch_bytes_l2(cached_row(a->v_cache, table, a->block_size, tok, j + ATTN_TILE), tok * sizeof(float));
-        }
+        tile_rows(a, a->v_cache, table, t0, t1, Lmax, tile);
         const int r0 = t0 < L0 ? 0 : (int)(t0 - L0 + 1);
         if (d64) {
             tile_values64(a, r0, R, L0, tile, t0, t1, scratch, sh, stride, parts, ph);
