@@ -197,7 +197,7 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     p += items_bytes;
     if (s->n_dec) {
         attn_args a = decode_args(m, 0, s);
-        t->n_attn_items = attention_blocks(&a, nthreads, t->attn_items);
+        t->n_attn_items = attention_blocks(&a, t->max_len, nthreads, t->attn_items);
     }
     p = input_carve(p, M, H, kmax, &t->shared);
     t->priv = (input_buf *)p;

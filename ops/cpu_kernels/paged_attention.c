@@ -261,11 +261,6 @@ static void attention_item(const attn_args *a, int64_t max_len, int split, int i
     }
 }
 
-/* Rows i0..i0+R-1 of one request's prefill (lens[i] = lens[i0] + i - i0; their tables agree
- * on every block they read: attention_blocks), together: each key and value token is read
- * once for all R rows (a row alone reads them all again: from L3, past ~300 tokens). Each
- * row's arithmetic is chunk_partial's and combine_chunks', in the same order: the same
- * bits as the row alone. */
 /* Keys (values) of one tile of ATTN_TILE tokens, read by every row of a block: 24 KB for
  * the default model's three kv heads, so a tile stays in L1 while the rows take turns. */
 #define ATTN_TILE 32
@@ -351,6 +346,11 @@ static inline void tile_rows(const attn_args *a, const float *cache, const int64
     }
 }
 
+/* Rows i0..i0+R-1 of one request's prefill (lens[i] = lens[i0] + i - i0; their tables agree
+ * on every block they read: attention_blocks), together: each key and value token is read
+ * once for all R rows (a row alone reads them all again: from L3, past ~300 tokens). Each
+ * row's arithmetic is chunk_partial's and combine_chunks', in the same order: the same
+ * bits as the row alone. */
 static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, float *scratch) {
     const size_t stride = (size_t)(max_len + 8), pf = part_floats(a);
     const size_t sh = (size_t)a->num_heads * stride, ph = ATTN_CHUNKS * pf;
@@ -363,13 +363,12 @@ static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, f
     for (int64_t t0 = 0; t0 < Lmax; t0 += ATTN_TILE) {
         const int64_t t1 = t0 + ATTN_TILE < Lmax ? t0 + ATTN_TILE : Lmax;
         tile_rows(a, a->k_cache, table, t0, t1, Lmax, tile);
-        const int r0 = t0 < L0 ? 0 : (int)(t0 - L0 + 1);
-        if (d64) {
-            tile_scores64(a, i0, r0, R, L0, tile, t0, t1, scratch, sh, stride);
+        if (d64) { /* from the first row that reaches the tile */
+            tile_scores64(a, i0, t0 < L0 ? 0 : (int)(t0 - L0 + 1), R, L0, tile, t0, t1, scratch, sh, stride);
             continue;
         }
         for (int64_t j = t0; j < t1; j++)
-            for (int r = j < L0 ? r0 : (int)(j - L0 + 1); r < R; r++) key_scores(a, i0 + r, tile[j - t0], j, scratch + r * sh, stride);
+            for (int r = j < L0 ? 0 : (int)(j - L0 + 1); r < R; r++) key_scores(a, i0 + r, tile[j - t0], j, scratch + r * sh, stride);
     }
     for (int r = 0; r < R; r++) {
         const int64_t L = L0 + r, clen = chunk_len(L);
@@ -382,13 +381,12 @@ static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, f
     for (int64_t t0 = 0; t0 < Lmax; t0 += ATTN_TILE) {
         const int64_t t1 = t0 + ATTN_TILE < Lmax ? t0 + ATTN_TILE : Lmax;
         tile_rows(a, a->v_cache, table, t0, t1, Lmax, tile);
-        const int r0 = t0 < L0 ? 0 : (int)(t0 - L0 + 1);
         if (d64) {
-            tile_values64(a, r0, R, L0, tile, t0, t1, scratch, sh, stride, parts, ph);
+            tile_values64(a, t0 < L0 ? 0 : (int)(t0 - L0 + 1), R, L0, tile, t0, t1, scratch, sh, stride, parts, ph);
             continue;
         }
         for (int64_t j = t0; j < t1; j++)
-            for (int r = j < L0 ? r0 : (int)(j - L0 + 1); r < R; r++)
+            for (int r = j < L0 ? 0 : (int)(j - L0 + 1); r < R; r++)
                 key_values(a, tile[j - t0], j, scratch + r * sh, stride, parts + r * ph + (j / chunk_len(L0 + r)) * pf);
     }
     for (int r = 0; r < R; r++) combine_chunks(a, i0 + r, parts + r * ph, num_chunks(L0 + r));
@@ -396,10 +394,9 @@ static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, f
 
 /* Work items when there are enough rows to share out (n >= 2 threads): runs of one
  * request's consecutive prefill rows, up to rows_max a run but at least 4 items a thread;
- * a decode row is an item alone. items[2k], items[2k + 1]: the first row and the count. */
-static int attention_blocks(const attn_args *a, int nthreads, int32_t *items) {
-    int64_t max_len = 1;
-    for (int i = 0; i < a->n; i++) max_len = a->lens[i] > max_len ? a->lens[i] : max_len;
+ * a decode row is an item alone. items[2k], items[2k + 1]: the first row and the count.
+ * `max_len`: the longest row, as the scratch was sized for (attention_scratch). */
+static int attention_blocks(const attn_args *a, int64_t max_len, int nthreads, int32_t *items) {
     int most = a->n / (4 * nthreads);
     most = most < 1 ? 1 : most > rows_max(a, max_len) ? rows_max(a, max_len) : most;
     int n_items = 0;
