@@ -105,8 +105,10 @@ DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup
                 '"prompt_lookup_min": 2}')
 
 
-def _engine(loaded: LoadedModel, spec: NgramSpeculation | None, seqs: int) -> Engine:
-    conf = WorkerConfig(model=ModelConfig(max_model_len=2048), cache=CacheConfig(kv_cache_memory=0.25),
+def _engine(loaded: LoadedModel, spec: NgramSpeculation | None, seqs: int, kv_gib: float = 0.25) -> Engine:
+    # ModelConfig's defaults: CUDA graphs for plain decode steps on a GPU (verification
+    # steps, several rows a request, run eagerly).
+    conf = WorkerConfig(model=ModelConfig(max_model_len=2048), cache=CacheConfig(kv_cache_memory=kv_gib),
                         scheduler=SchedulerConfig(max_num_seqs=max(seqs, 1)),
                         speculative=SpeculativeConfig(spec))
     return Engine(conf, loaded=loaded)
@@ -212,6 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-config", action="append", default=[],
                     help=f"a speculation side, vLLM's JSON (repeat for several; default {DEFAULT_SPEC})")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                    help="auto: the device's default (bfloat16 on CUDA, float32 on the CPU)")
+    ap.add_argument("--tokenizer-model", default="",
+                    help="render the prompts with this model's tokenizer (for a dummy:SHAPE model, "
+                         "which has none; e.g. default)")
+    ap.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache per engine")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
@@ -228,20 +237,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     specs = [parse_speculative_config(s) for s in args.speculative_config or [DEFAULT_SPEC]]
-    loaded = load_model(args.model)
-    tok = loaded.tokenizer
-    assert tok is not None, "the workload is text: the model needs a tokenizer"
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    loaded = load_model(args.model, device, dtype)
+    tok = load_model(args.tokenizer_model).tokenizer if args.tokenizer_model else loaded.tokenizer
+    assert tok is not None, "the workload is text: the model needs a tokenizer (--tokenizer-model)"
+    assert tok.vocab_size <= loaded.config.vocab_size, "the tokenizer's ids must fit the model's vocabulary"
     tasks = [t for t in args.tasks.split(",") if t]
     prompts = {t: tok.encode(tok.apply_chat_template([{"role": "user", "content": TASKS[t]}],
                                                      add_generation_prompt=True)) for t in tasks}
-    sides: dict[str, Engine] = {"plain": _engine(loaded, None, 1)}
+    kv = args.kv_cache_memory
+    sides: dict[str, Engine] = {"plain": _engine(loaded, None, 1, kv)}
     for spec in specs:
         assert spec is not None
         name = f"ngram k={spec.num_speculative_tokens} n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
-        sides[name] = _engine(loaded, spec, 1)
+        sides[name] = _engine(loaded, spec, 1, kv)
     report: dict[str, Any] = {
         "info": {**environment(), "args": recorded(vars(args)), "threads": torch.get_num_threads(),
-                 "kernels": sides["plain"].runner.describe_kernels()},
+                 "kernels": sides["plain"].runner.describe_kernels(),
+                 "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+                 "gpu": torch.cuda.get_device_name() if loaded.device.type == "cuda" else None},
         "sides": list(sides), "specs": [dataclasses.asdict(s) for s in specs if s is not None],
         "tasks": tasks, "prompt_tokens": {t: len(p) for t, p in prompts.items()}, "rounds": [],
     }
@@ -262,8 +277,8 @@ def main(argv: list[str] | None = None) -> None:
         seqs = max(batches)
         assert specs[0] is not None
         forced = dataclasses.replace(specs[0], disable_by_batch_size=seqs)
-        plain_b, configured_b = _engine(loaded, None, seqs), _engine(loaded, specs[0], seqs)
-        forced_b = _engine(loaded, forced, seqs)
+        plain_b, configured_b = _engine(loaded, None, seqs, kv), _engine(loaded, specs[0], seqs, kv)
+        forced_b = _engine(loaded, forced, seqs, kv)
         ps = list(prompts.values())
         for b in batches:
             res = {"plain": _batch(plain_b, ps, b, args.max_tokens),

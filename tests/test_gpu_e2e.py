@@ -151,3 +151,28 @@ def test_preemption_and_prefix_caching_on_gpu_fp32() -> None:
         tokens, engine = run(40, mode, prefix=True)
         assert engine.kv.stats.num_hit_tokens > 0
         assert tokens == reference, f"{mode}: differs from the reference"
+
+
+def test_speculative_decoding_keeps_greedy_tokens_on_gpu_fp32(gpu_model_fp32, gpu_prompts) -> None:
+    """N-gram speculation on the GPU (verification rows through the Triton kernels, plain
+    decode steps of the same engine replayed from graphs): 24 concurrent greedy requests get
+    the tokens of the same engine without speculation, drafts are made and accepted, and
+    no block outlives its request (float32, the default model)."""
+    from worker.config import NgramSpeculation, SpeculativeConfig
+
+    prompts, max_tokens = gpu_prompts
+    plain = _run(_engine(gpu_model_fp32, "auto", graphs=True), prompts, max_tokens)
+    spec = NgramSpeculation(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4,
+                            disable_by_batch_size=64)
+    conf = WorkerConfig(
+        model=ModelConfig(cuda_graphs=True, max_model_len=2048),
+        cache=CacheConfig(kv_cache_memory=1.0),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+        speculative=SpeculativeConfig(spec),
+    )
+    engine = Engine(conf, loaded=gpu_model_fp32)
+    assert engine.runner.graphs is not None
+    tokens = _run(engine, prompts, max_tokens)
+    assert engine.num_draft_tokens > 0 and engine.num_accepted_tokens > 0
+    mismatched = [i for i, (a, b) in enumerate(zip(tokens, plain, strict=True)) if a != b]
+    assert not mismatched, f"requests {mismatched} differ with speculation"
