@@ -281,6 +281,10 @@ def main(argv: list[str] | None = None) -> None:
         forced_b = _engine(loaded, forced, seqs, kv)
         ps = list(prompts.values())
         for b in batches:
+            # Warm-up at this size first: on a GPU the first steps of a new shape compile
+            # Triton kernels (seconds), which would land on whichever side ran first.
+            for engine in (plain_b, configured_b, forced_b):
+                _batch(engine, ps, b, 4)
             res = {"plain": _batch(plain_b, ps, b, args.max_tokens),
                    "configured": _batch(configured_b, ps, b, args.max_tokens),
                    "forced": _batch(forced_b, ps, b, args.max_tokens) if b <= args.forced_max_batch else None}

@@ -302,18 +302,20 @@ def test_copy_blocks_triton_matches_reference(dtype: torch.dtype, as_tensor: boo
 
 
 def test_copy_blocks_dispatch_and_empty(monkeypatch) -> None:
-    """auto and torch on the CPU take the reference (the kernel is not called), triton the
-    kernel; no pairs is a no-op; mismatched pairs raise."""
+    """torch (and auto on the CPU) take the reference (the kernel is not called), triton
+    the kernel; no pairs is a no-op; mismatched pairs raise. On the GPU when there is one
+    (Triton runs CPU tensors only in its interpreter, which is off there)."""
     import ops.block_copy_triton as bct
 
     calls = []
     monkeypatch.setattr(bct, "copy_blocks_triton", lambda *a: calls.append(a) or copy_blocks_triton(*a))
     ops._load.cache_clear()  # the dispatch looks the kernel up again, finding the spy
+    dev = kernel_device()
     try:
-        cache = torch.randn(4, 2, 1, 4)
+        cache = torch.randn(4, 2, 1, 4, device=dev)
         want = cache.clone()
         want[3] = want[0]
-        for name in ("auto", "torch"):
+        for name in ("auto", "torch") if dev.type == "cpu" else ("torch",):
             with ops.use_backend(name):
                 ops.copy_blocks(cache, [0], [3])
         assert calls == [] and torch.equal(cache, want)
@@ -351,13 +353,15 @@ def test_swap_blocks_on_one_device_matches_reference(as_tensor: bool) -> None:
 
 def test_each_op_dispatches_to_its_backend(monkeypatch) -> None:
     """ops.<op> under `triton` loads and runs the op's own Triton kernel (same result as
-    calling it directly), under `torch` and `c` the reference (or the C op for attention)."""
+    calling it directly), under `torch` and `c` (CPU tensors) the reference (or the C op
+    for attention). On the GPU when there is one."""
     loaded: list[tuple[str, str]] = []
     real_load = ops._load.__wrapped__
     monkeypatch.setattr(ops, "_load", lambda m, n: loaded.append((m, n)) or real_load(m, n))
-    g = _gen(0, torch.device("cpu"))
-    x = torch.randn(3, 64, generator=g)
-    w = torch.randn(64, generator=g)
+    dev = kernel_device()
+    g = _gen(0, dev)
+    x = torch.randn(3, 64, generator=g, device=dev)
+    w = torch.randn(64, generator=g, device=dev)
     want_norm, _ = rms_norm_ref(x, w, 1e-6)
     want_act = silu_and_mul_ref(x)
     with ops.use_backend("triton"):
@@ -366,7 +370,7 @@ def test_each_op_dispatches_to_its_backend(monkeypatch) -> None:
     assert loaded == [("ops.norm_triton", "rms_norm_triton"),
                       ("ops.activation_triton", "silu_and_mul_triton")]
     loaded.clear()
-    for name in ("torch", "c") if ops.c_kernels_available() else ("torch",):
+    for name in ("torch", "c") if ops.c_kernels_available() and dev.type == "cpu" else ("torch",):
         with ops.use_backend(name):
             assert torch.equal(ops.rms_norm(x, w, 1e-6)[0], want_norm)
             assert torch.equal(ops.silu_and_mul(x), want_act)

@@ -13,8 +13,18 @@ A decode-only step is padded up to the next captured size and replayed:
     query_start_loc  0 1 2 ... 8 (fixed: one query token per row)
 
 The attention kernel is captured with max_seq_len = max_model_len, so its launch
-grid covers any context; programs past a row's seq_len exit at once. Mixed and
-prefill steps run eagerly.
+grid covers any context; programs past a row's seq_len exit at once.
+
+A speculative verification step is decode rows too: each drafted position is a row of
+its own, with its request's block table and its own seq_len (model_runner.py), so it
+replays the same graphs; a request verifying 3 drafts at positions p..p+3 is 4 rows:
+
+    input_ids      | t  d1  d2  d3  |        every row writes its K/V before any
+    positions      | p  p+1 p+2 p+3 |        row attends (the layer writes, then
+    seq_lens       | p+1 p+2 p+3 p+4|        reads), so row j sees rows < j
+    block_tables   | the request's table, on every row
+
+Steps with a prompt chunk of more than one token run eagerly.
 """
 
 from __future__ import annotations
@@ -44,7 +54,6 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
     ) -> None:
-        assert device.type == "cuda", "CUDA graphs need a CUDA device"
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -59,9 +68,9 @@ class DecodeGraphs:
         self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=device)
-        self._host = torch.zeros(4, max_batch, dtype=torch.int64, pin_memory=True)
-        self._host_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32,
-                                        pin_memory=True)
+        pin = device.type == "cuda"  # (a stand-in on the CPU in tests has nothing to pin for)
+        self._host = torch.zeros(4, max_batch, dtype=torch.int64, pin_memory=pin)
+        self._host_tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, pin_memory=pin)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture_all()
 
@@ -79,6 +88,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        assert self.packed.device.type == "cuda", "CUDA graphs need a CUDA device"
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -93,8 +103,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def can_run(self, num_decodes: int) -> bool:
-        return num_decodes <= self.sizes[-1]
+    def can_run(self, num_rows: int) -> bool:
+        return num_rows <= self.sizes[-1]
 
     def run(
         self,
@@ -103,10 +113,22 @@ class DecodeGraphs:
         seq_lens: list[int],
         block_tables: list[list[int]],
     ) -> torch.Tensor:
-        """Logits [n, vocab] float32 for n decodes (one token each)."""
+        """Logits [n, vocab] float32 for n decode rows (one token each; a row's block table,
+        position and seq_len are its own, so a drafted position is a row too)."""
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
+        self._stage(b, input_ids, positions, seq_lens, block_tables)
+        return self._replay(b)[:n]
+
+    def _replay(self, b: int) -> torch.Tensor:
         graph, logits = self.graphs[b]
+        graph.replay()
+        return logits
+
+    def _stage(self, b: int, input_ids: list[int], positions: list[int], seq_lens: list[int],
+               block_tables: list[list[int]]) -> None:
+        """Copy a step's rows into the static buffers, padded to the captured size b."""
+        n = len(input_ids)
         bs = self.block_size
         slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
         pad = b - n
@@ -122,5 +144,3 @@ class DecodeGraphs:
                                   + [[0] * width] * pad, dtype=torch.int32))
         self.packed[:, :b].copy_(host[:, :b], non_blocking=True)
         self.block_tables[:b, :width].copy_(tables, non_blocking=True)
-        graph.replay()
-        return logits[:n]

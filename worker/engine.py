@@ -35,7 +35,7 @@ from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.sample_group import SampleGroup, make_group
 from scheduler.scheduler import PrefixCacheReset, Scheduler
 from worker import memory
-from worker.config import WorkerConfig
+from worker.config import NgramSpeculation, WorkerConfig
 from worker.lora.registry import LoraRegistry
 from worker.lora.slots import LoraSlots
 from worker.model_runner import ModelRunner
@@ -103,6 +103,15 @@ class Completion:
                    out.index, out.prompt_logprobs)
 
 
+def _max_verify_rows(spec: NgramSpeculation | None, max_num_seqs: int) -> int:
+    """Rows of the largest verification step: with speculation on (at most
+    disable_by_batch_size running requests) each request is a row per drafted token and
+    one for its own; the CUDA graphs are captured up to this many rows."""
+    if spec is None:
+        return 0
+    return min(max_num_seqs, spec.disable_by_batch_size) * (spec.num_speculative_tokens + 1)
+
+
 class Engine:
     # A model step that raises fails the requests of that step and the engine goes on; this
     # many failed steps in a row mean it cannot (a broken device): the engine thread ends,
@@ -164,6 +173,7 @@ class Engine:
             max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
             # The torch references sync with the host inside; only the kernels can be captured.
             cuda_graphs=config.model.cuda_graphs and ops.uses_triton(loaded.device),
+            max_decode_rows=_max_verify_rows(config.speculative.speculative_config, sc.max_num_seqs),
             num_cpu_blocks=num_cpu_blocks,
             cpu_packed_linear=config.model.cpu_packed_linear,
             quantized=loaded.quantized if config.model.cpu_quantized_linear else None,

@@ -77,6 +77,7 @@ class ModelRunner:
         max_num_seqs: int = 0,
         max_model_len: int = 0,
         cuda_graphs: bool = False,
+        max_decode_rows: int = 0,
         num_cpu_blocks: int = 0,
         cpu_packed_linear: bool = False,
         quantized: Mapping[str, QuantizedWeight] | None = None,
@@ -85,7 +86,9 @@ class ModelRunner:
         lora: LoraSlots | None = None,
     ) -> None:
         """With `cuda_graphs` (CUDA only), decode steps of up to `max_num_seqs` requests
-        replay graphs captured here, over contexts up to `max_model_len`. `num_cpu_blocks`
+        replay graphs captured here, over contexts up to `max_model_len`; with speculation,
+        verification steps too, up to `max_decode_rows` rows (a row per drafted position
+        and one per request; worker/cuda_graphs.py). `num_cpu_blocks`
         sizes the swap space in host memory (pinned on CUDA, so swaps are DMA copies).
         `cpu_packed_linear` (CPU, float32) packs the model's linear weights for oneDNN
         (ops/linear.py), in place: a model shared by several runners is packed once.
@@ -152,8 +155,8 @@ class ModelRunner:
         # Captured graphs have no LoRA rows (their index tensors change with every step).
         if cuda_graphs and device.type == "cuda" and lora is None:
             assert max_num_seqs > 0 and max_model_len > 0
-            self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, max_model_len,
-                                       block_size, device)
+            self.graphs = DecodeGraphs(model, self.kv_caches, max(max_num_seqs, max_decode_rows),
+                                       max_model_len, block_size, device)
 
     def describe_kernels(self) -> str:
         """The ops backend and which implementation runs the linears, the embedding lookup,
@@ -240,7 +243,6 @@ class ModelRunner:
                 sample_rows += [len(input_ids) - 1] * len(s.forks)  # the leader's row again
                 sampling.append(s)
         spec = any(s.spec_token_ids for s in sampling)
-        forking = any(s.forks for s in sampling)
         # The request each sampled row draws for: a drafted position is a row, a fork too.
         row_reqs = [r for s in sampling
                     for r in [s.request] * (len(s.spec_token_ids) + 1) + s.forks]
@@ -249,13 +251,19 @@ class ModelRunner:
         # (Engine._propose), so their one row's mask is right; logit_bias is the same at
         # every position.
         masks = self.logits_masks.start(row_reqs)
-        if self.graphs is not None and not spec and not forking and not prompt_rows and (
-            len(sample_rows) == len(input_ids) and self.graphs.can_run(len(input_ids))
+        if self.graphs is not None and not prompt_rows and len(tables) == len(input_ids) and (
+            self.graphs.can_run(len(input_ids))
         ):
-            # Every request decodes one token: replay a captured graph.
-            logits = self.graphs.run(input_ids, positions, seq_lens,
-                                     [s.block_table for s in step.scheduled])
-            return self._one_each(self._sample([s.request for s in sampling], logits, masks))
+            # Every row is one token with its own table and seq_len (a decode, a drafted
+            # position, a one-token prompt chunk): replay a captured graph.
+            logits = self.graphs.run(input_ids, positions, seq_lens, tables)
+            if not sampling:
+                return {}
+            if sample_rows != list(range(len(input_ids))):  # forks repeat a row; chunks skip theirs
+                logits = logits.index_select(0, self._tensor(sample_rows))
+            if spec:
+                return self._verify(sampling, logits, masks)
+            return self._one_each(self._sample(row_reqs, logits, masks))
         max_blocks = max(len(t) for t in tables)
         # Built in numpy on the host: a few microseconds an op where torch's CPU ops take
         # tens each, which a batch-1 step's Python felt.
