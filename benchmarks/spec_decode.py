@@ -140,12 +140,34 @@ def _batch(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int
                                 SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
             for i in range(batch)]
     drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+    steps, graph_steps = engine.num_steps, engine.runner.num_graph_steps
     t0 = time.perf_counter()
     done = engine.generate(reqs)
     dt = time.perf_counter() - t0
     return {"output_tokens_per_s": sum(len(d.token_ids) for d in done) / dt, "seconds": dt,
             "draft_tokens": engine.num_draft_tokens - drafted,
-            "accepted_tokens": engine.num_accepted_tokens - accepted}
+            "accepted_tokens": engine.num_accepted_tokens - accepted,
+            "steps": engine.num_steps - steps, "graph_steps": engine.runner.num_graph_steps - graph_steps}
+
+
+def _batch_sides(sides: dict[str, Engine], prompts: list[list[int]], batch: int, max_tokens: int,
+                 rounds: int) -> dict[str, dict[str, Any]]:
+    """Each side at `batch` streams, `rounds` times, the order reversed every round (on a
+    GPU at 38999d1 the first side timed ran 2-4x slower than the next, for no reason found
+    then): per side the median round, and every round under "runs"."""
+    for engine in sides.values():
+        # Warm-up at this size first: on a GPU the first steps of a new shape compile
+        # Triton kernels (seconds), which would land on whichever side ran first.
+        _batch(engine, prompts, batch, 4)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    for r in range(rounds):
+        for side in (list(sides) if r % 2 == 0 else list(reversed(sides))):
+            runs[side].append(_batch(sides[side], prompts, batch, max_tokens))
+    out = {}
+    for side, rs in runs.items():
+        mid = sorted(rs, key=lambda x: x["output_tokens_per_s"])[(len(rs) - 1) // 2]
+        out[side] = {**mid, "runs": rs}
+    return out
 
 
 def summarize(report: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -225,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma list of " + ", ".join(TASKS))
     ap.add_argument("--batch-sizes", default="", help="also B streams at once, e.g. 2,4,8,64")
+    ap.add_argument("--batch-rounds", type=int, default=2,
+                    help="times each side runs each batch size, alternating the order; the median counts")
     ap.add_argument("--forced-max-batch", type=int, default=16,
                     help="largest batch size also run with speculation forced on")
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
@@ -281,15 +305,14 @@ def main(argv: list[str] | None = None) -> None:
         forced_b = _engine(loaded, forced, seqs, kv)
         ps = list(prompts.values())
         for b in batches:
-            # Warm-up at this size first: on a GPU the first steps of a new shape compile
-            # Triton kernels (seconds), which would land on whichever side ran first.
-            for engine in (plain_b, configured_b, forced_b):
-                _batch(engine, ps, b, 4)
-            res = {"plain": _batch(plain_b, ps, b, args.max_tokens),
-                   "configured": _batch(configured_b, ps, b, args.max_tokens),
-                   "forced": _batch(forced_b, ps, b, args.max_tokens) if b <= args.forced_max_batch else None}
+            batch_sides = {"plain": plain_b, "configured": configured_b}
+            if b <= args.forced_max_batch:
+                batch_sides["forced"] = forced_b
+            res: dict[str, Any] = {"forced": None, **_batch_sides(batch_sides, ps, b, args.max_tokens,
+                                                                  args.batch_rounds)}
             report["batches"][str(b)] = res
-            print(f"batch {b}: " + ", ".join(f"{k} {v['output_tokens_per_s']:.1f} tok/s"
+            print(f"batch {b}: " + ", ".join(f"{k} {v['output_tokens_per_s']:.1f} tok/s "
+                                             f"({v['graph_steps']}/{v['steps']} steps from graphs)"
                                              for k, v in res.items() if v), flush=True)
     report["summary"] = summarize(report)
     print(render_markdown(report))

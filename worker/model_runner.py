@@ -157,6 +157,7 @@ class ModelRunner:
             assert max_num_seqs > 0 and max_model_len > 0
             self.graphs = DecodeGraphs(model, self.kv_caches, max(max_num_seqs, max_decode_rows),
                                        max_model_len, block_size, device)
+        self.num_graph_steps = 0  # steps replayed from a graph (benchmarks report the share)
 
     def describe_kernels(self) -> str:
         """The ops backend and which implementation runs the linears, the embedding lookup,
@@ -257,6 +258,7 @@ class ModelRunner:
             # Every row is one token with its own table and seq_len (a decode, a drafted
             # position, a one-token prompt chunk): replay a captured graph.
             logits = self.graphs.run(input_ids, positions, seq_lens, tables)
+            self.num_graph_steps += 1
             if not sampling:
                 return {}
             if sample_rows != list(range(len(input_ids))):  # forks repeat a row; chunks skip theirs

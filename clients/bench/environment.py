@@ -93,13 +93,15 @@ def command(argv: list[str]) -> str:
 
 
 def git_commit() -> str | None:
-    """HEAD's commit; in a copy without .git (a snapshot on another machine) the commit it
-    was made from, as ``LLMWORKER_COMMIT`` names it."""
-    return _git("rev-parse", "HEAD") or os.environ.get("LLMWORKER_COMMIT") or None
+    """The commit ``LLMWORKER_COMMIT`` names, if set (a copy on another machine, whose .git
+    may be missing or older than its files: the device tool's copies carry the .git of the
+    session's start), else HEAD's."""
+    return os.environ.get("LLMWORKER_COMMIT") or _git("rev-parse", "HEAD") or None
 
 
 def environment(argv: list[str] | None = None) -> dict[str, Any]:
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # Unknown for a copy named by LLMWORKER_COMMIT: its .git need not describe its files.
+    status = None if os.environ.get("LLMWORKER_COMMIT") else _git("status", "--porcelain", "--untracked-files=no")
     argv = sys.argv if argv is None else argv
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
