@@ -10,8 +10,14 @@ so that both see the same minute of a machine whose speed drifts by 20-30% over 
 Workloads: per prompt length P, one request of P new tokens and one output token (the
 whole prefill one step: the token budget is P); `mixed`: 32 requests of 100 prompt tokens
 and 8 output tokens each under a 256-token budget, prefill chunks sharing most steps with
-decodes. A table row gives each side's median and fastest over the rounds, and the median
-of the rounds' paired ratios before / after (above 1: after is faster).
+decodes; `spec` and `plain` (with --workloads): the four input-grounded prompts of
+benchmarks.spec_decode one at a time, greedy, up to 128 tokens, with n-gram speculation
+(its DEFAULT_SPEC, k = 3) or without, on one engine each (prompts cached after the first
+round, so these time mostly decode and verification steps). A table row gives each side's
+median and fastest over the rounds, and the median of the rounds' paired ratios before /
+after (above 1: after is faster).
+
+    python -m benchmarks.prefill_ab --against ../wt-ab --workloads spec,plain --rounds 6
 """
 
 from __future__ import annotations
@@ -50,9 +56,29 @@ def engine(budget, seqs):
         engines[budget, seqs] = Engine(conf, loaded=loaded)
     return engines[budget, seqs]
 
+def task_requests(spec):
+    from benchmarks.spec_decode import DEFAULT_SPEC, TASKS
+    from worker.config import SpeculativeConfig, parse_speculative_config
+    if spec not in engines:
+        conf = WorkerConfig(model=ModelConfig(max_model_len=2048), cache=CacheConfig(kv_cache_memory=0.25),
+                            scheduler=SchedulerConfig(max_num_seqs=1),
+                            speculative=SpeculativeConfig(parse_speculative_config(DEFAULT_SPEC) if spec else None))
+        engines[spec] = Engine(conf, loaded=loaded)
+    e, tok = engines[spec], loaded.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
+               for t in TASKS.values()]
+    return e, [[e.make_request(p, SamplingParams(temperature=0, max_tokens=128))] for p in prompts]
+
 print("READY", flush=True)
 for n, line in enumerate(sys.stdin):
-    work = json.loads(line)  # a prompt length, or "mixed"; n keeps prompts distinct (no cache hits)
+    work = json.loads(line)  # a prompt length, "mixed", "spec" or "plain"; n keeps prompts distinct
+    if work in ("spec", "plain"):
+        e, batches = task_requests(work == "spec")
+        t0 = time.perf_counter()
+        for reqs in batches:  # one stream: each prompt alone
+            e.generate(reqs)
+        print(json.dumps(time.perf_counter() - t0), flush=True)
+        continue
     if work == "mixed":
         e = engine(256, 64)
         reqs = [e.make_request([(7 * i + j + 1000 * n) % 40000 + 100 for j in range(100)],
@@ -107,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", help="root of the other checkout (its code runs as 'before')")
     ap.add_argument("--prompts", default="300,1000,2000", help="prompt lengths timed alone")
+    ap.add_argument("--workloads", default="prompts,mixed",
+                    help="comma list of: prompts (each of --prompts), mixed, spec, plain")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
     ap.add_argument("--output-json")
@@ -119,7 +147,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--against is required")
     prompts = [int(x) for x in args.prompts.split(",")]
     here = Path(__file__).resolve().parents[1]
-    workloads: list[int | str] = [*prompts, "mixed"]
+    workloads: list[int | str] = []
+    for w in args.workloads.split(","):
+        if w not in ("prompts", "mixed", "spec", "plain"):
+            ap.error(f"unknown workload {w!r}")
+        workloads += prompts if w == "prompts" else [w]
     report: dict = {"environment": environment(), "prompts": prompts,
                     "times": {str(w): {"before": [], "after": []} for w in workloads}}
     sides = {"before": _Side(Path(args.against).resolve(), args, prompts), "after": _Side(here, args, prompts)}
