@@ -105,3 +105,18 @@ def test_a_failing_plot_leaves_the_measurements_in_the_json(
     assert len(result["runs"]) == 4 and all(r["summary"]["completed"] == 4
                                              for r in result["runs"])
     assert "plot" not in result
+
+
+def test_spec_replay_counts_steps_drafts_and_cost() -> None:
+    """An output that copies its prompt: the first step finds no 2-gram to match, the
+    second matches "10 11" at the prompt's start and drafts 12 13 14 (all accepted, plus
+    15 from the model): 5 tokens after the first in 2 steps costing 1 and 1 + 3c."""
+    from benchmarks.spec_replay import POLICIES, replay
+
+    seqs = [([10, 11, 12, 13, 14, 15], [10, 11, 12, 13, 14, 15])]
+    r = replay(seqs, POLICIES["k=3"], 0.5)
+    assert r == {"speedup": 5 / 3.5, "tokens_per_step": 2.5, "acceptance": 1.0}
+    # k = 2: drafts 12 13 (accepted, + 14), then "13 14" matches: draft 15 is capped away
+    # (no token after it to verify with), so one plain step: 3 steps, cost 1 + (1 + 2c) + 1.
+    r = replay(seqs, POLICIES["k=2"], 0.5)
+    assert r["tokens_per_step"] == 5 / 3 and r["speedup"] == 5 / 4
