@@ -32,6 +32,9 @@
 #define QBLOCK 32
 #define Q4_1_RECORD 640
 #define Q8_0_RECORD 1088
+#ifndef FEW_ROWS_MAX
+#define FEW_ROWS_MAX 4  /* AVX2: rows up to this many take few_rows (see there) */
+#endif
 
 enum { QT_Q4_1 = 0, QT_Q8_0 = 1 };
 
@@ -195,6 +198,87 @@ static inline void micro_6(const float *x, size_t ldx, const float *w, float *y,
 }
 #endif
 
+#ifndef __AVX512F__
+/* A few rows (2..4) on AVX2, straight from the record like the one-row path: each half of
+ * the tile (16 outputs) is 2 ymm of weights a k, and each row keeps 2 accumulators, so four
+ * rows fit the 16 registers. The buffered path instead stores the dequantized block and
+ * reloads it for every group of rows: on Zen 3 (no AVX-512) its stores and reloads, not the
+ * FMAs, set the pace of a 4-row verification step. Each weight is computed by the same
+ * instructions as in Q4_1_WEIGHTS / Q8_0_WEIGHTS and each output takes the same FMAs in the
+ * same order: the same bits as any other path. */
+#define Q4_1_HALF_SCALES(rec, h)                                                             \
+    const __m256 da = load_half8((rec) + 32 * (h)), db = load_half8((rec) + 32 * (h) + 16); \
+    const __m256 ma = load_half8((rec) + 64 + 32 * (h)), mb = load_half8((rec) + 80 + 32 * (h)); \
+    const __m128i low = _mm_set1_epi8(0x0F);
+#define Q4_1_HALF_WEIGHTS(rec, h, k)                                                         \
+    const __m128i v = _mm_loadu_si128((const __m128i *)((rec) + 128 + 16 * (k)));         \
+    const __m128i q = (h) ? _mm_and_si128(_mm_srli_epi16(v, 4), low) : _mm_and_si128(v, low); \
+    const __m256 wa = _mm256_fmadd_ps(da, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), ma); \
+    const __m256 wb = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), mb);
+#define Q8_0_HALF_SCALES(rec, h)                                                             \
+    const __m256 da = load_half8((rec) + 32 * (h)), db = load_half8((rec) + 32 * (h) + 16);
+#define Q8_0_HALF_WEIGHTS(rec, h, k)                                                         \
+    const __m128i q = _mm_loadu_si128((const __m128i *)((rec) + 64 + 32 * (k) + 16 * (h))); \
+    const __m256 wa = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), da);     \
+    const __m256 wb = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), db);
+
+#define HALF_DECL(a) __m256 a##0, a##1;
+#define HALF_LOAD(a, r)                                                                      \
+    if (first) { a##0 = a##1 = _mm256_setzero_ps(); }                                       \
+    else { a##0 = _mm256_loadu_ps(y + (r) * ldy + 16 * h); a##1 = _mm256_loadu_ps(y + (r) * ldy + 16 * h + 8); }
+#define HALF_FMA(a, r) {                                                                     \
+    const __m256 xb = _mm256_broadcast_ss(x + (r) * ldx + k);                              \
+    a##0 = _mm256_fmadd_ps(xb, wa, a##0); a##1 = _mm256_fmadd_ps(xb, wb, a##1); }
+#define HALF_STORE(a, r)                                                                     \
+    _mm256_storeu_ps(y + (r) * ldy + 16 * h, a##0); _mm256_storeu_ps(y + (r) * ldy + 16 * h + 8, a##1);
+
+#define FEW_FNS(T)                                                                           \
+    static inline void few2_##T(const uint8_t *rec, const float *x, size_t ldx, float *y, size_t ldy, int first) { \
+        for (int h = 0; h < 2; h++) {                                                        \
+            T##_HALF_SCALES(rec, h)                                                          \
+            HALF_DECL(a) HALF_DECL(b) HALF_LOAD(a, 0) HALF_LOAD(b, 1)                       \
+            for (int k = 0; k < QBLOCK; k++) { T##_HALF_WEIGHTS(rec, h, k) HALF_FMA(a, 0) HALF_FMA(b, 1) } \
+            HALF_STORE(a, 0) HALF_STORE(b, 1)                                                \
+        }                                                                                    \
+    }                                                                                        \
+    static inline void few3_##T(const uint8_t *rec, const float *x, size_t ldx, float *y, size_t ldy, int first) { \
+        for (int h = 0; h < 2; h++) {                                                        \
+            T##_HALF_SCALES(rec, h)                                                          \
+            HALF_DECL(a) HALF_DECL(b) HALF_DECL(c) HALF_LOAD(a, 0) HALF_LOAD(b, 1) HALF_LOAD(c, 2) \
+            for (int k = 0; k < QBLOCK; k++) {                                               \
+                T##_HALF_WEIGHTS(rec, h, k) HALF_FMA(a, 0) HALF_FMA(b, 1) HALF_FMA(c, 2)    \
+            }                                                                                \
+            HALF_STORE(a, 0) HALF_STORE(b, 1) HALF_STORE(c, 2)                               \
+        }                                                                                    \
+    }                                                                                        \
+    static inline void few4_##T(const uint8_t *rec, const float *x, size_t ldx, float *y, size_t ldy, int first) { \
+        for (int h = 0; h < 2; h++) {                                                        \
+            T##_HALF_SCALES(rec, h)                                                          \
+            HALF_DECL(a) HALF_DECL(b) HALF_DECL(c) HALF_DECL(e)                              \
+            HALF_LOAD(a, 0) HALF_LOAD(b, 1) HALF_LOAD(c, 2) HALF_LOAD(e, 3)                 \
+            for (int k = 0; k < QBLOCK; k++) {                                               \
+                T##_HALF_WEIGHTS(rec, h, k) HALF_FMA(a, 0) HALF_FMA(b, 1) HALF_FMA(c, 2) HALF_FMA(e, 3) \
+            }                                                                                \
+            HALF_STORE(a, 0) HALF_STORE(b, 1) HALF_STORE(c, 2) HALF_STORE(e, 3)              \
+        }                                                                                    \
+    }
+FEW_FNS(Q4_1)
+FEW_FNS(Q8_0)
+
+static inline void few_rows(const uint8_t *rec, int qtype, const float *x, size_t ldx, int M,
+                            float *y, size_t ldy, int first) {
+    if (qtype == QT_Q4_1) {
+        if (M == 2) few2_Q4_1(rec, x, ldx, y, ldy, first);
+        else if (M == 3) few3_Q4_1(rec, x, ldx, y, ldy, first);
+        else few4_Q4_1(rec, x, ldx, y, ldy, first);
+    } else {
+        if (M == 2) few2_Q8_0(rec, x, ldx, y, ldy, first);
+        else if (M == 3) few3_Q8_0(rec, x, ldx, y, ldy, first);
+        else few4_Q8_0(rec, x, ldx, y, ldy, first);
+    }
+}
+#endif
+
 static inline int qf_record(int qtype) { return qtype == QT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD; }
 
 /* Tile t (outputs 32t..32t+31) for rows 0..M-1 into yt[r * ldy + n], from x[r * ldx + k]. */
@@ -218,6 +302,12 @@ static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t l
             else fused1_Q8_0(rec, xb, yt, first);
             continue;
         }
+#ifndef __AVX512F__
+        if (M <= FEW_ROWS_MAX) {
+            few_rows(rec, qtype, xb, ldx, M, yt, ldy, first);
+            continue;
+        }
+#endif
         if (qtype == QT_Q4_1) dequant_Q4_1(rec, buf);
         else dequant_Q8_0(rec, buf);
         int r = 0;
