@@ -78,6 +78,8 @@ def test_max_verify_rows() -> None:
     assert _max_verify_rows(None, 64) == 0
     assert _max_verify_rows(spec, 64) == 16  # 4 requests speculate at most, 4 rows each
     assert _max_verify_rows(spec, 1) == 4
+    wide = NgramSpeculation(num_speculative_tokens=5, disable_by_batch_size=1000)
+    assert _max_verify_rows(wide, 256) == 512  # capped: 256 x 6 rows would capture 1,536
 
 
 def test_verification_steps_replay_the_decode_graphs(model) -> None:

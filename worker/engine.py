@@ -103,13 +103,21 @@ class Completion:
                    out.index, out.prompt_logprobs)
 
 
+# Graph rows for verification at most (vLLM's largest capture size by default): each
+# captured size holds its logits ([rows, vocab] float32: 263 MB at 512 rows of a 128k
+# vocabulary); larger verification steps run eagerly.
+MAX_VERIFY_GRAPH_ROWS = 512
+
+
 def _max_verify_rows(spec: NgramSpeculation | None, max_num_seqs: int) -> int:
     """Rows of the largest verification step: with speculation on (at most
     disable_by_batch_size running requests) each request is a row per drafted token and
-    one for its own; the CUDA graphs are captured up to this many rows."""
+    one for its own; the CUDA graphs are captured up to this many rows (at most
+    MAX_VERIFY_GRAPH_ROWS)."""
     if spec is None:
         return 0
-    return min(max_num_seqs, spec.disable_by_batch_size) * (spec.num_speculative_tokens + 1)
+    rows = min(max_num_seqs, spec.disable_by_batch_size) * (spec.num_speculative_tokens + 1)
+    return min(rows, MAX_VERIFY_GRAPH_ROWS)
 
 
 class Engine:
