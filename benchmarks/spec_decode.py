@@ -47,6 +47,7 @@ from worker.config import (
     parse_speculative_config,
 )
 from worker.engine import Engine
+from worker.tokenizer import Tokenizer
 from worker.weights import LoadedModel, load_model
 
 TASKS = {
@@ -103,6 +104,12 @@ TASKS = {
 # short drafts pay best (BENCHMARKS.md: k = 3 against 5 and 8).
 DEFAULT_SPEC = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
                 '"prompt_lookup_min": 2}')
+
+
+def task_prompt(tok: Tokenizer, task: str) -> list[int]:
+    """The task's text as one user turn of the model's chat template, ready to answer."""
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": TASKS[task]}],
+                                              add_generation_prompt=True))
 
 
 def _engine(loaded: LoadedModel, spec: NgramSpeculation | None, seqs: int, kv_gib: float = 0.25) -> Engine:
@@ -268,8 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     assert tok is not None, "the workload is text: the model needs a tokenizer (--tokenizer-model)"
     assert tok.vocab_size <= loaded.config.vocab_size, "the tokenizer's ids must fit the model's vocabulary"
     tasks = [t for t in args.tasks.split(",") if t]
-    prompts = {t: tok.encode(tok.apply_chat_template([{"role": "user", "content": TASKS[t]}],
-                                                     add_generation_prompt=True)) for t in tasks}
+    prompts = {t: task_prompt(tok, t) for t in tasks}
     kv = args.kv_cache_memory
     sides: dict[str, Engine] = {"plain": _engine(loaded, None, 1, kv)}
     for spec in specs:

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.spec_decode import TASKS
+from benchmarks.spec_decode import task_prompt
 from worker.spec_decode.ngram import NgramProposer
 from worker.weights import load_model
 
@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = load_model("default").tokenizer
     assert tok is not None
     plain = report["rounds"][0]["plain"]
-    seqs = [(tok.encode(tok.apply_chat_template([{"role": "user", "content": TASKS[t]}],
-                                                add_generation_prompt=True)), plain[t]["tokens"])
-            for t in report["tasks"]]
+    seqs = [(task_prompt(tok, t), plain[t]["tokens"]) for t in report["tasks"]]
     costs = [float(c) for c in args.row_cost.split(",")]
     print("| policy (draft length by match length) | " + " | ".join(f"speedup, c = {c}" for c in costs)
           + " | tokens per step | acceptance |")
