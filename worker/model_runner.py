@@ -257,15 +257,30 @@ class ModelRunner:
         ):
             # Every row is one token with its own table and seq_len (a decode, a drafted
             # position, a one-token prompt chunk): replay a captured graph.
-            logits = self.graphs.run(input_ids, positions, seq_lens, tables)
+            hidden, all_logits = None, self.graphs.run(input_ids, positions, seq_lens, tables)
             self.num_graph_steps += 1
-            if not sampling:
-                return {}
-            if sample_rows != list(range(len(input_ids))):  # forks repeat a row; chunks skip theirs
-                logits = logits.index_select(0, self._tensor(sample_rows))
-            if spec:
-                return self._verify(sampling, logits, masks)
-            return self._one_each(self._sample(row_reqs, logits, masks))
+        else:
+            hidden, all_logits = self._forward(step, input_ids, positions, req_index, tables, seq_lens,
+                                               query_start_loc, logits=bool(sampling))
+            if prompt_rows:
+                self._prompt_logprobs(hidden, prompt_rows)
+        if not sampling:
+            return {}
+        if all_logits is not None:  # every row's: forks repeat a row, prompt chunks skip theirs
+            every = len(sample_rows) == len(input_ids) and sample_rows == list(range(len(input_ids)))
+            logits = all_logits if every else all_logits.index_select(0, self._tensor(sample_rows))
+        else:
+            assert hidden is not None
+            logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
+        if spec:
+            return self._verify(sampling, logits, masks)
+        return self._one_each(self._sample(row_reqs, logits, masks))
+
+    def _forward(self, step: SchedulerOutput, input_ids: list[int], positions: list[int],
+                 req_index: list[int], tables: list[list[int]], seq_lens: list[int],
+                 query_start_loc: list[int], logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step run eagerly: hidden states of every row, and with the CPU decoder (when
+        `logits`) every row's logits from the same native call (else None)."""
         max_blocks = max(len(t) for t in tables)
         # Built in numpy on the host: a few microseconds an op where torch's CPU ops take
         # tens each, which a batch-1 step's Python felt.
@@ -284,24 +299,9 @@ class ModelRunner:
             max_query_len=max(1 if s.spec_token_ids else s.num_new_tokens for s in step.scheduled),
             max_seq_len=max(seq_lens),
         )
-        all_logits = None
         if self.cpu_decoder is not None:  # a decode step's logits in the same native call
-            hidden, all_logits = self.cpu_decoder.forward(self._tensor(input_ids), pos_t, meta, self.kv_caches,
-                                                          logits=bool(sampling))
-        else:
-            hidden = self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches)
-        if prompt_rows:
-            self._prompt_logprobs(hidden, prompt_rows)
-        if not sampling:
-            return {}
-        if all_logits is not None:
-            every = len(sample_rows) == len(input_ids) and sample_rows == list(range(len(input_ids)))
-            logits = all_logits if every else all_logits.index_select(0, self._tensor(sample_rows))
-        else:
-            logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
-        if spec:
-            return self._verify(sampling, logits, masks)
-        return self._one_each(self._sample(row_reqs, logits, masks))
+            return self.cpu_decoder.forward(self._tensor(input_ids), pos_t, meta, self.kv_caches, logits=logits)
+        return self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches), None
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          chunks: list[tuple[ScheduledRequest, int, range]]) -> None:
