@@ -54,8 +54,10 @@ PROMPTS = [
 ]
 
 
-def write_adapters(folder: Path, cfg: LlamaConfig, n: int, rank: int, targets: list[str]) -> dict[str, Path]:
-    """`n` random adapters in the PEFT format (as peft's save_pretrained names them)."""
+def write_adapters(folder: Path, cfg: LlamaConfig, n: int, rank: int, targets: list[str],
+                   b_std: float = 0.01) -> dict[str, Path]:
+    """`n` random adapters in the PEFT format (as peft's save_pretrained names them); `b_std`,
+    the spread of lora_B, sets how far they move the model."""
     shapes = module_shapes(cfg)
     paths = {}
     for i in range(n):
@@ -67,7 +69,7 @@ def write_adapters(folder: Path, cfg: LlamaConfig, n: int, rank: int, targets: l
                 n_in, n_out = shapes[proj]
                 key = f"base_model.model.model.layers.{layer}.{block}.{proj}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
-                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * b_std
         path = folder / f"adapter{i}"
         path.mkdir()
         save_file(tensors, str(path / "adapter_model.safetensors"))

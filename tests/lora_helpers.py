@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -19,15 +20,10 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 B_SCALE = 0.15
 
 
-def hf_base_model():
-    """transformers' own load of the default GGUF, float32 (a private copy: peft wraps it)."""
-    from transformers import AutoModelForCausalLM
-
-    from worker.weights import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
+def hf_base_model(hf_model):
+    """A private copy (peft wraps it) of transformers' own load of the default GGUF, float32:
+    the session's `hf_model` copied, not loaded again (each load took ~30 s)."""
+    model = copy.deepcopy(hf_model)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # a GGUF-loaded model refuses save_pretrained
     return model.eval()

@@ -120,3 +120,16 @@ def test_spec_replay_counts_steps_drafts_and_cost() -> None:
     # (no token after it to verify with), so one plain step: 3 steps, cost 1 + (1 + 2c) + 1.
     r = replay(seqs, POLICIES["k=2"], 0.5)
     assert r["tokens_per_step"] == 5 / 3 and r["speedup"] == 5 / 4
+
+
+def test_startup_times_listening_then_serving(tmp_path: Path) -> None:
+    from benchmarks import startup
+
+    out = tmp_path / "startup.json"
+    startup.main(["--rounds", "1", "--flags", "--model dummy:smollm2-135m --max-num-seqs 1",
+                  "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    after = report["times"]["after"]
+    assert 0 < after["listening"][0] < after["serving"][0] < 120
+    assert report["times"]["before"]["listening"] == []  # no --against
+    assert "| serving |" in startup.render_markdown(report)

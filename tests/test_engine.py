@@ -55,7 +55,7 @@ def mixed_workload(corpus_ids) -> list[tuple[list[int], int]]:
 
 def test_batch_invariance_with_chunked_prefill(default_model, hf_model, mixed_workload) -> None:
     """64 concurrent requests under a 64-token budget (prefills chunked and mixed with
-    decodes) give the same greedy tokens as each alone, and as transformers."""
+    decodes) give the same greedy tokens as each alone, and (17 of them) as transformers."""
     batched = _engine(default_model, budget=64)
     bs = batched.kv.block_size
     mixed_steps = 0
@@ -90,7 +90,10 @@ def test_batch_invariance_with_chunked_prefill(default_model, hf_model, mixed_wo
     for i, (ids, m) in enumerate(mixed_workload):
         (alone,) = alone_engine.generate([alone_engine.make_request(ids, SamplingParams(temperature=0, max_tokens=m))])
         assert together[i] == alone.token_ids, f"request {i} ({len(ids)} prompt tokens): batched != alone"
-        assert alone.token_ids == hf_greedy(hf_model, ids, m), f"request {i}: ours != transformers"
+        # transformers for a quarter of them, the longest (0) and shortest (1) prompts among
+        # them: it took half the test's time for all 64, and every one was already the same.
+        if i % 4 == 0 or i == 1:
+            assert alone.token_ids == hf_greedy(hf_model, ids, m), f"request {i}: ours != transformers"
     _assert_clean(alone_engine)
 
 

@@ -36,9 +36,9 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
+def adapters(tmp_path_factory, hf_model):
     """(peft model with a0..a3, {name: folder}): SPECS' ranks and targets."""
-    return make_adapters(hf_base_model(), tmp_path_factory.mktemp("loras"), SPECS)
+    return make_adapters(hf_base_model(hf_model), tmp_path_factory.mktemp("loras"), SPECS)
 
 
 def _engine(loaded, paths, max_loras: int = 4, seqs: int = 64, budget: int = 256) -> Engine:
@@ -149,13 +149,13 @@ def test_prefix_cache_is_keyed_by_adapter(ours, adapters, chat_prompt_ids) -> No
     _clean(engine)
 
 
-def test_64_requests_over_8_adapters_and_the_base(ours, tmp_path, chat_prompt_ids) -> None:
+def test_64_requests_over_8_adapters_and_the_base(ours, hf_model, tmp_path, chat_prompt_ids) -> None:
     """64 requests spread over 8 adapters and the base model, all at once: each gets the
     tokens it gets alone; again with --max-loras 3, where the scheduler holds requests
     whose adapter cannot join (never more than 3 adapters in a step) and all finish."""
     specs = [(8 if i % 2 else 16, ALL if i % 3 == 0 else ["q_proj", "v_proj", "down_proj"],
               i == 5) for i in range(8)]
-    _, paths = make_adapters(hf_base_model(), tmp_path, specs, seed=1)
+    _, paths = make_adapters(hf_base_model(hf_model), tmp_path, specs, seed=1)
     names = [None, *paths]
     params = SamplingParams(temperature=0, max_tokens=6)
     work = [(chat_prompt_ids[i % len(chat_prompt_ids)], names[i % len(names)]) for i in range(64)]

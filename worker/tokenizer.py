@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 if TYPE_CHECKING:
-    import gguf
+    from worker.weights.gguf_reader import GGUFFile
 
 
 class TokenizerError(ValueError):
@@ -132,20 +132,20 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_gguf(cls, path: str | Path, reader: gguf.GGUFReader | None = None) -> Tokenizer:
+    def from_gguf(cls, path: str | Path, reader: GGUFFile | None = None) -> Tokenizer:
         """Rebuild the tokenizer stored in a GGUF file's metadata (pass `reader` to reuse one)."""
         path = Path(path)
         if reader is None:
-            import gguf  # deferred: pulls in numpy
+            from worker.weights import gguf_reader  # deferred: worker.weights imports us
 
             try:
-                reader = gguf.GGUFReader(str(path))
-            except Exception as e:  # the gguf package raises bare errors on bad magic etc.
+                reader = gguf_reader.GGUFFile(path)
+            except (OSError, ValueError) as e:
                 raise TokenizerError(f"{path} is not a readable GGUF file: {e}") from e
+        fields = reader.fields
 
         def meta(key: str, default: Any = None) -> Any:
-            field = reader.fields.get(key)
-            return default if field is None else field.contents()
+            return fields.get(key, default)
 
         model = meta("tokenizer.ggml.model")
         if model != "gpt2":
