@@ -112,10 +112,11 @@ def task_prompt(tok: Tokenizer, task: str) -> list[int]:
                                               add_generation_prompt=True))
 
 
-def _engine(loaded: LoadedModel, spec: NgramSpeculation | None, seqs: int, kv_gib: float = 0.25) -> Engine:
-    # ModelConfig's defaults: CUDA graphs for plain decode steps on a GPU (verification
-    # steps, several rows a request, run eagerly).
-    conf = WorkerConfig(model=ModelConfig(max_model_len=2048), cache=CacheConfig(kv_cache_memory=kv_gib),
+def _engine(loaded: LoadedModel, spec: NgramSpeculation | None, seqs: int, kv_gib: float = 0.25,
+            activations: str = "auto") -> Engine:
+    # ModelConfig's defaults otherwise: CUDA graphs on a GPU (for verification steps too).
+    conf = WorkerConfig(model=ModelConfig(max_model_len=2048, cpu_activations=activations),
+                        cache=CacheConfig(kv_cache_memory=kv_gib),
                         scheduler=SchedulerConfig(max_num_seqs=max(seqs, 1)),
                         speculative=SpeculativeConfig(spec))
     return Engine(conf, loaded=loaded)
@@ -259,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--forced-max-batch", type=int, default=16,
                     help="largest batch size also run with speculation forced on")
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
+    ap.add_argument("--cpu-activations", default="auto",
+                    help="the engines' --cpu-activations (every side's; on a GPU it is ignored)")
     ap.add_argument("--output-json")
     ap.add_argument("--report", metavar="JSON", help="print the tables of an --output-json file and exit")
     args = ap.parse_args(argv)
@@ -277,11 +280,12 @@ def main(argv: list[str] | None = None) -> None:
     tasks = [t for t in args.tasks.split(",") if t]
     prompts = {t: task_prompt(tok, t) for t in tasks}
     kv = args.kv_cache_memory
-    sides: dict[str, Engine] = {"plain": _engine(loaded, None, 1, kv)}
+    act = args.cpu_activations
+    sides: dict[str, Engine] = {"plain": _engine(loaded, None, 1, kv, act)}
     for spec in specs:
         assert spec is not None
         name = f"ngram k={spec.num_speculative_tokens} n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
-        sides[name] = _engine(loaded, spec, 1, kv)
+        sides[name] = _engine(loaded, spec, 1, kv, act)
     report: dict[str, Any] = {
         "info": {**environment(), "args": recorded(vars(args)), "threads": torch.get_num_threads(),
                  "kernels": sides["plain"].runner.describe_kernels(),
@@ -307,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         seqs = max(batches)
         assert specs[0] is not None
         forced = dataclasses.replace(specs[0], disable_by_batch_size=seqs)
-        plain_b, configured_b = _engine(loaded, None, seqs, kv), _engine(loaded, specs[0], seqs, kv)
-        forced_b = _engine(loaded, forced, seqs, kv)
+        plain_b, configured_b = _engine(loaded, None, seqs, kv, act), _engine(loaded, specs[0], seqs, kv, act)
+        forced_b = _engine(loaded, forced, seqs, kv, act)
         ps = list(prompts.values())
         for b in batches:
             batch_sides = {"plain": plain_b, "configured": configured_b}

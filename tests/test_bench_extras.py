@@ -133,3 +133,16 @@ def test_startup_times_listening_then_serving(tmp_path: Path) -> None:
     assert 0 < after["listening"][0] < after["serving"][0] < 120
     assert report["times"]["before"]["listening"] == []  # no --against
     assert "| serving |" in startup.render_markdown(report)
+
+
+def test_spec_decode_runs_every_side_on_the_asked_activations(tmp_path: Path) -> None:
+    from benchmarks import spec_decode
+
+    out = tmp_path / "spec.json"
+    spec_decode.main(["--tasks", "typos", "--rounds", "1", "--max-tokens", "12",
+                      "--cpu-activations", "int24", "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    kernels = report["info"]["kernels"]
+    assert "int24 activations" in kernels or "torch" in kernels  # no gcc/AVX2: the torch paths
+    assert report["sides"] == ["plain", "ngram k=3 n=2..4"]
+    assert all(s["same_tokens_as_plain"] for s in report["summary"].values())
