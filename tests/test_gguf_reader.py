@@ -145,6 +145,9 @@ def test_dequantize_gives_the_gguf_package_s_bits(qtype: str) -> None:
         ref = gguf.quants.dequantize(data, t).astype(np.float32)
     assert ours.shape == ref.shape == (24, 8 * block) and ours.dtype == np.float32
     assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+    with np.errstate(invalid="ignore"):  # a 1-D tensor of blocks, shaped as its bytes are
+        flat = dequantize_tensor(data.reshape(-1), t)
+    assert flat.shape == (24 * 8 * block,) and np.array_equal(flat.view(np.uint32), ref.reshape(-1).view(np.uint32))
 
 
 def test_the_default_model_dequantizes_to_the_gguf_package_s_bits() -> None:

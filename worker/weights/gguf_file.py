@@ -100,17 +100,19 @@ def dequantize_tensor(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarr
 
         return dequantize(data, qtype).astype(np.float32, copy=False)
     head, block = _BLOCK_LAYOUT[qtype]
-    b = data.reshape(data.shape[0], -1, block)  # [rows, blocks, bytes of a block]
-    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
+    b = data.reshape(-1, block)  # one row a block
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)
     if qtype == GGMLQuantizationType.Q8_0:
-        q = b[..., 2:].view(np.int8).astype(np.float32)
-        return (q * d).reshape(data.shape[0], -1)
-    qs = b[..., head:]  # 16 bytes: the block's first 16 quants in low nibbles, the rest high
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    if qtype == GGMLQuantizationType.Q4_0:
-        return (d * (q.view(np.int8) - np.int8(8)).astype(np.float32)).reshape(data.shape[0], -1)
-    m = b[..., 2:4].copy().view(np.float16).astype(np.float32)
-    return ((d * q.astype(np.float32)) + m).reshape(data.shape[0], -1)
+        values = b[:, head:].view(np.int8).astype(np.float32) * d
+    else:
+        qs = b[:, head:]  # 16 bytes: the block's first 16 quants in low nibbles, the rest high
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        if qtype == GGMLQuantizationType.Q4_0:
+            values = d * (q.view(np.int8) - np.int8(8)).astype(np.float32)
+        else:
+            m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+            values = (d * q.astype(np.float32)) + m
+    return values.reshape(*data.shape[:-1], -1)
 
 
 # block type -> (bytes before the quants, bytes of a block of 32)
