@@ -1,9 +1,16 @@
 """Side by side with llama.cpp's `llama-server` on this machine (issue 21): the same GGUF,
 the same prompts (the bench client's seeded datasets, sent as text to both), both
-streaming, the same number of threads, one server at a time.
+streaming, the same number of threads, one server working at a time.
 
-    python -m benchmarks.llamacpp_side_by_side --llama-server PATH \\
+    python -m benchmarks.llamacpp_side_by_side --llama-server PATH --rounds 5 \\
         --output-json bench-results/llamacpp-side-by-side.json
+
+`--rounds N` runs each workload N times a side, alternating between the two servers (ours
+first in even rounds, theirs first in odd ones), both up for the whole workload. This
+project's shared machines drift by 10-30% within a minute, so a side measured after the
+other can win or lose by the drift alone (one stream, five one-round runs in a row on one
+Zen 3: 0.996x to 1.47x). A ratio is the median of the rounds' ratios, each round's two runs
+back to back; each side's figures are its medians over rounds.
 
 `../shared/tools/build_llamacpp.sh` builds `llama-server` (it prints its path). Three
 workloads, each through `llm-worker-bench` (OpenAI backend for llama.cpp, gRPC for ours):
@@ -25,6 +32,7 @@ import contextlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,6 +124,17 @@ def our_worker(extra: list[str]) -> Iterator[str]:
         proc.wait(30)
 
 
+# workload: (ratio's name, metric, True when ours / theirs, False when theirs / ours); above 1
+# ours is ahead (decodes faster, reaches the first token sooner, streams more).
+RATIOS = {"one_stream": ("one_stream_decode", "decode_tokens_per_s", True),
+          "long_prompt": ("long_prompt_ttft_theirs_over_ours", "ttft_ms_median", False),
+          "64_streams": ("64_streams_output_throughput", "output_throughput", True)}
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
+
+
 def bench(server: list[str], workload: str, tokenizer: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
@@ -143,6 +162,7 @@ def main() -> None:
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra `llm-worker serve` flags (repeatable)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=1, help="alternating runs a side per workload")
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args()
     assert args.llama_server.exists(), f"no llama-server at {args.llama_server}"
@@ -155,31 +175,37 @@ def main() -> None:
             tok = str(Path(tmp) / "tokenizer.json")
             Path(tok).write_text(Tokenizer.from_gguf(default_model_path())._tok.to_str())
         results: dict[str, dict[str, Any]] = {"llm-worker": {}, "llama.cpp": {}}
-        env_threads = {"OMP_NUM_THREADS": str(args.threads)}
-        os.environ.update(env_threads)
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        os.environ.update({"OMP_NUM_THREADS": str(args.threads)})
         with our_worker(args.serve_arg) as addr:
+            # one slot for one stream (as one would run it), 64 for 64 streams
             for w in names:
-                results["llm-worker"][w] = bench(["--backend", "grpc", "--target", addr], w, tok)
-                print("llm-worker", w, results["llm-worker"][w], flush=True)
-        for w in names:  # one slot for one stream (as one would run it), 64 for 64 streams
-            slots = SLOTS[w]
-            with llama_server(args.llama_server, args.threads, slots, 4096 if slots == 1 else 2048) as url:
-                results["llama.cpp"][w] = bench(["--backend", "openai", "--base-url", url], w, tok)
-            print("llama.cpp", w, results["llama.cpp"][w], flush=True)
-    ours, theirs = results["llm-worker"], results["llama.cpp"]
-    ratios = {}
-    if "one_stream" in names:
-        ratios["one_stream_decode"] = (ours["one_stream"]["decode_tokens_per_s"]
-                                       / theirs["one_stream"]["decode_tokens_per_s"])
-    if "long_prompt" in names:  # > 1: ours reaches the first token sooner
-        ratios["long_prompt_ttft_theirs_over_ours"] = (theirs["long_prompt"]["ttft_ms_median"]
-                                                       / ours["long_prompt"]["ttft_ms_median"])
-    if "64_streams" in names:
-        ratios["64_streams_output_throughput"] = (ours["64_streams"]["output_throughput"]
-                                                  / theirs["64_streams"]["output_throughput"])
+                slots = SLOTS[w]
+                with llama_server(args.llama_server, args.threads, slots,
+                                  4096 if slots == 1 else 2048) as url:
+                    targets = {"llm-worker": ["--backend", "grpc", "--target", addr],
+                               "llama.cpp": ["--backend", "openai", "--base-url", url]}
+                    rounds[w] = []
+                    for r in range(args.rounds):
+                        order = list(targets) if r % 2 == 0 else list(targets)[::-1]
+                        one = {side: bench(targets[side], w, tok) for side in order}
+                        rounds[w].append(one)
+                        for side in order:
+                            print(side, w, f"round {r + 1}", one[side], flush=True)
+                for side in results:
+                    results[side][w] = _medians([one[side] for one in rounds[w]])
+    ratios: dict[str, float] = {}
+    round_ratios: dict[str, list[float]] = {}
+    for w, (key, metric, ours_over_theirs) in RATIOS.items():
+        if w in names:
+            each = [one["llm-worker"][metric] / one["llama.cpp"][metric] if ours_over_theirs
+                    else one["llama.cpp"][metric] / one["llm-worker"][metric] for one in rounds[w]]
+            round_ratios[key] = each
+            ratios[key] = statistics.median(each)
     version = subprocess.run([str(args.llama_server), "--version"], capture_output=True,
                              text=True, env={"LD_LIBRARY_PATH": str(args.llama_server.parent)})
-    record = {"results": results, "ratios": ratios, "threads": args.threads,
+    record = {"results": results, "ratios": ratios, "round_ratios": round_ratios,
+              "rounds": rounds, "threads": args.threads,
               "workloads": {w: WORKLOADS[w] for w in names},
               "llama_server_version": (version.stdout + version.stderr).strip()[-300:],
               "llama_server_flags": {w: f"-t {args.threads} -tb {args.threads} -np {SLOTS[w]} -c "
