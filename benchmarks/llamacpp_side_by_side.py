@@ -10,7 +10,9 @@ first in even rounds, theirs first in odd ones), both up for the whole workload.
 project's shared machines drift by 10-30% within a minute, so a side measured after the
 other can win or lose by the drift alone (one stream, five one-round runs in a row on one
 Zen 3: 0.996x to 1.47x). A ratio is the median of the rounds' ratios, each round's two runs
-back to back; each side's figures are its medians over rounds.
+back to back; each side's figures are its medians over rounds. Round r's prompts come from
+seed r (both sides the same), so no round finds an earlier round's prompts in either
+server's prefix cache.
 
 `../shared/tools/build_llamacpp.sh` builds `llama-server` (it prints its path). Three
 workloads, each through `llm-worker-bench` (OpenAI backend for llama.cpp, gRPC for ours):
@@ -135,11 +137,11 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
 
 
-def bench(server: list[str], workload: str, tokenizer: str) -> dict[str, Any]:
+def bench(server: list[str], workload: str, tokenizer: str, seed: int = 0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         cmd = [sys.executable, "-m", "clients.bench.cli", "run", *server, *WORKLOADS[workload],
-               "--tokenizer", tokenizer, "--no-progress", "--output-json", str(out)]
+               "--tokenizer", tokenizer, "--seed", str(seed), "--no-progress", "--output-json", str(out)]
         done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True)
         if done.returncode:
@@ -188,7 +190,7 @@ def main() -> None:
                     rounds[w] = []
                     for r in range(args.rounds):
                         order = list(targets) if r % 2 == 0 else list(targets)[::-1]
-                        one = {side: bench(targets[side], w, tok) for side in order}
+                        one = {side: bench(targets[side], w, tok, seed=r) for side in order}
                         rounds[w].append(one)
                         for side in order:
                             print(side, w, f"round {r + 1}", one[side], flush=True)
