@@ -71,14 +71,14 @@ enum { QT_Q4_1 = 0, QT_Q8_0 = 1 };
  * (which stays within each half) spreads bytes 8i..8i+3 to the low half's 32-bit lanes and
  * 8i+4..8i+7 to the high half's: outputs in lane order. vpmovzxbd/vpmovsxbd ymm (and the
  * vpsrldq they need) cross the halves, and on Zen 3 they, not the FMAs, set the pace of the
- * one-row loop: 10.4-13.3 -> 6.6-7.5 cycles a k in L1 (session 12). The same integers
- * reach the same cvt and FMAs: the same bits. */
+ * one-row loop (the batch-1 decode call ran 1.16-1.22x faster without them: BENCHMARKS.md,
+ * session 12). The same integers reach the same cvt and FMAs: the same bits. */
 #define SPREAD_CONSTS                                                                        \
     const __m256i sp_lo = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, \
                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1); \
     const __m256i sp_hi = _mm256_add_epi8(sp_lo, _mm256_set1_epi32(8));
-/* Signed bytes go to each lane's top byte (shifted back down with the sign): -1 + 256 j
- * lanes become 0xFF...: vpshufb zeroes a byte whose control has its top bit set. */
+/* Signed bytes go to each lane's top byte (a control byte of -1 makes vpshufb write 0), and
+ * an arithmetic shift by 24 brings them down with their sign. */
 #define SPREAD_SIGNED_CONSTS                                                                 \
     const __m256i sx_lo = _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, \
                                            -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7); \
