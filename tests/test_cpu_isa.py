@@ -114,10 +114,11 @@ def test_every_isas_decoder_build_keeps_its_weight_prefetches(restore_isa) -> No
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump here")
 def test_avx2_float32_kernels_unpack_quants_within_128_bit_halves(restore_isa) -> None:
-    """The AVX2 float32 kernels spread a k's quant bytes to 32-bit lanes with vpshufb inside
-    each 128-bit half (quant_matmul.c). vpmovzxbd/vpmovsxbd into a ymm cross the halves and
-    had set the one-row loop's pace on Zen 3 (the batch-1 call 1.16-1.22x slower with them):
-    none may come back into an AVX2 build (the old code compiled to 34)."""
+    """The AVX2 float32 kernels spread Q4_1's quant bytes to 32-bit lanes with vpshufb inside
+    each 128-bit half, and sign-extend Q8_0's straight from memory (quant_matmul.c).
+    vpmovzxbd/vpmovsxbd from an xmm register into a ymm cross the halves and had set the
+    one-row loop's pace on Zen 3 (the batch-1 call 1.16-1.22x slower with them): none may come
+    back into an AVX2 build (the old code compiled to 34)."""
     builds = [n for n in ("avx2", "avx2-vnni") if n in cpu_kernels.supported_isas()]
     if not builds:
         pytest.skip("no AVX2 build here")
@@ -127,5 +128,7 @@ def test_avx2_float32_kernels_unpack_quants_within_128_bit_halves(restore_isa) -
         assert lib is not None
         text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", lib._name], capture_output=True,
                               text=True, check=True).stdout
-        assert not re.findall(r"\svpmov[sz]xbd\s.*%ymm", text), name
-        assert len(re.findall(r"\svpshufb\s", text)) >= 8, name  # the spreading is there
+        assert not re.findall(r"\svpmov[sz]xbd\s+%xmm\d+,\s*%ymm", text), name
+        assert len(re.findall(r"\svpshufb\s", text)) >= 8, name  # Q4_1's spreading is there
+        # Q8_0's: a memory operand (an address in parentheses) into a ymm
+        assert len(re.findall(r"\svpmovsxbd\s+[^%\s]*\(%\w+[^)]*\),\s*%ymm", text)) >= 8, name

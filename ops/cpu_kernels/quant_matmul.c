@@ -67,24 +67,23 @@ enum { QT_Q4_1 = 0, QT_Q8_0 = 1 };
 #define NACC 2
 #else
 /* ---- AVX2: the 32 weights of one k in four ymm (lanes n = 0..7, ..., 24..31) ----
- * A k's quant bytes are broadcast to both 128-bit halves of a ymm as they load, and vpshufb
- * (which stays within each half) spreads bytes 8i..8i+3 to the low half's 32-bit lanes and
- * 8i+4..8i+7 to the high half's: outputs in lane order. vpmovzxbd/vpmovsxbd ymm (and the
- * vpsrldq they need) cross the halves, and on Zen 3 they, not the FMAs, set the pace of the
- * one-row loop (the batch-1 decode call ran 1.16-1.22x faster without them: BENCHMARKS.md,
- * session 12). The same integers reach the same cvt and FMAs: the same bits. */
+ * Q4_1: a k's quant bytes are broadcast to both 128-bit halves of a ymm as they load, and
+ * vpshufb (which stays within each half) spreads bytes 8i..8i+3 to the low half's 32-bit
+ * lanes and 8i+4..8i+7 to the high half's: outputs in lane order. vpmovzxbd/vpmovsxbd from a
+ * register (and the vpsrldq they need) cross the halves, and on Zen 3 they, not the FMAs, set
+ * the pace of the one-row loop (the batch-1 decode call ran 1.16-1.22x faster without them:
+ * BENCHMARKS.md, session 12).
+ * Q8_0: each group of 8 signed bytes is sign-extended straight from memory (vpmovsxbd ymm,
+ * m64): one instruction where the spreading takes a shuffle and a shift, and the crossing is
+ * done by the load. On Zen 3 the 3-row decode call (a verification step's) ran 1.04x faster
+ * than with the spreading; the one-row call, whose LM head waits on memory, the same
+ * (BENCHMARKS.md, session 13).
+ * The same integers reach the same cvt and FMAs: the same bits. */
 #define SPREAD_CONSTS                                                                        \
     const __m256i sp_lo = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, \
                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1); \
     const __m256i sp_hi = _mm256_add_epi8(sp_lo, _mm256_set1_epi32(8));
-/* Signed bytes go to each lane's top byte (a control byte of -1 makes vpshufb write 0), and
- * an arithmetic shift by 24 brings them down with their sign. */
-#define SPREAD_SIGNED_CONSTS                                                                 \
-    const __m256i sx_lo = _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, \
-                                           -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7); \
-    const __m256i sx_hi = _mm256_add_epi8(sx_lo, _mm256_set1_epi32(8 << 24));
 #define BCAST16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
-#define SIGNED_LANES(v, sx) _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(v, sx), 24))
 #define Q4_1_SCALES(rec)                                                                     \
     const __m256 d0 = load_half8((rec) + 0), d1 = load_half8((rec) + 16);                  \
     const __m256 d2 = load_half8((rec) + 32), d3 = load_half8((rec) + 48);                 \
@@ -101,14 +100,14 @@ enum { QT_Q4_1 = 0, QT_Q8_0 = 1 };
     const __m256 w3 = _mm256_fmadd_ps(d3, _mm256_cvtepi32_ps(_mm256_srli_epi32(u_hi, 4)), m3);
 #define Q8_0_SCALES(rec)                                                                     \
     const __m256 d0 = load_half8((rec) + 0), d1 = load_half8((rec) + 16);                  \
-    const __m256 d2 = load_half8((rec) + 32), d3 = load_half8((rec) + 48);                 \
-    SPREAD_SIGNED_CONSTS
+    const __m256 d2 = load_half8((rec) + 32), d3 = load_half8((rec) + 48);
+/* 8 signed quant bytes at p as 8 floats */
+#define SIGNED8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define Q8_0_WEIGHTS(rec, k)                                                                 \
-    const __m256i a = BCAST16((rec) + 64 + 32 * (k)), b = BCAST16((rec) + 80 + 32 * (k)); \
-    const __m256 w0 = _mm256_mul_ps(SIGNED_LANES(a, sx_lo), d0);                           \
-    const __m256 w1 = _mm256_mul_ps(SIGNED_LANES(a, sx_hi), d1);                           \
-    const __m256 w2 = _mm256_mul_ps(SIGNED_LANES(b, sx_lo), d2);                           \
-    const __m256 w3 = _mm256_mul_ps(SIGNED_LANES(b, sx_hi), d3);
+    const __m256 w0 = _mm256_mul_ps(SIGNED8((rec) + 64 + 32 * (k)), d0);                   \
+    const __m256 w1 = _mm256_mul_ps(SIGNED8((rec) + 72 + 32 * (k)), d1);                   \
+    const __m256 w2 = _mm256_mul_ps(SIGNED8((rec) + 80 + 32 * (k)), d2);                   \
+    const __m256 w3 = _mm256_mul_ps(SIGNED8((rec) + 88 + 32 * (k)), d3);
 #define VEC __m256
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -237,12 +236,10 @@ static inline void micro_6(const float *x, size_t ldx, const float *w, float *y,
     const __m256 wa = _mm256_fmadd_ps(da, _mm256_cvtepi32_ps(qa), ma);                     \
     const __m256 wb = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(qb), mb);
 #define Q8_0_HALF_SCALES(rec, h)                                                             \
-    const __m256 da = load_half8((rec) + 32 * (h)), db = load_half8((rec) + 32 * (h) + 16); \
-    SPREAD_SIGNED_CONSTS
+    const __m256 da = load_half8((rec) + 32 * (h)), db = load_half8((rec) + 32 * (h) + 16);
 #define Q8_0_HALF_WEIGHTS(rec, h, k)                                                         \
-    const __m256i q = BCAST16((rec) + 64 + 32 * (k) + 16 * (h));                           \
-    const __m256 wa = _mm256_mul_ps(SIGNED_LANES(q, sx_lo), da);                           \
-    const __m256 wb = _mm256_mul_ps(SIGNED_LANES(q, sx_hi), db);
+    const __m256 wa = _mm256_mul_ps(SIGNED8((rec) + 64 + 32 * (k) + 16 * (h)), da);        \
+    const __m256 wb = _mm256_mul_ps(SIGNED8((rec) + 72 + 32 * (k) + 16 * (h)), db);
 
 #define HALF_DECL(a) __m256 a##0, a##1;
 #define HALF_LOAD(a, r)                                                                      \
