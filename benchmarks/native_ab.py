@@ -12,6 +12,13 @@ alternating between kernel builds every `--calls` calls: this checkout's, and th
 `--no-cpu-huge-pages` is one more side (`--pages both`). Only the native call is timed;
 every side's logits must equal the first side's where the kernels' arithmetic is the same
 (the table says when they differ).
+
+`--breakdown` adds two sides of this checkout that say where the call's time goes: the same
+call without the LM head (its logits not asked for), and a build whose matmuls only zero their
+outputs (`-DLLMWORKER_SKIP_MATMULS`: what is left is the norms, rotary, attention and the
+loops' waits). Their logits are not compared.
+
+    python -m benchmarks.native_ab --batch 1 --rounds 20 --breakdown
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfi
 from worker.engine import Engine
 
 
-def _build(folder: Path, out: Path) -> ctypes.CDLL:
-    if not cpu_kernels.build(folder / "decoder.c", out):
+def _build(folder: Path, out: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    if not cpu_kernels.build(folder / "decoder.c", out, extra_flags):
         raise SystemExit(f"cannot build {folder / 'decoder.c'}")
     lib = ctypes.CDLL(str(out))
     lib.cpu_decoder_decode.argtypes = [ctypes.POINTER(cpu_decoder._Model), ctypes.POINTER(cpu_decoder._Step)]
@@ -43,12 +50,17 @@ def _build(folder: Path, out: Path) -> ctypes.CDLL:
 
 
 class _Timed:
-    """Stands in for the decoder's library: times each native call."""
+    """Stands in for the decoder's library: times each native call (without asking for the
+    LM head's logits when `no_head`)."""
 
-    def __init__(self, lib: ctypes.CDLL, times: list[float]) -> None:
-        self.lib, self.times = lib, times
+    def __init__(self, lib: ctypes.CDLL, times: list[float], no_head: bool = False) -> None:
+        self.lib, self.times, self.no_head = lib, times, no_head
 
     def cpu_decoder_decode(self, m, s) -> int:
+        if self.no_head:
+            step = cpu_decoder._Step.from_buffer_copy(s._obj)
+            step.logits = None
+            s = ctypes.byref(step)
         t0 = time.perf_counter()
         rc = self.lib.cpu_decoder_decode(m, s)
         self.times.append((time.perf_counter() - t0) * 1e3)
@@ -109,6 +121,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--calls", type=int, default=10, help="calls per side per round")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also this checkout without the LM head, and without the matmuls")
     ap.add_argument("--output-json")
     args = ap.parse_args()
     reads = read_gbps()
@@ -118,26 +132,36 @@ def main() -> None:
     engines = {p: _engine(args.batch, args.context, p == "huge", args.cpu_activations)
                for p in (("huge", "4k") if args.pages == "both" else (args.pages,))}
     here = Path(__file__).resolve().parents[1]
-    sides: dict[str, tuple[str, ctypes.CDLL]] = {}
+    # side -> (pages, library, without the head); breakdown sides' logits are not compared
+    sides: dict[str, tuple[str, ctypes.CDLL, bool]] = {}
+    partial: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         for root in [here, *map(Path, args.against)]:
             name = "this" if root == here else root.name
             lib = _build(root / "ops" / "cpu_kernels", Path(tmp) / f"{len(sides)}.so")
             for pages in engines:
-                sides[f"{name}/{pages}" if len(engines) > 1 else name] = (pages, lib)
+                sides[f"{name}/{pages}" if len(engines) > 1 else name] = (pages, lib, False)
+        if args.breakdown:
+            pages = next(iter(engines))
+            bare = _build(here / "ops" / "cpu_kernels", Path(tmp) / "bare.so", ("-DLLMWORKER_SKIP_MATMULS",))
+            sides["this, no LM head"] = (pages, sides[next(iter(sides))][1], True)
+            sides["this, no matmuls"] = (pages, bare, False)
+            partial = {"this, no LM head", "this, no matmuls"}
         times: dict[str, list[float]] = {s: [] for s in sides}
         reference: dict[str, object] = {}
-        same: dict[str, bool] = dict.fromkeys(sides, True)
+        same: dict[str, bool | None] = {s: None if s in partial else True for s in sides}
         for _ in range(args.rounds + 1):  # the first round warms up
-            for side, (pages, lib) in sides.items():
+            for side, (pages, lib, no_head) in sides.items():
                 _, decoder, (a, k) = engines[pages]
                 own = decoder._lib
-                decoder._lib = _Timed(lib, times[side])
+                decoder._lib = _Timed(lib, times[side], no_head)
                 try:
                     for _ in range(args.calls):
                         _, logits = decoder.forward(*a, **k)
                 finally:
                     decoder._lib = own
+                if side in partial:
+                    continue
                 first = reference.setdefault(pages, logits.clone())
                 same[side] = same[side] and bool((logits == first).all())
     out = {"batch": args.batch, "context": args.context, "rounds": args.rounds, "calls": args.calls,
@@ -151,7 +175,7 @@ def main() -> None:
                "same_logits": same[side]}
         out["sides"][side] = row
         print(f"| {side} | {row['median_ms']:.2f} ({row['p10_ms']:.2f}, {row['min_ms']:.2f}) | "
-              f"{'yes' if same[side] else 'no'} |")
+              f"{'-' if same[side] is None else 'yes' if same[side] else 'no'} |")
     if args.output_json:
         out["environment"] = environment()
         Path(args.output_json).write_text(json.dumps(out, indent=1))

@@ -25,6 +25,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 # -ffp-contract=off: no FMA the source does not write, so every ISA's build of a kernel
@@ -103,10 +104,10 @@ def build_flags() -> list[str]:
     return [*_COMMON, *ISAS[isa()][0]]
 
 
-def build(source: Path, so: Path) -> bool:
+def build(source: Path, so: Path, extra_flags: Sequence[str] = ()) -> bool:
     """Compiles `source` (a kernel's .c, of this checkout or another) into `so` with
-    `build_flags()`; False where it cannot."""
-    return _build(source, so, build_flags())
+    `build_flags()` (and `extra_flags`, e.g. a benchmark's -D); False where it cannot."""
+    return _build(source, so, [*build_flags(), *extra_flags])
 
 
 def _cache_dirs() -> list[Path]:

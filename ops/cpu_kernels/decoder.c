@@ -323,6 +323,10 @@ static void prepare_mine(const matmul_input *in, const temps *t) {
 /* Tiles t0..t1-1 of linear L for M rows into y (the first tile's columns, stride ldy):
  * from the float rows or their quantized form, then the bias. */
 static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float *y, size_t ldy, int t0, int t1) {
+#ifdef LLMWORKER_SKIP_MATMULS /* benchmarks/native_ab.py --breakdown: the call's time without them */
+    for (int r = 0; r < M; r++) memset(y + (size_t)r * ldy, 0, sizeof(float) * (size_t)(t1 - t0) * TILE);
+    return;
+#endif
     for (int tile = t0; tile < t1; tile++) {
         float *yt = y + (size_t)(tile - t0) * TILE;
         if (is_integer(L->qtype)) qi_tile(L->w, L->qtype, L->K, in->b->views, L->planes, M, yt, ldy, tile);
