@@ -40,7 +40,7 @@ if [ "$phase" = 1 ]; then
         tests/test_triton_compile.py tests/test_gpu_e2e.py
         --deselect tests/test_gpu_e2e.py::test_triton_and_graphs_equal_torch_references_fp32
         --deselect tests/test_gpu_e2e.py::test_speculative_decoding_keeps_greedy_tokens_on_gpu_fp32)
-    timeout 200 "${pytest[@]}" "${tests[@]}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+    timeout 260 "${pytest[@]}" "${tests[@]}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
     [ "${BENCH_GPU:-1}" = 0 ] || timeout 120 python3 -m benchmarks.gpu \
         --attn-tunables '[{}, {"num_warps": 8}]' --output-json "$OUT/gpu.json" 2>&1 | tail -30
 elif [ "$phase" = 2 ]; then
@@ -50,10 +50,11 @@ elif [ "$phase" = 2 ]; then
     echo "$sha  $GGUF" | sha256sum -c || exit 1
     timeout 150 "${pytest[@]}" tests/test_gpu_e2e.py -k "${E2E:-fp32 and (references or speculative)}" \
         2>&1 | tee "$OUT/gpu-e2e.log" | tail -25
-    timeout 120 python3 -m benchmarks.spec_decode --rounds 2 --max-tokens 128 --batch-sizes 64 \
+    timeout 120 python3 -m benchmarks.spec_decode --rounds 2 --max-tokens 128 --batch-sizes 64 --batch-rounds "${BATCH_ROUNDS:-2}" \
         --kv-cache-memory 2 --output-json "$OUT/spec-default-bf16.json" 2>&1 | tail -14
     timeout 150 python3 -m benchmarks.spec_decode --model dummy:llama-3-8b --tokenizer-model default \
         --rounds "${SPEC_8B_ROUNDS:-2}" --max-tokens 128 --batch-sizes 64 --kv-cache-memory 5 \
+        --batch-rounds "${BATCH_ROUNDS:-2}" \
         --output-json "$OUT/spec-llama3-8b-bf16.json" 2>&1 | tail -14
 else
     echo "phase 1 or 2" && exit 2

@@ -160,13 +160,18 @@ def _batch(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int
 
 def _batch_sides(sides: dict[str, Engine], prompts: list[list[int]], batch: int, max_tokens: int,
                  rounds: int) -> dict[str, dict[str, Any]]:
-    """Each side at `batch` streams, `rounds` times, the order reversed every round (on a
-    GPU at 38999d1 the first side timed ran 2-4x slower than the next, for no reason found
-    then): per side the median round, and every round under "runs"."""
-    for engine in sides.values():
+    """Each side at `batch` streams, `rounds` times, the order reversed every round: per
+    side the median round, and every round under "runs"."""
+    warmups: dict[str, list[float]] = {s: [] for s in sides}
+    for side, engine in sides.items():
         # Warm-up at this size first: on a GPU the first steps of a new shape compile
-        # Triton kernels (seconds), which would land on whichever side ran first.
-        _batch(engine, prompts, batch, 4)
+        # Triton kernels (seconds), which would land on whichever side ran first. Twice:
+        # the second run finds the first's prompts in the prefix cache, as every timed run
+        # does, so its prefill (the tails after cached blocks: another kernel variant) is
+        # compiled too. With one warm-up, at 7dd3d02 on an H100, the first timed side still
+        # ran 2.3-4.6x slower than every later run of either side.
+        for _ in range(2):
+            warmups[side].append(_batch(engine, prompts, batch, 4)["seconds"])
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     for r in range(rounds):
         for side in (list(sides) if r % 2 == 0 else list(reversed(sides))):
@@ -174,7 +179,7 @@ def _batch_sides(sides: dict[str, Engine], prompts: list[list[int]], batch: int,
     out = {}
     for side, rs in runs.items():
         mid = sorted(rs, key=lambda x: x["output_tokens_per_s"])[(len(rs) - 1) // 2]
-        out[side] = {**mid, "runs": rs}
+        out[side] = {**mid, "runs": rs, "warmup_seconds": warmups[side]}
     return out
 
 
