@@ -14,15 +14,17 @@ back to back; each side's figures are its medians over rounds. Round r's prompts
 seed r (both sides the same), so no round finds an earlier round's prompts in either
 server's prefix cache.
 
-`../shared/tools/build_llamacpp.sh` builds `llama-server` (it prints its path). Three
+`../shared/tools/build_llamacpp.sh` builds `llama-server` (it prints its path). Four
 workloads, each through `llm-worker-bench` (OpenAI backend for llama.cpp, gRPC for ours):
 
 - one stream alone: chat prompts, 128 output tokens (EOS ignored), one at a time; decode
   tokens/s after the first token = 1000 / median time per output token;
 - a long prompt alone: ~1,650 tokens of text, 1 output token; time to first token;
+- long context: the same length of prompt, then 128 output tokens (EOS ignored); decode
+  tokens/s after the first token;
 - 64 chat streams at once: output tokens/s.
 
-llama-server runs with one slot (`-np 1 -c 4096`) for the first two, as one would run it
+llama-server runs with one slot (`-np 1 -c 4096`) for the first three, as one would run it
 for one user (with 64 slots its one stream decodes slower), and with 64 slots (`-np 64
 -c 131072`) for the third.
 """
@@ -58,13 +60,18 @@ WORKLOADS = {
     "long_prompt": ["--dataset", "random", "--input-len", "1650", "--output-len", "1",
                     "--num-requests", "3", "--max-concurrency", "1", "--ids-input", "text",
                     "--warmup", "1"],
+    # One person deep in a conversation: decode over ~1,650 tokens of context, where each
+    # step's attention reads the whole cache (ours float32, llama.cpp's f16).
+    "long_context": ["--dataset", "random", "--input-len", "1650", "--output-len", "128",
+                     "--ignore-eos", "--num-requests", "3", "--max-concurrency", "1",
+                     "--ids-input", "text", "--warmup", "1"],
     "64_streams": ["--dataset", "chat", "--num-requests", "64", "--max-concurrency", "64",
                    "--ignore-eos", "--warmup", "2"],
 }
 
 
 # llama-server's slots (-np) per workload; -c is 4096 for one slot, 2048 per slot for 64.
-SLOTS = {"one_stream": 1, "long_prompt": 1, "64_streams": 64}
+SLOTS = {"one_stream": 1, "long_prompt": 1, "long_context": 1, "64_streams": 64}
 
 
 def free_port() -> int:
@@ -130,6 +137,7 @@ def our_worker(extra: list[str]) -> Iterator[str]:
 # ours is ahead (decodes faster, reaches the first token sooner, streams more).
 RATIOS = {"one_stream": ("one_stream_decode", "decode_tokens_per_s", True),
           "long_prompt": ("long_prompt_ttft_theirs_over_ours", "ttft_ms_median", False),
+          "long_context": ("long_context_decode", "decode_tokens_per_s", True),
           "64_streams": ("64_streams_output_throughput", "output_throughput", True)}
 
 

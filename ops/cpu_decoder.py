@@ -73,7 +73,7 @@ class _Step(ctypes.Structure):
                 ("dec_rows", _p), ("dec_tables", _p), ("dec_lens", _p), ("max_blocks", _i32),
                 ("k_caches", _p), ("v_caches", _p), ("residual", _p), ("qkv", _p), ("att", _p),
                 ("out", _p), ("nthreads", _i32), ("lora_slots", _p), ("lora_pairs", _p), ("n_lora", _i32),
-                ("lora_groups", _i32), ("logits", _p)]
+                ("lora_groups", _i32), ("logits", _p), ("argmax", _p)]
 
 
 # The linears of a layer as decoder.c's lora_layer holds them, and their LORA_* bits.
@@ -205,10 +205,14 @@ class CpuDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list,
-                logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logits: bool = False, argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [T, hidden], logits [T, vocab] or None). `logits`: have the call compute
         every row's logits too, which it does when every row is a decode and the head is
-        quantized (the runner's `compute_logits`, bit for bit); else None."""
+        quantized (the runner's `compute_logits`, bit for bit); else None. `argmax` (int64
+        [T]): where the logits come back, the call has also written each row's greedy token
+        there, the first maximum as `ops.sampling.finite_argmax` finds it, or -1 where that
+        gives None (a maximum that is not finite). It reads each tile of logits while it is
+        in L1, where numpy's argmax after the call read them cold (~0.3 ms of a batch-1 step)."""
         cfg = self.config
         t = input_ids.shape[0]
         ids = input_ids.long().contiguous()
@@ -255,6 +259,9 @@ class CpuDecoder:
         if logits and meta.max_query_len == 1 and self.head is not None:
             all_logits = torch.empty(t, self.head.out_features)
             step.logits = all_logits.data_ptr()
+            if argmax is not None:
+                assert argmax.dtype == torch.int64 and argmax.shape == (t,) and argmax.is_contiguous()
+                step.argmax = argmax.data_ptr()
         _check(lib.cpu_decoder_decode(m, s))
         return out, all_logits
 

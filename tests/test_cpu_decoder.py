@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,3 +157,70 @@ def test_the_runner_takes_it_and_the_torch_backend_does_not() -> None:
     engine = Engine(WorkerConfig(model=ModelConfig(cpu_quantized_linear=False)), loaded=load_model("default"))
     assert engine.runner.cpu_decoder is None
     assert cpu_decoder.unsupported(engine.runner.model) == "a linear layer is not quantized"
+
+
+def _fp16_bytes(x: float) -> np.ndarray:
+    return np.frombuffer(np.array([x], np.float16).tobytes(), np.uint8)
+
+
+def test_the_calls_greedy_tokens_are_the_first_finite_maximum_as_numpy_finds_it(decoder) -> None:
+    """With `argmax`, the call writes each row's greedy token as it writes the logits: the
+    first maximum (numpy's argmax, `greedy_ids_cpu`), -1 where that is not finite. Against a
+    head whose rows are made to tie (a later row's blocks copied into an earlier tile, into
+    the other thread's block and into the last tile), to be NaN, and to be +inf, at batch 1,
+    3 and 17, under one thread and two."""
+    from ops.sampling import greedy_ids_cpu
+
+    dec, model = decoder
+    loaded = load_model("default")
+    w = loaded.quantized["embed_tokens"]  # the tied head's blocks, as the file stores them
+    assert dec.head is not None and dec.head.out_features == w.shape[0]
+    acts = dec.head.activations
+    rng = random.Random(11)
+    lens = [rng.randint(1, 20) for _ in range(17)]
+    reqs = _Requests(model, lens, seed=12)
+    dec(*reqs.step([(r, 0, n) for r, n in enumerate(lens)]))
+    keep_model, keep_head = dec._model.head, dec.head
+    threads = torch.get_num_threads()
+    try:
+        for b in (1, 3, 17):
+            step = reqs.step([(r, lens[r], 1) for r in range(b)])
+            _, logits = dec.forward(*step, logits=True)
+            assert logits is not None
+            top = logits.argmax(-1).tolist()
+            vocab = w.shape[0]
+            # (row, how its GGUF blocks change): ties with the maximum in earlier tiles and
+            # in the last, a NaN logit, a +inf one (a scale that is inf times positive sums)
+            cases = [("tie early", [(5, top[0])]), ("tie other half", [(vocab // 2 + 7, top[0])]),
+                     ("tie last tile", [(vocab - 1, top[0])]), ("tie twice", [(vocab - 40, top[-1]),
+                                                                              (33, top[-1])]),
+                     ("nan", "nan"), ("inf", "inf"), ("none", [])]
+            for name, change in cases:
+                blocks = w.blocks.copy()
+                if change == "nan":
+                    blocks[vocab // 3, 0:2] = _fp16_bytes(float("nan"))
+                elif change == "inf":
+                    blocks[vocab // 3 + 1, 0:2] = _fp16_bytes(float("inf"))
+                else:
+                    for dst, src in change:
+                        blocks[dst] = blocks[src]
+                head = ql.QuantLinear(ql.QuantizedWeight(w.qtype, blocks, w.shape), activations=acts)
+                dec._model.head, dec.head = cpu_decoder._qlinear(head), head
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    got = torch.full((b,), -7, dtype=torch.int64)
+                    _, lg = dec.forward(*step, logits=True, argmax=got)
+                    assert lg is not None
+                    want = greedy_ids_cpu(lg)
+                    rows = [greedy_ids_cpu(lg[r : r + 1]) for r in range(b)]
+                    expect = [-1 if ids is None else ids[0] for ids in rows]
+                    assert got.tolist() == expect, f"{name}, batch {b}, {n} threads"
+                    if want is not None:
+                        assert got.tolist() == want
+                    if name.startswith("tie") and b == 1:  # the earliest of the equal rows won
+                        assert got.tolist() == [min(i for pair in change for i in pair)], name
+                    if name == "nan":
+                        assert expect == [-1] * b  # every row's first maximum is the NaN
+    finally:
+        torch.set_num_threads(threads)
+        dec._model.head, dec.head = keep_model, keep_head

@@ -252,6 +252,10 @@ class ModelRunner:
         # (Engine._propose), so their one row's mask is right; logit_bias is the same at
         # every position.
         masks = self.logits_masks.start(row_reqs)
+        # Rows all plain greedy: the CPU decoder's call finds their tokens too (`greedy`).
+        greedy = (torch.empty(len(input_ids), dtype=torch.int64)
+                  if self.cpu_decoder is not None and sampling and masks is None
+                  and all(map(_plain_greedy, row_reqs)) else None)
         if self.graphs is not None and not prompt_rows and len(tables) == len(input_ids) and (
             self.graphs.can_run(len(input_ids))
         ):
@@ -261,26 +265,32 @@ class ModelRunner:
             self.num_graph_steps += 1
         else:
             hidden, all_logits = self._forward(step, input_ids, positions, req_index, tables, seq_lens,
-                                               query_start_loc, logits=bool(sampling))
+                                               query_start_loc, logits=bool(sampling), argmax=greedy)
             if prompt_rows:
                 self._prompt_logprobs(hidden, prompt_rows)
         if not sampling:
             return {}
+        ids: list[int] | None = None
         if all_logits is not None:  # every row's: forks repeat a row, prompt chunks skip theirs
             every = len(sample_rows) == len(input_ids) and sample_rows == list(range(len(input_ids)))
             logits = all_logits if every else all_logits.index_select(0, self._tensor(sample_rows))
+            if greedy is not None and self.graphs is None:  # written with the logits
+                found = greedy.tolist()
+                ids = found if every else [found[i] for i in sample_rows]
         else:
             assert hidden is not None
             logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_rows)))
         if spec:
-            return self._verify(sampling, logits, masks)
-        return self._one_each(self._sample(row_reqs, logits, masks))
+            return self._verify(sampling, logits, masks, ids)
+        return self._one_each(self._sample(row_reqs, logits, masks, ids))
 
     def _forward(self, step: SchedulerOutput, input_ids: list[int], positions: list[int],
                  req_index: list[int], tables: list[list[int]], seq_lens: list[int],
-                 query_start_loc: list[int], logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 query_start_loc: list[int], logits: bool,
+                 argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step run eagerly: hidden states of every row, and with the CPU decoder (when
-        `logits`) every row's logits from the same native call (else None)."""
+        `logits`) every row's logits from the same native call (else None), and where they
+        come back, each row's greedy token in `argmax` (CpuDecoder.forward)."""
         max_blocks = max(len(t) for t in tables)
         # Built in numpy on the host: a few microseconds an op where torch's CPU ops take
         # tens each, which a batch-1 step's Python felt.
@@ -300,7 +310,8 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         if self.cpu_decoder is not None:  # a decode step's logits in the same native call
-            return self.cpu_decoder.forward(self._tensor(input_ids), pos_t, meta, self.kv_caches, logits=logits)
+            return self.cpu_decoder.forward(self._tensor(input_ids), pos_t, meta, self.kv_caches, logits=logits,
+                                            argmax=argmax)
         return self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches), None
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
@@ -330,8 +341,8 @@ class ModelRunner:
         return self.lora.step(token_slots)
 
     def _sample(self, sampling: list[Request], logits: torch.Tensor,
-                masks: StepMasks | None = None) -> dict[str, SampleResult]:
-        rows = self._greedy_rows(sampling, logits, masks)
+                masks: StepMasks | None = None, ids: list[int] | None = None) -> dict[str, SampleResult]:
+        rows = self._greedy_rows(sampling, logits, masks, ids)
         if rows is not None:
             return {r.request_id: res for r, res in zip(sampling, rows, strict=True)}
         logits = self.logits_masks.apply(logits, masks)
@@ -339,13 +350,15 @@ class ModelRunner:
         return self._results(sampling, out)
 
     @staticmethod
-    def _greedy_rows(reqs: list[Request], logits: torch.Tensor,
-                     masks: StepMasks | None) -> list[SampleResult] | None:
+    def _greedy_rows(reqs: list[Request], logits: torch.Tensor, masks: StepMasks | None,
+                     ids: list[int] | None = None) -> list[SampleResult] | None:
         """What ops.sample gives rows that are all plain greedy on CPU logits (each row's
-        argmax), without building its tensors; None for any other step."""
+        argmax), without building its tensors; None for any other step. `ids`: those
+        argmaxes as the CPU decoder's call found them (-1: not finite), if it did."""
         if masks is not None or logits.device.type != "cpu" or not all(map(_plain_greedy, reqs)):
             return None
-        ids = greedy_ids_cpu(logits)
+        if ids is None or min(ids) < 0:
+            ids = greedy_ids_cpu(logits)
         return None if ids is None else [SampleResult(t) for t in ids]
 
     @staticmethod
@@ -353,7 +366,7 @@ class ModelRunner:
         return {rid: [r] for rid, r in results.items()}
 
     def _verify(self, sampling: list[ScheduledRequest], logits: torch.Tensor,
-                masks: StepMasks | None = None) -> dict[str, list[SampleResult]]:
+                masks: StepMasks | None = None, ids: list[int] | None = None) -> dict[str, list[SampleResult]]:
         """Sample every row of a step with drafts, row j of a request as if its drafts d1..dj
         were output, and keep each request's accepted drafts and next token."""
         reqs: list[Request] = []
@@ -362,7 +375,7 @@ class ModelRunner:
             d = s.spec_token_ids
             reqs += [s.request] * (len(d) + 1) + s.forks
             prior += [d[:j] for j in range(len(d) + 1)] + [[] for _ in s.forks]
-        rows = self._greedy_rows(reqs, logits, masks)  # the drafts change no plain greedy row
+        rows = self._greedy_rows(reqs, logits, masks, ids)  # the drafts change no plain greedy row
         if rows is None:
             logits = self.logits_masks.apply(logits, masks)
             rows = self._row_results(reqs, ops.sample(logits, self._sampling_tensors(reqs, prior)))

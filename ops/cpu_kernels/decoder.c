@@ -17,7 +17,9 @@
  * and after the last layer hidden = rms_norm(r) * w_final, and in a decode step, when asked,
  * logits = hidden @ Whead^T (the LM head's tiles shared out in the same region: no region
  * of its own, no barrier, the same qi_tile/qf_tile code as its QuantLinear, so the same
- * bits). With integer activations
+ * bits), and, when asked, each row's greedy token: the first maximum of its logits (NaN
+ * ranking first, as torch's argmax), found tile by tile while the tile is in L1 (argmax_tile
+ * below). With integer activations
  * (quant_matmul_int8.c) each matmul's input is written as integers per row first.
  *
  * `cpu_decoder_decode` runs the whole step in one OpenMP parallel region (the runner's
@@ -88,6 +90,8 @@ typedef struct {
     const int32_t *lora_pairs; /* [n_lora][2] */
     int n_lora, lora_groups;
     float *logits; /* [M, V]: the decode entry computes the head's logits here (or NULL) */
+    int64_t *argmax; /* [M] (with logits, or NULL): each row's first maximum, -1 where the
+                      * maximum is not finite (NaN, +inf, or every logit -inf) */
 } step_desc;
 
 /* A matmul's input as the kernels read it: float rows (a norm's output, when the input is
@@ -122,6 +126,8 @@ typedef struct {
     float *lora_h;    /* [M, 3 R]: each adapter row's shrink of the linear at hand */
     float *lora_x;    /* [threads][2][kmax]: a thread's normed rows for the shrink */
     size_t kmax;
+    float *best_v;    /* [threads][M]: with argmax, each thread's best logit so far a row, */
+    int32_t *best_i;  /* and its index (-1: none yet) */
     ws_phase *phases; /* the call's loops (workshare.h) */
     ws_counter *counters;
     int num_phases;
@@ -178,7 +184,8 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
                                + ALIGN64((size_t)t->num_phases * nthreads * sizeof(ws_counter)) + pending_bytes;
     const size_t parts_bytes = ALIGN64(attention_parts(&probe) * sizeof(float));
     const size_t items_bytes = ALIGN64((size_t)s->n_dec * 2 * sizeof(int32_t));
-    const size_t bytes = copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
+    const size_t best_bytes = s->argmax ? (size_t)nthreads * ALIGN64(M * sizeof(float)) * 2 : 0;
+    const size_t bytes = best_bytes + copies * input_bytes(M, H, kmax) + ALIGN64(copies * sizeof(input_buf))
                          + ALIGN64(M * I * sizeof(float)) + (size_t)nthreads * ALIGN64(M * 2 * TILE * sizeof(float))
                          + (size_t)nthreads * t->attn_floats * sizeof(float) + phase_bytes
                          + ALIGN64(M * 3 * R * sizeof(float)) + 2 * (size_t)nthreads * ALIGN64(kmax * sizeof(float))
@@ -195,6 +202,11 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     p += parts_bytes;
     t->attn_items = (int32_t *)p;
     p += items_bytes;
+    t->best_v = (float *)p;
+    t->best_i = (int32_t *)(p + best_bytes / 2);
+    for (size_t i = 0; s->argmax && i < (size_t)nthreads * ALIGN64(M * sizeof(float)) / sizeof(float); i++)
+        t->best_i[i] = -1;
+    p += best_bytes;
     if (s->n_dec) {
         attn_args a = decode_args(m, 0, s);
         t->n_attn_items = attention_blocks(&a, t->max_len, nthreads, t->attn_items);
@@ -484,13 +496,58 @@ static void final_team(const model_desc *m, const step_desc *s, ws_local *ws) {
         rms_norm_row(s->residual + (size_t)r * m->hidden, m->final_norm, m->hidden, m->eps, s->out + (size_t)r * m->hidden);
 }
 
-/* logits = out @ Whead^T for the step's M rows. */
+/* Whether logit v at index i comes before the best so far (bv at bi; bi < 0: none), in
+ * torch's argmax order: a NaN before every number, then the larger, then the lower index. */
+static inline int argmax_before(float v, int32_t i, float bv, int32_t bi) {
+    if (bi < 0) return 1;
+    if (isnan(v) || isnan(bv)) return isnan(v) && (!isnan(bv) || i < bi);
+    return v > bv || (v == bv && i < bi);
+}
+
+/* Folds one row's TILE logits x (indices base..base+TILE-1) into its best (*bv, *bi). The
+ * tile's max and NaN test are a few vector ops; only a tile that may hold a new best (its
+ * max at least the best's, or a NaN) is scanned. A thread takes tiles in any order (its own
+ * block first, then others'), and the order above is total, so the result does not depend
+ * on which thread took which tile. */
+static inline void argmax_tile(const float *x, int32_t base, float *bv, int32_t *bi) {
+    const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
+    const __m256 c = _mm256_loadu_ps(x + 16), d = _mm256_loadu_ps(x + 24);
+    const __m256 nan = _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q));
+    __m256 mx = _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d));
+    mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
+    mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+    const float h = _mm256_cvtss_f32(mx);
+    if (!_mm256_movemask_ps(nan) && *bi >= 0 && (isnan(*bv) || h < *bv || (h == *bv && base > *bi))) return;
+    for (int j = 0; j < TILE; j++)
+        if (argmax_before(x[j], base + j, *bv, *bi)) *bv = x[j], *bi = base + j;
+}
+
+/* logits = out @ Whead^T for the step's M rows; with argmax, each thread folds the tiles it
+ * computed into its own best per row, and thread 0 combines them once every tile is done. */
 static void head_team(const model_desc *m, const step_desc *s, temps *t, ws_local *ws) {
     const qlinear *L = &m->head;
     const matmul_input in = prepare(s->out, (size_t)m->hidden, s->M, m->hidden, NULL, 0.0f, L->planes, t, ws);
+    const size_t stride = ALIGN64((size_t)s->M * sizeof(float)) / sizeof(float);
+    float *bv = s->argmax ? t->best_v + (size_t)ws->tid * stride : NULL;
+    int32_t *bi = s->argmax ? t->best_i + (size_t)ws->tid * stride : NULL;
     WS_FOR(ws, tile, mine, L->N / TILE) {
         if (!mine) prepare_mine(&in, t);
-        linear_tiles(L, &in, s->M, s->logits + (size_t)tile * TILE, (size_t)L->N, tile, tile + 1);
+        float *y = s->logits + (size_t)tile * TILE;
+        linear_tiles(L, &in, s->M, y, (size_t)L->N, tile, tile + 1);
+        for (int r = 0; bv && r < s->M; r++) argmax_tile(y + (size_t)r * L->N, tile * TILE, &bv[r], &bi[r]);
+    }
+    /* Past the loop's end every tile's fold is written (workshare.h: acquire on its count). */
+    if (!s->argmax || ws->tid != 0) return;
+    for (int r = 0; r < s->M; r++) {
+        float v = 0.0f;
+        int32_t i = -1;
+        for (int k = 0; k < ws->nthreads; k++) {
+            const float kv = t->best_v[(size_t)k * stride + r];
+            const int32_t ki = t->best_i[(size_t)k * stride + r];
+            if (ki >= 0 && argmax_before(kv, ki, v, i)) v = kv, i = ki;
+        }
+        s->argmax[r] = i >= 0 && isfinite(v) ? i : -1;
     }
 }
 
@@ -501,6 +558,7 @@ static void head_team(const model_desc *m, const step_desc *s, temps *t, ws_loca
 int cpu_decoder_decode(const model_desc *m, const step_desc *s) {
     if (s->M < 1 || s->n_dec != s->M) return -1;
     if (s->logits && (!m->head.w || m->head.K != m->hidden || m->head.N % TILE)) return -1;
+    if (s->argmax && !s->logits) return -1;
     const attn_args a = decode_args(m, 0, s);
     if (attention_check(&a) < 0) return -2;
     temps t;
