@@ -59,7 +59,7 @@ class _Timed:
     def cpu_decoder_decode(self, m, s) -> int:
         if self.no_head:
             step = cpu_decoder._Step.from_buffer_copy(s._obj)
-            step.logits = None
+            step.logits = step.argmax = None  # the greedy tokens are found in the logits
             s = ctypes.byref(step)
         t0 = time.perf_counter()
         rc = self.lib.cpu_decoder_decode(m, s)
@@ -111,7 +111,7 @@ def read_gbps(mb: int = 100, repeats: int = 10) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", action="append", default=[], help="another checkout's root (repeatable)")
     ap.add_argument("--pages", choices=("huge", "4k", "both"), default="huge",
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="also this checkout without the LM head, and without the matmuls")
     ap.add_argument("--output-json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     reads = read_gbps()
     print(f"a plain read of 100 MB: {reads['4k']:.1f} GB/s in 4 KB pages, {reads['huge']:.1f} GB/s in 2 MB pages "
           f"({reads['huge_bytes'] >> 20} MiB of the buffer in huge pages)")

@@ -146,3 +146,21 @@ def test_spec_decode_runs_every_side_on_the_asked_activations(tmp_path: Path) ->
     assert "int24 activations" in kernels or "torch" in kernels  # no gcc/AVX2: the torch paths
     assert report["sides"] == ["plain", "ngram k=3 n=2..4"]
     assert all(s["same_tokens_as_plain"] for s in report["summary"].values())
+
+
+def test_native_ab_breakdown_times_every_side(tmp_path: Path) -> None:
+    """`benchmarks.native_ab --breakdown`: the whole call, the call without the LM head (its
+    logits and greedy tokens not asked for) and the build without matmuls each run and time."""
+    from benchmarks import native_ab
+    from ops import quantized_linear
+
+    if not quantized_linear.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    out = tmp_path / "ab.json"
+    native_ab.main(["--rounds", "1", "--calls", "2", "--context", "20", "--breakdown", "--output-json", str(out)])
+    sides = json.loads(out.read_text())["sides"]
+    assert list(sides) == ["this", "this, no LM head", "this, no matmuls"]
+    assert all(s["min_ms"] > 0 for s in sides.values())
+    assert sides["this"]["same_logits"] is True
+    # without the head's 28 MB read, and without any matmul, the call is shorter
+    assert sides["this, no matmuls"]["median_ms"] < sides["this"]["median_ms"]
