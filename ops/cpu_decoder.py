@@ -212,7 +212,8 @@ class CpuDecoder:
         [T]): where the logits come back, the call has also written each row's greedy token
         there, the first maximum as `ops.sampling.finite_argmax` finds it, or -1 where that
         gives None (a maximum that is not finite). It reads each tile of logits while it is
-        in L1, where numpy's argmax after the call read them cold (~0.3 ms of a batch-1 step)."""
+        in L1, where numpy's argmax after the call read them cold (a batch-1 step 1.002-1.014x
+        faster, BENCHMARKS.md)."""
         cfg = self.config
         t = input_ids.shape[0]
         ids = input_ids.long().contiguous()

@@ -274,7 +274,7 @@ class ModelRunner:
         if all_logits is not None:  # every row's: forks repeat a row, prompt chunks skip theirs
             every = len(sample_rows) == len(input_ids) and sample_rows == list(range(len(input_ids)))
             logits = all_logits if every else all_logits.index_select(0, self._tensor(sample_rows))
-            if greedy is not None and self.graphs is None:  # written with the logits
+            if greedy is not None:  # the call wrote it with the logits (CpuDecoder.forward)
                 found = greedy.tolist()
                 ids = found if every else [found[i] for i in sample_rows]
         else:
