@@ -14,7 +14,9 @@
 #   call 2 (carry .model/part.ab), within the machine's 30 s warm window:
 #          bash benchmarks/device_run.sh 2 <sha256 of the GGUF>
 #          the GGUF whole again (checked); the default model's GPU tests (-k $E2E); speculative
-#          decoding on the default model (bf16) and on dummy:llama-3-8b (bf16), CUDA graphs on
+#          decoding on the default model (bf16) and on dummy:llama-3-8b (bf16), CUDA graphs on,
+#          one stream and 64 ($BATCH_ROUNDS alternating rounds; $SPEC_8B_ROUNDS one-stream
+#          rounds for the 8B)
 #
 # Set LLMWORKER_COMMIT to the commit the tree is (the machine gets no .git). Logs and JSON go
 # to $OUT, which the tool brings back.
@@ -50,8 +52,8 @@ elif [ "$phase" = 2 ]; then
     echo "$sha  $GGUF" | sha256sum -c || exit 1
     timeout 150 "${pytest[@]}" tests/test_gpu_e2e.py -k "${E2E:-fp32 and (references or speculative)}" \
         2>&1 | tee "$OUT/gpu-e2e.log" | tail -25
-    timeout 120 python3 -m benchmarks.spec_decode --rounds 2 --max-tokens 128 --batch-sizes 64 --batch-rounds "${BATCH_ROUNDS:-2}" \
-        --kv-cache-memory 2 --output-json "$OUT/spec-default-bf16.json" 2>&1 | tail -14
+    timeout 120 python3 -m benchmarks.spec_decode --rounds 2 --max-tokens 128 --batch-sizes 64 \
+        --batch-rounds "${BATCH_ROUNDS:-2}" --kv-cache-memory 2 --output-json "$OUT/spec-default-bf16.json" 2>&1 | tail -14
     timeout 150 python3 -m benchmarks.spec_decode --model dummy:llama-3-8b --tokenizer-model default \
         --rounds "${SPEC_8B_ROUNDS:-2}" --max-tokens 128 --batch-sizes 64 --kv-cache-memory 5 \
         --batch-rounds "${BATCH_ROUNDS:-2}" \

@@ -164,3 +164,19 @@ def test_native_ab_breakdown_times_every_side(tmp_path: Path) -> None:
     assert sides["this"]["same_logits"] is True
     # without the head's 28 MB read, and without any matmul, the call is shorter
     assert sides["this, no matmuls"]["median_ms"] < sides["this"]["median_ms"]
+
+
+def test_fused_argmax_ab_times_both_ways_on_the_same_tokens(tmp_path: Path) -> None:
+    """`benchmarks.fused_argmax_ab`: steps alternate between the call's greedy tokens and
+    numpy's, every generation gives the reference's tokens, and both ways are timed."""
+    from benchmarks import fused_argmax_ab
+    from ops import quantized_linear
+
+    if not quantized_linear.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    out = tmp_path / "ab.json"
+    fused_argmax_ab.main(["--generations", "2", "--max-tokens", "24", "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["same_tokens"] is True
+    assert set(report["steps_ms"]) == {"in the call", "numpy after the call"}
+    assert all(len(v) >= 8 and min(v) > 0 for v in report["steps_ms"].values())
