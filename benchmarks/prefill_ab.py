@@ -10,8 +10,9 @@ so that both see the same minute of a machine whose speed drifts by 20-30% over 
 Workloads: per prompt length P, one request of P new tokens and one output token (the
 whole prefill one step: the token budget is P); `mixed`: 32 requests of 100 prompt tokens
 and 8 output tokens each under a 256-token budget, prefill chunks sharing most steps with
-decodes; `spec` and `plain` (with --workloads): the four input-grounded prompts of
-benchmarks.spec_decode one at a time, greedy, up to 128 tokens, with n-gram speculation
+decodes; `decode64`: 64 requests of 16 prompt tokens and 32 output tokens each, at once (one
+prefill step, then 31 decode steps of 64 rows: the 64-stream step); `spec` and `plain` (with
+--workloads): the four input-grounded prompts of benchmarks.spec_decode one at a time, greedy, up to 128 tokens, with n-gram speculation
 (its DEFAULT_SPEC, k = 3) or without, on one engine each (prompts cached after the first
 round, so these time mostly decode and verification steps). A table row gives each side's
 median and fastest over the rounds, and the median of the rounds' paired ratios before /
@@ -71,7 +72,7 @@ def task_requests(spec):
 
 print("READY", flush=True)
 for n, line in enumerate(sys.stdin):
-    work = json.loads(line)  # a prompt length, "mixed", "spec" or "plain"; n keeps prompts distinct
+    work = json.loads(line)  # a prompt length, "mixed", "decode64", "spec" or "plain"; n keeps prompts distinct
     if work in ("spec", "plain"):
         e, batches = task_requests(work == "spec")
         t0 = time.perf_counter()
@@ -83,6 +84,10 @@ for n, line in enumerate(sys.stdin):
         e = engine(256, 64)
         reqs = [e.make_request([(7 * i + j + 1000 * n) % 40000 + 100 for j in range(100)],
                                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for i in range(32)]
+    elif work == "decode64":
+        e = engine(1024, 64)
+        reqs = [e.make_request([(7 * i + j + 1000 * n) % 40000 + 100 for j in range(16)],
+                               SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)) for i in range(64)]
     else:
         e = engine(work, 1)
         reqs = [e.make_request([(7 * j + n) % 40000 + 100 for j in range(work)],
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--against", help="root of the other checkout (its code runs as 'before')")
     ap.add_argument("--prompts", default="300,1000,2000", help="prompt lengths timed alone")
     ap.add_argument("--workloads", default="prompts,mixed",
-                    help="comma list of: prompts (each of --prompts), mixed, spec, plain")
+                    help="comma list of: prompts (each of --prompts), mixed, decode64, spec, plain")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
     ap.add_argument("--output-json")
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     here = Path(__file__).resolve().parents[1]
     workloads: list[int | str] = []
     for w in args.workloads.split(","):
-        if w not in ("prompts", "mixed", "spec", "plain"):
+        if w not in ("prompts", "mixed", "decode64", "spec", "plain"):
             ap.error(f"unknown workload {w!r}")
         workloads += prompts if w == "prompts" else [w]
     report: dict = {"environment": environment(), "prompts": prompts,

@@ -5,9 +5,11 @@ memory bandwidth: 538 MB in float32 for the default model, 96 MB as the GGUF sto
 `QuantLinear` keeps the file's blocks, repacked into tiles, and multiplies them with the
 activations in one of these `ACTIVATIONS`:
 
-- "float32" (`cpu_kernels/quant_matmul.c`): the weights dequantized on the fly exactly as
-  gguf-py does (the same float32 weights the model would otherwise hold), multiplied in
-  float32 with one accumulator per output taken over K in order.
+- "float32" (`cpu_kernels/quant_matmul.c`): the quants converted to float exactly and
+  multiplied with x in float32, one sum per output and block of 32 taken over k in order,
+  then scaled by the block's d (and its m times the block's sum of x added, for Q4_1), as
+  the integer kernels do: one FMA per weight and row, where multiplying gguf-py's
+  dequantized weight (d*q + m) first took two.
 - "int8", "int16", "int24" (`cpu_kernels/quant_matmul_int8.c`): each row of x written per
   block of 32 as integers of 1, 2 or 3 bytes (relative to the block's largest) and multiplied
   with exact integer dot products (vpdpbusd, vpmaddubsw), as llama.cpp does with int8: a few

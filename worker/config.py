@@ -136,7 +136,8 @@ class ModelConfig:
                                      "the bytes a decode step reads); --no-cpu-quantized-linear "
                                      "dequantizes them at load")
     cpu_activations: str = opt("auto", "with --cpu-quantized-linear, the arithmetic of the "
-                               "quantized layers: float32 (the weights dequantized exactly), or the "
+                               "quantized layers: float32 (the quants converted exactly, each block's "
+                               "sum scaled by its d), or the "
                                "activations written per block of 32 as 3, 2 or 1-byte integers and "
                                "multiplied with exact integer dot products (int24: float32's "
                                "precision; int16: logprobs within 1e-2 of float32's, greedy tokens "

@@ -20,7 +20,8 @@
  * bits), and, when asked, each row's greedy token: the first maximum of its logits (NaN
  * ranking first, as torch's argmax), found tile by tile while the tile is in L1 (argmax_tile
  * below). With integer activations
- * (quant_matmul_int8.c) each matmul's input is written as integers per row first.
+ * (quant_matmul_int8.c) each matmul's input is written as integers per row first; for the
+ * float kernels' Q4_1 (quant_matmul.c) its block sums are.
  *
  * `cpu_decoder_decode` runs the whole step in one OpenMP parallel region (the runner's
  * batch-1 step is one call), its loops shared out without barriers (workshare.h: a thread
@@ -101,7 +102,7 @@ typedef struct {
     float *x;       /* [M, H] */
     int8_t *xq;     /* [M, MAX_PLANES Kmax] */
     uint8_t *xu;    /* [M, MAX_PLANES Kmax]: xq + 128 */
-    float *xd, *xs; /* [M, Kmax / 32] */
+    float *xd, *xs; /* [M, Kmax / 32]: the integer rows' scales; block sums (both kernels) */
     qact *views;    /* [M] */
 } input_buf;
 
@@ -135,6 +136,9 @@ typedef struct {
 } temps;
 
 static inline int is_integer(int qtype) { return qtype == QT_Q4_1_I8 || qtype == QT_Q8_0_I8; }
+
+/* Whether linear L's float kernel needs its input's block sums (Q4_1's m term). */
+static inline int needs_sums(const qlinear *L) { return L->qtype == QT_Q4_1; }
 
 #define ALIGN64(n) (((n) + 63) & ~(size_t)63)
 
@@ -287,14 +291,15 @@ static void embed_row(const model_desc *m, int64_t id, float *y) {
 /* ---- team pieces ---- */
 
 /* Row r of a matmul's input into b: normed by w (when w), written in `planes` integer
- * planes (when planes > 0). */
+ * planes (when planes > 0), its block sums for the float kernel (when sums). */
 static void prepare_row(const float *src, size_t ld, int r, int K, const float *w, float eps, int planes,
-                        input_buf *b) {
+                        int sums, input_buf *b) {
     const float *x = src + (size_t)r * ld;
     if (w) {
         rms_norm_row(x, w, K, eps, b->x + (size_t)r * K);
         x = b->x + (size_t)r * K;
     }
+    if (sums) block_sums(x, 0, 0, K, b->xs + (size_t)r * (K / QBLOCK));
     if (!planes) return;
     b->views[r] = qa_view(b->xq, qi_needs_unsigned() ? b->xu : NULL, b->xd, b->xs, r, K, planes);
     qa_row(x, K, planes, b->views[r]);
@@ -307,29 +312,34 @@ static void prepare_row(const float *src, size_t ld, int r, int K, const float *
 typedef struct {
     const float *x; /* the float rows */
     size_t ldx;
+    const float *xs; /* their block sums [M, K / 32] for the float kernel (when sums) */
     const input_buf *b; /* their quantized form */
     /* what prepare_mine needs */
     const float *src, *w;
     size_t ld;
-    int M, K, planes;
+    int M, K, planes, sums;
     float eps;
 } matmul_input;
 
-static matmul_input prepare(const float *src, size_t ld, int M, int K, const float *w, float eps, int planes,
+/* The input of linear L (its planes, and whether it needs block sums). */
+static matmul_input prepare(const float *src, size_t ld, int M, int K, const float *w, float eps, const qlinear *L,
                             temps *t, ws_local *ws) {
+    const int planes = L->planes, sums = needs_sums(L);
     input_buf *b = t->private_inputs ? &t->priv[omp_get_thread_num()] : &t->shared;
-    if ((w || planes) && !t->private_inputs) {
-        WS_FOR(ws, r, mine, M) prepare_row(src, ld, r, K, w, eps, planes, b);
+    if ((w || planes || sums) && !t->private_inputs) {
+        WS_FOR(ws, r, mine, M) prepare_row(src, ld, r, K, w, eps, planes, sums, b);
     }
-    const matmul_input in = {w ? b->x : src, w ? (size_t)K : ld, b, src, w, ld, M, K, planes, eps};
+    const matmul_input in = {w ? b->x : src, w ? (size_t)K : ld, sums ? b->xs : NULL, b, src, w, ld, M, K,
+                             planes, sums, eps};
     return in;
 }
 
 /* Before this thread's first item of a matmul: its own copy of the input, when private. */
 static void prepare_mine(const matmul_input *in, const temps *t) {
-    if (!t->private_inputs || !(in->w || in->planes)) return;
+    if (!t->private_inputs || !(in->w || in->planes || in->sums)) return;
     input_buf *b = (input_buf *)in->b;
-    for (int r = 0; r < in->M; r++) prepare_row(in->src, in->ld, r, in->K, in->w, in->eps, in->planes, b);
+    for (int r = 0; r < in->M; r++)
+        prepare_row(in->src, in->ld, r, in->K, in->w, in->eps, in->planes, in->sums, b);
 }
 
 /* Tiles t0..t1-1 of linear L for M rows into y (the first tile's columns, stride ldy):
@@ -342,7 +352,7 @@ static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float 
     for (int tile = t0; tile < t1; tile++) {
         float *yt = y + (size_t)(tile - t0) * TILE;
         if (is_integer(L->qtype)) qi_tile(L->w, L->qtype, L->K, in->b->views, L->planes, M, yt, ldy, tile);
-        else qf_tile(L->w, L->qtype, L->K, in->x, in->ldx, M, yt, ldy, tile);
+        else qf_tile(L->w, L->qtype, L->K, in->x, in->ldx, in->xs, (size_t)(L->K / QBLOCK), M, yt, ldy, tile);
         if (L->bias)
             for (int r = 0; r < M; r++)
                 for (int n = 0; n < TILE; n++) yt[(size_t)r * ldy + n] += L->bias[tile * TILE + n];
@@ -396,7 +406,7 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
     const layer_weights *L = m->layers + l;
     const int M = s->M, H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const size_t ld = (size_t)(Hq + 2 * Hkv) * D;
-    const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, L->qkv.planes, t, ws);
+    const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, &L->qkv, t, ws);
     const lora_linear *lq = lora_on(m, s, LORA_QKV) ? &m->lora[l].qkv : NULL;
     if (lq) lora_shrink_team(lq, m, &in, s, t, ws);
     /* one item per head: q heads 0..Hq-1, k heads, v heads (columns in that order) */
@@ -456,7 +466,7 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
     const layer_weights *L = m->layers + l;
     const int M = s->M, H = m->hidden, I = m->intermediate, Dq = m->num_heads * m->head_dim;
     float *tmp = t->tmp + (size_t)omp_get_thread_num() * ALIGN64((size_t)M * 2 * TILE * sizeof(float)) / sizeof(float);
-    const matmul_input att = prepare(s->att, (size_t)Dq, M, Dq, NULL, 0.0f, L->o.planes, t, ws);
+    const matmul_input att = prepare(s->att, (size_t)Dq, M, Dq, NULL, 0.0f, &L->o, t, ws);
     const lora_layer *ll = m->lora ? &m->lora[l] : NULL;
     const int lo = lora_on(m, s, LORA_O), lgu = lora_on(m, s, LORA_GATE_UP), ld = lora_on(m, s, LORA_DOWN);
     if (lo) lora_shrink_team(&ll->o, m, &att, s, t, ws);
@@ -466,7 +476,7 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
         if (lo) lora_expand_tile(&ll->o, m, s, t, 0, tile * TILE, TILE, tmp, TILE);
         add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
-    const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, L->gate_up.planes, t, ws);
+    const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, &L->gate_up, t, ws);
     if (lgu) lora_shrink_team(&ll->gate_up, m, &xn, s, t, ws);
     /* gate tile g and up tile g + I/32 together, so that silu(gate) * up needs no barrier */
     WS_FOR(ws, g, mine, I / TILE) {
@@ -481,7 +491,7 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
             silu_mul_row(tmp + (size_t)r * 2 * TILE, tmp + (size_t)r * 2 * TILE + TILE, TILE,
                          t->act + (size_t)r * I + (size_t)g * TILE);
     }
-    const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, L->down.planes, t, ws);
+    const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, &L->down, t, ws);
     if (ld) lora_shrink_team(&ll->down, m, &act, s, t, ws);
     WS_FOR(ws, tile, mine, H / TILE) {
         if (!mine) prepare_mine(&act, t);
@@ -527,7 +537,7 @@ static inline void argmax_tile(const float *x, int32_t base, float *bv, int32_t 
  * computed into its own best per row, and thread 0 combines them once every tile is done. */
 static void head_team(const model_desc *m, const step_desc *s, temps *t, ws_local *ws) {
     const qlinear *L = &m->head;
-    const matmul_input in = prepare(s->out, (size_t)m->hidden, s->M, m->hidden, NULL, 0.0f, L->planes, t, ws);
+    const matmul_input in = prepare(s->out, (size_t)m->hidden, s->M, m->hidden, NULL, 0.0f, L, t, ws);
     const size_t stride = ALIGN64((size_t)s->M * sizeof(float)) / sizeof(float);
     float *bv = s->argmax ? t->best_v + (size_t)ws->tid * stride : NULL;
     int32_t *bi = s->argmax ? t->best_i + (size_t)ws->tid * stride : NULL;

@@ -93,7 +93,7 @@ static void qa_row(const float *x, int K, int P, qact a) {
                 _mm256_storeu_si256((__m256i *)(a.u + (size_t)p * K + (size_t)b * I8_QBLOCK), u);
             }
         }
-        a.s[b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3])));
+        a.s[b] = block_sum32(xb);
     }
 }
 

@@ -21,6 +21,14 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The float sum of 32 floats at x in one fixed order (a quantized block's activations: the
+ * float and integer matmuls' sx, quant_matmul.c and quant_matmul_int8.c). */
+static inline float block_sum32(const float *x) {
+    const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 16));
+    const __m256 b = _mm256_add_ps(_mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 24));
+    return hsum8(_mm256_add_ps(a, b));
+}
+
 /* e^x to float rounding (Cephes' expf polynomial, 8 lanes), x clamped to [-87.3, 88.3]. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
