@@ -10,8 +10,8 @@ so that both see the same minute of a machine whose speed drifts by 20-30% over 
 Workloads: per prompt length P, one request of P new tokens and one output token (the
 whole prefill one step: the token budget is P); `mixed`: 32 requests of 100 prompt tokens
 and 8 output tokens each under a 256-token budget, prefill chunks sharing most steps with
-decodes; `decode64`: 64 requests of 16 prompt tokens and 32 output tokens each, at once (one
-prefill step, then 31 decode steps of 64 rows: the 64-stream step); `spec` and `plain` (with
+decodes; `decode64`: 64 requests of 8 prompt tokens and 48 output tokens each, at once (one
+prefill step of 512 rows, then 47 decode steps of 64 rows: mostly the 64-stream step); `spec` and `plain` (with
 --workloads): the four input-grounded prompts of benchmarks.spec_decode one at a time, greedy, up to 128 tokens, with n-gram speculation
 (its DEFAULT_SPEC, k = 3) or without, on one engine each (prompts cached after the first
 round, so these time mostly decode and verification steps). A table row gives each side's
@@ -85,9 +85,9 @@ for n, line in enumerate(sys.stdin):
         reqs = [e.make_request([(7 * i + j + 1000 * n) % 40000 + 100 for j in range(100)],
                                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for i in range(32)]
     elif work == "decode64":
-        e = engine(1024, 64)
-        reqs = [e.make_request([(7 * i + j + 1000 * n) % 40000 + 100 for j in range(16)],
-                               SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)) for i in range(64)]
+        e = engine(512, 64)
+        reqs = [e.make_request([(7 * i + j + 1000 * n) % 40000 + 100 for j in range(8)],
+                               SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)) for i in range(64)]
     else:
         e = engine(work, 1)
         reqs = [e.make_request([(7 * j + n) % 40000 + 100 for j in range(work)],
