@@ -299,7 +299,7 @@ static void prepare_row(const float *src, size_t ld, int r, int K, const float *
         rms_norm_row(x, w, K, eps, b->x + (size_t)r * K);
         x = b->x + (size_t)r * K;
     }
-    if (sums) block_sums(x, 0, 0, K, b->xs + (size_t)r * (K / QBLOCK));
+    if (sums) block_sums(x, K, b->xs + (size_t)r * (K / QBLOCK));
     if (!planes) return;
     b->views[r] = qa_view(b->xq, qi_needs_unsigned() ? b->xu : NULL, b->xd, b->xs, r, K, planes);
     qa_row(x, K, planes, b->views[r]);

@@ -94,7 +94,8 @@ static inline void block_scales(const uint8_t *rec, int has_m, float *dm) {
     for (int j = 0; has_m && j < 4; j++) _mm256_store_ps(dm + 32 + 8 * j, load_half8(rec + 64 + 16 * j));
 }
 #define DM_END8(dm, has_m, j, s, sx, y, first) \
-    block_end8(_mm256_load_ps((dm) + 8 * (j)), _mm256_load_ps((dm) + 32 + 8 * (j)), has_m, s, sx, y, first)
+    block_end8(_mm256_load_ps((dm) + 8 * (j)), has_m ? _mm256_load_ps((dm) + 32 + 8 * (j)) : _mm256_setzero_ps(), \
+               has_m, s, sx, y, first)
 
 /* One row's block sums for the 32 outputs of a tile: a0..a3, from 0 each block. */
 #define ACC_DECL(a) __m256 a##0, a##1, a##2, a##3;
@@ -309,9 +310,9 @@ static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t l
     }
 }
 
-/* Row r's block sums of x (K floats, stride ldx) into sx[r * nb + b]. */
-static inline void block_sums(const float *x, size_t ldx, int r, int K, float *sx) {
-    for (int b = 0; b < K / QBLOCK; b++) sx[(size_t)r * (K / QBLOCK) + b] = block_sum32(x + (size_t)r * ldx + 32 * b);
+/* One row's block sums: sx[b] = block_sum32 of x's block b (K floats). */
+static inline void block_sums(const float *x, int K, float *sx) {
+    for (int b = 0; b < K / QBLOCK; b++) sx[b] = block_sum32(x + (size_t)b * QBLOCK);
 }
 
 static int qf_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype) {
@@ -323,7 +324,7 @@ static int qf_matmul(const float *x, int M, int K, const uint8_t *w, int N, floa
     {
         if (has_m) {
 #pragma omp for schedule(static)
-            for (int r = 0; r < M; r++) block_sums(x, (size_t)K, r, K, sx);
+            for (int r = 0; r < M; r++) block_sums(x + (size_t)r * K, K, sx + (size_t)r * nb);
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < N / TILE; t++)
