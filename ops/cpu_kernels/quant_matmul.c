@@ -174,28 +174,6 @@ static inline void micro_3(MICRO_ARGS) {
     ROW_END(a, 0) ROW_END(b, 1) ROW_END(c, 2)
 }
 
-/* Six rows against one half of the block (16 outputs) at a time: 12 sums, the half's 2 quant
- * vectors and a broadcast fill 15 of the 16 registers, and each quant vector loaded serves six
- * FMAs. In a scratch loop on Zen 3 (one thread, L1) it took 0.78 ns a row and k against
- * micro_3's 0.93, whose FMAs each load their quants: the many-rows step is bound by these loops. */
-#define H6_FMA(a, r) { const __m256 xr = _mm256_broadcast_ss(x + (size_t)(r) * ldx + k);    \
-                       a##0 = _mm256_fmadd_ps(xr, wa, a##0); a##1 = _mm256_fmadd_ps(xr, wb, a##1); }
-#define H6_END(a, r) { const float sxr = sx ? sx[(size_t)(r) * ldsx] : 0.0f;                 \
-                       DM_END8(dm, has_m, 2 * h, a##0, sxr, y + (size_t)(r) * ldy + 16 * h, first); \
-                       DM_END8(dm, has_m, 2 * h + 1, a##1, sxr, y + (size_t)(r) * ldy + 16 * h + 8, first); }
-
-static inline void micro_6(MICRO_ARGS) {
-    for (int h = 0; h < 2; h++) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
-        __m256 e0 = a0, e1 = a0, f0 = a0, f1 = a0, g0 = a0, g1 = a0;
-        for (int k = 0; k < QBLOCK; k++) {
-            const __m256 wa = _mm256_load_ps(w + k * TILE + 16 * h), wb = _mm256_load_ps(w + k * TILE + 16 * h + 8);
-            H6_FMA(a, 0) H6_FMA(b, 1) H6_FMA(c, 2) H6_FMA(e, 3) H6_FMA(f, 4) H6_FMA(g, 5)
-        }
-        H6_END(a, 0) H6_END(b, 1) H6_END(c, 2) H6_END(e, 3) H6_END(f, 4) H6_END(g, 5)
-    }
-}
-
 /* A few rows (2..4), straight from the record like the one-row path: each half of the tile
  * (16 outputs) is 2 ymm of quants a k, and each row keeps 2 sums, so four rows fit the 16
  * registers. The buffered path instead stores the converted block and reloads it for every
@@ -253,6 +231,23 @@ static inline void micro_6(MICRO_ARGS) {
     }
 FEW_FNS(Q4_1, 1)
 FEW_FNS(Q8_0, 0)
+
+/* Six rows against one half of the block (16 outputs) at a time, with the few-rows macros
+ * above: 12 sums, the half's 2 quant vectors and a broadcast fill 15 of the 16 registers, and
+ * each quant vector loaded serves six FMAs. In a scratch loop on Zen 3 (one thread, L1) it took
+ * 0.78 ns a row and k against micro_3's 0.93, whose FMAs each load their quants: the many-rows
+ * step is bound by these loops. */
+static inline void micro_6(MICRO_ARGS) {
+    for (int h = 0; h < 2; h++) {
+        HALF_DECL(a) HALF_DECL(b) HALF_DECL(c) HALF_DECL(e) HALF_DECL(f) HALF_DECL(g)
+        for (int k = 0; k < QBLOCK; k++) {
+            const __m256 wa = _mm256_load_ps(w + k * TILE + 16 * h), wb = _mm256_load_ps(w + k * TILE + 16 * h + 8);
+            HALF_FMA(a, 0) HALF_FMA(b, 1) HALF_FMA(c, 2) HALF_FMA(e, 3) HALF_FMA(f, 4) HALF_FMA(g, 5)
+        }
+        HALF_END(a, 0, has_m) HALF_END(b, 1, has_m) HALF_END(c, 2, has_m)
+        HALF_END(e, 3, has_m) HALF_END(f, 4, has_m) HALF_END(g, 5, has_m)
+    }
+}
 
 static inline void few_rows(const uint8_t *rec, const float *dm, int qtype, const float *x, size_t ldx,
                             const float *sx, size_t ldsx, int M, float *y, size_t ldy, int first) {
