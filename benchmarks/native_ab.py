@@ -19,6 +19,12 @@ outputs (`-DLLMWORKER_SKIP_MATMULS`: what is left is the norms, rotary, attentio
 loops' waits). Their logits are not compared.
 
     python -m benchmarks.native_ab --batch 1 --rounds 20 --breakdown
+
+`--drafts K` makes the captured step a speculative verification step: each request's K
+drafted tokens (any K tokens: only the call's shape matters) make K + 1 rows of one request,
+consecutive positions over the same cache.
+
+    python -m benchmarks.native_ab --batch 1 --drafts 3 --context 250 --rounds 20
 """
 
 from __future__ import annotations
@@ -36,7 +42,14 @@ import torch
 from clients.bench.environment import environment
 from ops import cpu_decoder, cpu_kernels, huge_pages
 from scheduler.request import SamplingParams
-from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from worker.config import (
+    CacheConfig,
+    ModelConfig,
+    NgramSpeculation,
+    SchedulerConfig,
+    SpeculativeConfig,
+    WorkerConfig,
+)
 from worker.engine import Engine
 
 
@@ -67,12 +80,19 @@ class _Timed:
         return rc
 
 
-def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto"):
-    """An engine mid-decode, its decoder, and the arguments of one decode step."""
+def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto", drafts: int = 0):
+    """An engine mid-decode, its decoder, and the arguments of one decode step (with `drafts`
+    drafted tokens a request: a verification step)."""
+    spec = (SpeculativeConfig(NgramSpeculation(num_speculative_tokens=drafts, prompt_lookup_min=1,
+                                                prompt_lookup_max=1, disable_by_batch_size=batch))
+            if drafts else SpeculativeConfig())
     config = WorkerConfig(model=ModelConfig(cpu_huge_pages=huge_pages, cpu_activations=activations),
                           cache=CacheConfig(kv_cache_memory=0.5),
-                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192))
+                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192),
+                          speculative=spec)
     engine = Engine(config)
+    if drafts:  # the drafts' values do not matter, only that every request has them
+        engine.proposer.propose = lambda ids: list(ids[:drafts])
     if engine.runner.cpu_decoder is None:
         raise SystemExit("no fused C decoder here (no gcc, or no AVX2)")
     for i in range(batch):
@@ -90,6 +110,9 @@ def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto
     decoder.forward = capture
     engine.step()
     decoder.forward = forward
+    rows = len(captured["args"][0][0])
+    if rows != batch * (drafts + 1):
+        raise SystemExit(f"the captured step has {rows} rows, not {batch} x {drafts + 1}")
     return engine, decoder, captured["args"]
 
 
@@ -119,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--cpu-activations", default="auto", help="the engine's --cpu-activations (every side's)")
     ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
+    ap.add_argument("--drafts", type=int, default=0,
+                    help="drafted tokens a request: a verification step of drafts + 1 rows each")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--calls", type=int, default=10, help="calls per side per round")
     ap.add_argument("--breakdown", action="store_true",
@@ -129,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"a plain read of 100 MB: {reads['4k']:.1f} GB/s in 4 KB pages, {reads['huge']:.1f} GB/s in 2 MB pages "
           f"({reads['huge_bytes'] >> 20} MiB of the buffer in huge pages)")
 
-    engines = {p: _engine(args.batch, args.context, p == "huge", args.cpu_activations)
+    engines = {p: _engine(args.batch, args.context, p == "huge", args.cpu_activations, args.drafts)
                for p in (("huge", "4k") if args.pages == "both" else (args.pages,))}
     here = Path(__file__).resolve().parents[1]
     # side -> (pages, library, without the head); breakdown sides' logits are not compared
@@ -164,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 first = reference.setdefault(pages, logits.clone())
                 same[side] = same[side] and bool((logits == first).all())
-    out = {"batch": args.batch, "context": args.context, "rounds": args.rounds, "calls": args.calls,
+    out = {"batch": args.batch, "drafts": args.drafts, "context": args.context, "rounds": args.rounds, "calls": args.calls,
            "cpu_activations": args.cpu_activations,
            "read_gbps": reads, "sides": {}}
     print("| side | native call ms: median (p10, fastest) | logits as the first side's |")

@@ -124,6 +124,28 @@ def test_a_prompts_bits_do_not_depend_on_its_chunking(decoder) -> None:
     assert torch.equal(one_by_one, whole), "decoding the prompt token by token differs from its prefill"
 
 
+def test_a_verification_steps_rows_have_their_bits_alone(decoder) -> None:
+    """A speculative verification step: a request's next token and its drafts are rows at
+    consecutive positions over one cache, whose attention reads each key once for all of them
+    (runs of rows, shared out chunk by chunk when few). At contexts where the rows' chunks of
+    keys differ in length (47 to 50 tokens: one chunk more; 250, 301: four of different
+    lengths), 2 to 8 rows a request, alone and beside other requests' runs and a decode, every
+    row's hidden state has the bits of the same positions decoded one at a time."""
+    dec, model = decoder
+    lens = [250, 47, 301, 120]
+    reqs = _Requests(model, [n + 8 for n in lens], seed=9)
+    dec(*reqs.step([(r, 0, n) for r, n in enumerate(lens)]))  # every request's cache
+    one_by_one = {r: torch.cat([dec(*reqs.step([(r, p, 1)])) for p in range(n, n + 8)])
+                  for r, n in enumerate(lens)}
+    for chunks in ([(0, lens[0], 4)], [(1, lens[1], 4)], [(2, lens[2], 2)], [(0, lens[0], 8)],
+                   [(0, lens[0], 4), (1, lens[1], 3), (3, lens[3], 1)],
+                   [(3, lens[3], 1), (2, lens[2], 4), (0, lens[0], 2), (1, lens[1], 5)]):
+        out, row = dec(*reqs.step(chunks)), 0
+        for r, _, n in chunks:
+            assert torch.equal(out[row : row + n], one_by_one[r][:n]), f"{chunks}: request {r} differs"
+            row += n
+
+
 def test_a_decode_steps_logits_from_the_same_call_are_the_heads_bits(decoder) -> None:
     """A decode step asks the call for its logits too (the LM head's tiles in the same
     parallel region): they are `compute_logits` of its hidden states to the bit, at batch 1,

@@ -121,7 +121,7 @@ typedef struct {
     size_t attn_floats;
     float *attn_parts;        /* decode attention's chunk partials (paged_attention.c) */
     atomic_int *attn_pending; /* [n_dec], zeroed */
-    int32_t *attn_items;      /* [n_dec][2]: attention_blocks' items, when they are shared out whole */
+    int32_t *attn_items;      /* [n_dec][2]: attention_blocks' runs of rows */
     int n_attn_items;
     int64_t max_len;
     float *lora_h;    /* [M, 3 R]: each adapter row's shrink of the linear at hand */
@@ -213,7 +213,7 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     p += best_bytes;
     if (s->n_dec) {
         attn_args a = decode_args(m, 0, s);
-        t->n_attn_items = attention_blocks(&a, t->max_len, nthreads, t->attn_items);
+        t->n_attn_items = attention_blocks(&a, t->max_len, t->attn_items);
     }
     p = input_carve(p, M, H, kmax, &t->shared);
     t->priv = (input_buf *)p;
@@ -441,16 +441,14 @@ static void attention_decode_team(const model_desc *m, int l, const step_desc *s
     attn_args a = decode_args(m, l, s);
     a.parts = t->attn_parts;
     a.pending = t->attn_pending;
-    const int split = attention_split(&a, omp_get_num_threads());
     float *scratch = t->attn + (size_t)omp_get_thread_num() * t->attn_floats;
-    if (split > 1) {
-        WS_FOR(ws, item, mine, s->n_dec * split) attention_item(&a, t->max_len, split, item, scratch);
-        return;
-    }
-    WS_FOR(ws, k, mine, t->n_attn_items) {
-        const int i0 = t->attn_items[2 * k], R = t->attn_items[2 * k + 1];
-        if (R == 1) attention_item(&a, t->max_len, 1, i0, scratch);
-        else attention_rows(&a, t->max_len, i0, R, scratch);
+    /* runs of rows (attention_blocks), whole or, when few, chunk by chunk */
+    const int C = attention_chunked(t->n_attn_items, ws->nthreads) ? ATTN_CHUNKS : 1;
+    WS_FOR(ws, k, mine, t->n_attn_items * C) {
+        const int i0 = t->attn_items[2 * (k / C)], R = t->attn_items[2 * (k / C) + 1], c = k % C;
+        if (R == 1) attention_item(&a, t->max_len, C, C == 1 ? i0 : i0 * ATTN_CHUNKS + c, scratch);
+        else if (C == 1) attention_rows(&a, t->max_len, i0, R, scratch);
+        else attention_rows_chunk(&a, t->max_len, i0, R, c, scratch);
     }
 }
 

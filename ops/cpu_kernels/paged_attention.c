@@ -16,8 +16,10 @@
  *
  * The fused decoder (decoder.c) runs prefill rows here too, each a query of its own over
  * its position + 1 tokens: a prompt's bits then do not depend on its chunking. Consecutive
- * rows of one prompt are items of up to ATTN_ROWS rows (attention_rows) that read each key
- * and value once for all of them, each row's arithmetic unchanged.
+ * rows of one request (a prompt chunk's, or a speculative verification step's: the next
+ * token and its drafts) are runs of up to ATTN_ROWS rows (attention_blocks) that read each key
+ * and value once for all of them, each row's arithmetic unchanged. With few runs a run's
+ * chunks are items of their own (attention_rows_chunk), as a lone request's are.
  *
  * `attention_team` is an OpenMP team function (an orphaned `omp for`; see quant_matmul.c);
  * the fused decoder (decoder.c) shares out `attention_item`s its own way (workshare.h).
@@ -265,22 +267,21 @@ static void attention_item(const attn_args *a, int64_t max_len, int split, int i
  * the default model's three kv heads, so a tile stays in L1 while the rows take turns. */
 #define ATTN_TILE 32
 
-/* Rows r (from r0) of a block, keys t0..t1-1, head_dim 64: key_scores' arithmetic with the
- * query head's 64 floats held in registers across the tile. */
-static void tile_scores64(const attn_args *a, int i0, int r0, int R, int64_t L0, const float *const *kt, int64_t t0,
-                          int64_t t1, float *scratch, size_t sh, size_t stride) {
+/* Rows of a run, head_dim 64: row r's scores against keys lo[r]..hi[r]-1 of the tile (from
+ * t0), key_scores' arithmetic with the query head's 64 floats held in registers. */
+static void tile_scores64(const attn_args *a, int i0, int R, const int64_t *lo, const int64_t *hi,
+                          const float *const *kt, int64_t t0, float *scratch, size_t sh, size_t stride) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
-    for (int r = r0; r < R; r++) {
-        const int64_t end = t1 < L0 + r ? t1 : L0 + r;
+    for (int r = 0; r < R; r++) {
         const float *qi = a->q + (size_t)a->rows[i0 + r] * a->q_stride;
-        for (int h = 0; h < nh; h++) {
+        for (int h = 0; lo[r] < hi[r] && h < nh; h++) {
             const float *qa = qi + (size_t)h * 64;
             const __m256 q0 = _mm256_loadu_ps(qa), q1 = _mm256_loadu_ps(qa + 8), q2 = _mm256_loadu_ps(qa + 16),
                          q3 = _mm256_loadu_ps(qa + 24), q4 = _mm256_loadu_ps(qa + 32), q5 = _mm256_loadu_ps(qa + 40),
                          q6 = _mm256_loadu_ps(qa + 48), q7 = _mm256_loadu_ps(qa + 56);
             float *sc = scratch + r * sh + (size_t)h * stride;
             const size_t off = (size_t)(h / group) * 64;
-            for (int64_t j = t0; j < end; j++) {
+            for (int64_t j = lo[r]; j < hi[r]; j++) {
                 const float *kp = kt[j - t0] + off;
                 __m256 a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kp), _mm256_setzero_ps());
                 __m256 a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kp + 8), _mm256_setzero_ps());
@@ -296,18 +297,20 @@ static void tile_scores64(const attn_args *a, int i0, int r0, int R, int64_t L0,
     }
 }
 
-/* Rows of a block, values t0..t1-1, head_dim 64: key_values' arithmetic with a head's
- * output sums held in registers over the keys of one chunk within the tile. */
-static void tile_values64(const attn_args *a, int r0, int R, int64_t L0, const float *const *vt, int64_t t0,
-                          int64_t t1, const float *scratch, size_t sh, size_t stride, float *parts, size_t ph) {
+/* Rows of a run, head_dim 64: row r's values lo[r]..hi[r]-1 of the tile into its chunks'
+ * partials part[r] (ATTN_CHUNKS of part_floats), key_values' arithmetic with a head's output
+ * sums held in registers over the keys of one chunk within the tile. */
+static void tile_values64(const attn_args *a, int R, int64_t L0, const int64_t *lo, const int64_t *hi,
+                          const float *const *vt, int64_t t0, const float *scratch, size_t sh, size_t stride,
+                          float *const *part) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
     const size_t pf = part_floats(a);
-    for (int r = r0; r < R; r++) {
-        const int64_t L = L0 + r, end = t1 < L ? t1 : L, clen = chunk_len(L);
-        for (int64_t js = t0; js < end;) { /* [js, je): one chunk's keys within the tile */
-            const int64_t c = js / clen, je = (c + 1) * clen < end ? (c + 1) * clen : end;
+    for (int r = 0; r < R; r++) {
+        const int64_t clen = chunk_len(L0 + r);
+        for (int64_t js = lo[r]; js < hi[r];) { /* [js, je): one chunk's keys within the tile */
+            const int64_t c = js / clen, je = (c + 1) * clen < hi[r] ? (c + 1) * clen : hi[r];
             for (int h = 0; h < nh; h++) {
-                float *o = parts + r * ph + c * pf + (size_t)h * 64;
+                float *o = part[r] + c * pf + (size_t)h * 64;
                 const float *sc = scratch + r * sh + (size_t)h * stride;
                 const size_t off = (size_t)(h / group) * 64;
                 __m256 o0 = _mm256_load_ps(o), o1 = _mm256_load_ps(o + 8), o2 = _mm256_load_ps(o + 16),
@@ -346,59 +349,106 @@ static inline void tile_rows(const attn_args *a, const float *cache, const int64
     }
 }
 
-/* Rows i0..i0+R-1 of one request's prefill (lens[i] = lens[i0] + i - i0; their tables agree
- * on every block they read: attention_blocks), together: each key and value token is read
- * once for all R rows (a row alone reads them all again: from L3, past ~300 tokens). Each
- * row's arithmetic is chunk_partial's and combine_chunks', in the same order: the same
- * bits as the row alone. */
-static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, float *scratch) {
-    const size_t stride = (size_t)(max_len + 8), pf = part_floats(a);
-    const size_t sh = (size_t)a->num_heads * stride, ph = ATTN_CHUNKS * pf;
-    float *parts = scratch_parts(a, scratch, stride, rows_max(a, max_len));
-    const int64_t L0 = a->lens[i0], Lmax = L0 + R - 1;
-    const int64_t *table = a->tables + (size_t)(i0 + R - 1) * a->max_blocks;
-    const float *tile[ATTN_TILE];
-    const int d64 = a->head_dim == 64;
-    /* scores: a tile of keys at a time (d64), every row that reaches it */
-    for (int64_t t0 = 0; t0 < Lmax; t0 += ATTN_TILE) {
-        const int64_t t1 = t0 + ATTN_TILE < Lmax ? t0 + ATTN_TILE : Lmax;
-        tile_rows(a, a->k_cache, table, t0, t1, Lmax, tile);
-        if (d64) { /* from the first row that reaches the tile */
-            tile_scores64(a, i0, t0 < L0 ? 0 : (int)(t0 - L0 + 1), R, L0, tile, t0, t1, scratch, sh, stride);
-            continue;
-        }
-        for (int64_t j = t0; j < t1; j++)
-            for (int r = j < L0 ? 0 : (int)(j - L0 + 1); r < R; r++) key_scores(a, i0 + r, tile[j - t0], j, scratch + r * sh, stride);
-    }
-    for (int r = 0; r < R; r++) {
-        const int64_t L = L0 + r, clen = chunk_len(L);
-        for (int c = 0; c < num_chunks(L); c++) {
-            float *part = parts + r * ph + c * pf;
-            chunk_softmax(a, c * clen, (c + 1) * clen < L ? (c + 1) * clen : L, scratch + r * sh, stride, part);
-            memset(part, 0, sizeof(float) * (size_t)a->num_heads * a->head_dim);
-        }
-    }
-    for (int64_t t0 = 0; t0 < Lmax; t0 += ATTN_TILE) {
-        const int64_t t1 = t0 + ATTN_TILE < Lmax ? t0 + ATTN_TILE : Lmax;
-        tile_rows(a, a->v_cache, table, t0, t1, Lmax, tile);
-        if (d64) {
-            tile_values64(a, t0 < L0 ? 0 : (int)(t0 - L0 + 1), R, L0, tile, t0, t1, scratch, sh, stride, parts, ph);
-            continue;
-        }
-        for (int64_t j = t0; j < t1; j++)
-            for (int r = j < L0 ? 0 : (int)(j - L0 + 1); r < R; r++)
-                key_values(a, tile[j - t0], j, scratch + r * sh, stride, parts + r * ph + (j / chunk_len(L0 + r)) * pf);
-    }
-    for (int r = 0; r < R; r++) combine_chunks(a, i0 + r, parts + r * ph, num_chunks(L0 + r));
+/* Row r's keys [j0, j1) within the tile [t0, t1): [lo, hi), empty when they miss it. */
+static inline void tile_part(int64_t j0, int64_t j1, int64_t t0, int64_t t1, int64_t *lo, int64_t *hi) {
+    *lo = j0 > t0 ? j0 : t0;
+    *hi = j1 < t1 ? j1 : t1;
+    if (*hi < *lo) *hi = *lo;
 }
 
-/* Work items when there are enough rows to share out (n >= 2 threads): runs of one
- * request's consecutive prefill rows, up to rows_max a run but at least 4 items a thread;
- * a decode row is an item alone. items[2k], items[2k + 1]: the first row and the count.
- * `max_len`: the longest row, as the scratch was sized for (attention_scratch). */
-static int attention_blocks(const attn_args *a, int64_t max_len, int nthreads, int32_t *items) {
-    int most = a->n / (4 * nthreads);
-    most = most < 1 ? 1 : most > rows_max(a, max_len) ? rows_max(a, max_len) : most;
+/* A run: rows i0..i0+R-1 of one request, row r over lens[i0] + r keys (their tables agree on
+ * every block they read: attention_blocks). Row r's keys [j0[r], j1[r]) (whole chunks of it)
+ * a tile at a time for every row, so each key and value token is read once for all R rows (a
+ * row alone reads them all again: from L3, past ~300 tokens): the scores, each chunk's
+ * softmax, the values, into part[r] (the row's ATTN_CHUNKS partials). Each row's arithmetic
+ * is chunk_partial's, in the same order: the same bits as the row alone. */
+static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const int64_t *j1, float *scratch,
+                     size_t stride, float *const *part) {
+    const size_t sh = (size_t)a->num_heads * stride, pf = part_floats(a);
+    const int64_t L0 = a->lens[i0];
+    const int64_t *table = a->tables + (size_t)(i0 + R - 1) * a->max_blocks;
+    int64_t U0 = INT64_MAX, U1 = 0, lo[ATTN_ROWS], hi[ATTN_ROWS];
+    for (int r = 0; r < R; r++) {
+        if (j0[r] >= j1[r]) continue;
+        U0 = j0[r] < U0 ? j0[r] : U0;
+        U1 = j1[r] > U1 ? j1[r] : U1;
+    }
+    const float *tile[ATTN_TILE];
+    const int d64 = a->head_dim == 64;
+    for (int64_t t0 = U0; t0 < U1; t0 += ATTN_TILE) {
+        const int64_t t1 = t0 + ATTN_TILE < U1 ? t0 + ATTN_TILE : U1;
+        tile_rows(a, a->k_cache, table, t0, t1, U1, tile);
+        for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
+        if (d64) {
+            tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride);
+            continue;
+        }
+        for (int r = 0; r < R; r++)
+            for (int64_t j = lo[r]; j < hi[r]; j++) key_scores(a, i0 + r, tile[j - t0], j, scratch + r * sh, stride);
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t clen = chunk_len(L0 + r);
+        for (int64_t c0 = j0[r]; c0 < j1[r]; c0 += clen) {
+            float *p = part[r] + (c0 / clen) * pf;
+            chunk_softmax(a, c0, c0 + clen < j1[r] ? c0 + clen : j1[r], scratch + r * sh, stride, p);
+            memset(p, 0, sizeof(float) * (size_t)a->num_heads * a->head_dim);
+        }
+    }
+    for (int64_t t0 = U0; t0 < U1; t0 += ATTN_TILE) {
+        const int64_t t1 = t0 + ATTN_TILE < U1 ? t0 + ATTN_TILE : U1;
+        tile_rows(a, a->v_cache, table, t0, t1, U1, tile);
+        for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
+        if (d64) {
+            tile_values64(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part);
+            continue;
+        }
+        for (int r = 0; r < R; r++)
+            for (int64_t j = lo[r]; j < hi[r]; j++)
+                key_values(a, tile[j - t0], j, scratch + r * sh, stride, part[r] + (j / chunk_len(L0 + r)) * pf);
+    }
+}
+
+/* A run whole (every chunk of every row), its partials in this thread's scratch. */
+static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, float *scratch) {
+    const size_t stride = (size_t)(max_len + 8), pf = part_floats(a);
+    float *parts = scratch_parts(a, scratch, stride, rows_max(a, max_len)), *part[ATTN_ROWS];
+    int64_t j0[ATTN_ROWS], j1[ATTN_ROWS];
+    for (int r = 0; r < R; r++) j0[r] = 0, j1[r] = a->lens[i0] + r, part[r] = parts + (size_t)r * ATTN_CHUNKS * pf;
+    run_keys(a, i0, R, j0, j1, scratch, stride, part);
+    for (int r = 0; r < R; r++) combine_chunks(a, i0 + r, part[r], num_chunks(a->lens[i0] + r));
+}
+
+/* Chunk c of every row of a run (a row with fewer chunks has none), into the shared partials;
+ * a row's last chunk to finish combines, as attention_item's. With few runs a run's chunks are
+ * items of their own: every thread gets work, and the run's keys are still read once (a
+ * 4-row verification step at 250 tokens of context read them four times). */
+static void attention_rows_chunk(const attn_args *a, int64_t max_len, int i0, int R, int c, float *scratch) {
+    const size_t stride = (size_t)(max_len + 8), pf = part_floats(a);
+    float *part[ATTN_ROWS];
+    int64_t j0[ATTN_ROWS], j1[ATTN_ROWS];
+    for (int r = 0; r < R; r++) {
+        const int64_t L = a->lens[i0] + r, clen = chunk_len(L), b = c * clen;
+        j0[r] = b < L ? b : L;
+        j1[r] = b + clen < L ? b + clen : L;
+        part[r] = a->parts + (size_t)(i0 + r) * ATTN_CHUNKS * pf;
+    }
+    run_keys(a, i0, R, j0, j1, scratch, stride, part);
+    for (int r = 0; r < R; r++) {
+        const int nc = num_chunks(a->lens[i0] + r);
+        if (c >= nc) continue;
+        if (atomic_fetch_add_explicit(&a->pending[i0 + r], 1, memory_order_acq_rel) == nc - 1) {
+            combine_chunks(a, i0 + r, part[r], nc);
+            atomic_store_explicit(&a->pending[i0 + r], 0, memory_order_relaxed);
+        }
+    }
+}
+
+/* Runs of consecutive rows of one request (each the previous row's length + 1, as a prompt
+ * chunk's or a verification step's rows), up to rows_max a run; a decode row of its own is a
+ * run alone. items[2k], items[2k + 1]: the first row and the count. `max_len`: the longest
+ * row, as the scratch was sized for (attention_scratch). */
+static int attention_blocks(const attn_args *a, int64_t max_len, int32_t *items) {
+    const int most = rows_max(a, max_len);
     int n_items = 0;
     for (int i = 0; i < a->n;) {
         int R = 1;
@@ -415,6 +465,10 @@ static int attention_blocks(const attn_args *a, int64_t max_len, int nthreads, i
     }
     return n_items;
 }
+
+/* Whether runs are shared out chunk by chunk (ATTN_CHUNKS items a run) rather than whole: when
+ * they are too few to give every thread four. */
+static inline int attention_chunked(int n_runs, int nthreads) { return n_runs < 4 * nthreads; }
 
 /* The items, shared among the team; `scratch`: this thread's attention_scratch floats. */
 static void attention_team(const attn_args *a, int64_t max_len, int nthreads, float *scratch) {
