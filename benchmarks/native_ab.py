@@ -25,6 +25,9 @@ drafted tokens (any K tokens: only the call's shape matters) make K + 1 rows of 
 consecutive positions over the same cache.
 
     python -m benchmarks.native_ab --batch 1 --drafts 3 --context 250 --rounds 20
+
+`--prefill` times the prompts' prefill call instead (`--context` rows a request, one step; its
+hidden states compared, as it asks for no logits).
 """
 
 from __future__ import annotations
@@ -80,15 +83,18 @@ class _Timed:
         return rc
 
 
-def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto", drafts: int = 0):
+def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto", drafts: int = 0,
+            prefill: bool = False):
     """An engine mid-decode, its decoder, and the arguments of one decode step (with `drafts`
-    drafted tokens a request: a verification step)."""
+    drafted tokens a request: a verification step), or with `prefill` of the prompts' prefill
+    (every prompt whole, one step)."""
     spec = (SpeculativeConfig(NgramSpeculation(num_speculative_tokens=drafts, prompt_lookup_min=1,
                                                 prompt_lookup_max=1, disable_by_batch_size=batch))
             if drafts else SpeculativeConfig())
     config = WorkerConfig(model=ModelConfig(cpu_huge_pages=huge_pages, cpu_activations=activations),
                           cache=CacheConfig(kv_cache_memory=0.5),
-                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192),
+                          scheduler=SchedulerConfig(max_num_seqs=batch,
+                                                    max_num_batched_tokens=max(8192, batch * context)),
                           speculative=spec)
     engine = Engine(config)
     if drafts:  # the drafts' values do not matter, only that every request has them
@@ -98,8 +104,9 @@ def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto
     for i in range(batch):
         engine.submit(engine.make_request([(7 * j + 13 * i) % 40000 + 100 for j in range(context)],
                                           SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)))
-    engine.step()
-    engine.step()
+    if not prefill:
+        engine.step()
+        engine.step()
     decoder, captured = engine.runner.cpu_decoder, {}
     forward = decoder.forward
 
@@ -110,9 +117,9 @@ def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto
     decoder.forward = capture
     engine.step()
     decoder.forward = forward
-    rows = len(captured["args"][0][0])
-    if rows != batch * (drafts + 1):
-        raise SystemExit(f"the captured step has {rows} rows, not {batch} x {drafts + 1}")
+    rows, want = len(captured["args"][0][0]), batch * (context if prefill else drafts + 1)
+    if rows != want:
+        raise SystemExit(f"the captured step has {rows} rows, not {want}")
     return engine, decoder, captured["args"]
 
 
@@ -144,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
     ap.add_argument("--drafts", type=int, default=0,
                     help="drafted tokens a request: a verification step of drafts + 1 rows each")
+    ap.add_argument("--prefill", action="store_true",
+                    help="time the prompts' prefill (--context rows a request) instead of a decode step")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--calls", type=int, default=10, help="calls per side per round")
     ap.add_argument("--breakdown", action="store_true",
@@ -154,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"a plain read of 100 MB: {reads['4k']:.1f} GB/s in 4 KB pages, {reads['huge']:.1f} GB/s in 2 MB pages "
           f"({reads['huge_bytes'] >> 20} MiB of the buffer in huge pages)")
 
-    engines = {p: _engine(args.batch, args.context, p == "huge", args.cpu_activations, args.drafts)
+    engines = {p: _engine(args.batch, args.context, p == "huge", args.cpu_activations, args.drafts,
+                       args.prefill)
                for p in (("huge", "4k") if args.pages == "both" else (args.pages,))}
     here = Path(__file__).resolve().parents[1]
     # side -> (pages, library, without the head); breakdown sides' logits are not compared
@@ -182,14 +192,16 @@ def main(argv: list[str] | None = None) -> None:
                 decoder._lib = _Timed(lib, times[side], no_head)
                 try:
                     for _ in range(args.calls):
-                        _, logits = decoder.forward(*a, **k)
+                        hidden, logits = decoder.forward(*a, **k)
+                    if logits is None:  # a prefill step: its hidden states are compared
+                        logits = hidden
                 finally:
                     decoder._lib = own
                 if side in partial:
                     continue
                 first = reference.setdefault(pages, logits.clone())
                 same[side] = same[side] and bool((logits == first).all())
-    out = {"batch": args.batch, "drafts": args.drafts, "context": args.context, "rounds": args.rounds, "calls": args.calls,
+    out = {"batch": args.batch, "drafts": args.drafts, "prefill": args.prefill, "context": args.context, "rounds": args.rounds, "calls": args.calls,
            "cpu_activations": args.cpu_activations,
            "read_gbps": reads, "sides": {}}
     print("| side | native call ms: median (p10, fastest) | logits as the first side's |")

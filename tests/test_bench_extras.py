@@ -166,6 +166,24 @@ def test_native_ab_breakdown_times_every_side(tmp_path: Path) -> None:
     assert sides["this, no matmuls"]["median_ms"] < sides["this"]["median_ms"]
 
 
+def test_native_ab_captures_a_verification_step_and_a_prefill(tmp_path: Path) -> None:
+    """`benchmarks.native_ab --drafts K` times a step of K + 1 rows a request (it refuses a
+    capture of any other shape), `--prefill` the prompts' prefill call (its hidden states
+    compared, as it has no logits); each side's result equals itself across calls."""
+    from benchmarks import native_ab
+    from ops import quantized_linear
+
+    if not quantized_linear.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    for flags in (["--batch", "2", "--drafts", "2"], ["--prefill", "--context", "30"]):
+        out = tmp_path / "ab.json"
+        native_ab.main(["--rounds", "1", "--calls", "2", "--context", "20", *flags, "--output-json", str(out)])
+        report = json.loads(out.read_text())
+        assert report["drafts"] == (2 if "--drafts" in flags else 0)
+        assert report["prefill"] == ("--prefill" in flags)
+        assert report["sides"]["this"]["same_logits"] is True and report["sides"]["this"]["min_ms"] > 0
+
+
 def test_fused_argmax_ab_times_both_ways_on_the_same_tokens(tmp_path: Path) -> None:
     """`benchmarks.fused_argmax_ab`: steps alternate between the call's greedy tokens and
     numpy's, every generation gives the reference's tokens, and both ways are timed."""
