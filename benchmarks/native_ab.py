@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 first = reference.setdefault(pages, logits.clone())
                 same[side] = same[side] and bool((logits == first).all())
-    out = {"batch": args.batch, "drafts": args.drafts, "prefill": args.prefill, "context": args.context, "rounds": args.rounds, "calls": args.calls,
-           "cpu_activations": args.cpu_activations,
+    out = {"batch": args.batch, "drafts": args.drafts, "prefill": args.prefill, "context": args.context,
+           "rounds": args.rounds, "calls": args.calls, "cpu_activations": args.cpu_activations,
            "read_gbps": reads, "sides": {}}
     print("| side | native call ms: median (p10, fastest) | logits as the first side's |")
     print("|---|---|---|")
