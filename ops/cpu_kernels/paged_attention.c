@@ -95,6 +95,13 @@ static inline int64_t chunk_len(int64_t L) {
 
 static inline int num_chunks(int64_t L) { return (int)((L + chunk_len(L) - 1) / chunk_len(L)); }
 
+/* Chunk c's keys of a row of length L: [*j0, *j1), empty (both L) when the row has fewer. */
+static inline void chunk_keys(int64_t L, int c, int64_t *j0, int64_t *j1) {
+    const int64_t clen = chunk_len(L), b = c * clen;
+    *j0 = b < L ? b : L;
+    *j1 = b + clen < L ? b + clen : L;
+}
+
 /* Floats of one chunk's partial result: o [Hq, D] | m [Hq] | s [Hq], 64-byte aligned. */
 static inline size_t part_floats(const attn_args *a) {
     return ((size_t)a->num_heads * (a->head_dim + 2) + 15) & ~(size_t)15;
@@ -191,7 +198,8 @@ static inline void key_values(const attn_args *a, const float *vt, int64_t j, co
 /* Chunk c of request i into part. `scores`: [Hq][stride] floats, indexed by key. */
 static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_t stride, float *part) {
     const size_t tok = (size_t)a->num_kv_heads * a->head_dim; /* floats per cached token */
-    const int64_t L = a->lens[i], clen = chunk_len(L), j0 = c * clen, j1 = j0 + clen < L ? j0 + clen : L;
+    int64_t j0, j1;
+    chunk_keys(a->lens[i], c, &j0, &j1);
     const int64_t *table = a->tables + (size_t)i * a->max_blocks;
     for (int64_t j = j0; j < j1; j++) {
         if (j + PREFETCH_TOKENS < j1)
@@ -240,6 +248,16 @@ static inline float *scratch_parts(const attn_args *a, float *scratch, size_t st
     return (float *)(((uintptr_t)(scratch + (size_t)rows * a->num_heads * stride) + 63) & ~(uintptr_t)63);
 }
 
+/* One of request i's nc chunks is in `parts`: the last to finish combines them (acq_rel: the
+ * others' partials seen), then re-arms the count for the next call (before its item counts as
+ * done). */
+static inline void chunk_done(const attn_args *a, int i, const float *parts, int nc) {
+    if (atomic_fetch_add_explicit(&a->pending[i], 1, memory_order_acq_rel) == nc - 1) {
+        combine_chunks(a, i, parts, nc);
+        atomic_store_explicit(&a->pending[i], 0, memory_order_relaxed);
+    }
+}
+
 /* One item (of a->n * split); `scratch`: this thread's attention_scratch floats. */
 static void attention_item(const attn_args *a, int64_t max_len, int split, int item, float *scratch) {
     const size_t stride = (size_t)(max_len + 8);
@@ -255,12 +273,7 @@ static void attention_item(const attn_args *a, int64_t max_len, int split, int i
     if (c >= nc) return;
     float *parts = a->parts + (size_t)i * ATTN_CHUNKS * pf;
     chunk_partial(a, i, c, scores, stride, parts + c * pf);
-    /* the request's last chunk to finish combines (acq_rel: the others' partials seen), then
-     * re-arms the count for the next call (before this item counts as done) */
-    if (atomic_fetch_add_explicit(&a->pending[i], 1, memory_order_acq_rel) == nc - 1) {
-        combine_chunks(a, i, parts, nc);
-        atomic_store_explicit(&a->pending[i], 0, memory_order_relaxed);
-    }
+    chunk_done(a, i, parts, nc);
 }
 
 /* Keys (values) of one tile of ATTN_TILE tokens, read by every row of a block: 24 KB for
@@ -427,20 +440,12 @@ static void attention_rows_chunk(const attn_args *a, int64_t max_len, int i0, in
     float *part[ATTN_ROWS];
     int64_t j0[ATTN_ROWS], j1[ATTN_ROWS];
     for (int r = 0; r < R; r++) {
-        const int64_t L = a->lens[i0] + r, clen = chunk_len(L), b = c * clen;
-        j0[r] = b < L ? b : L;
-        j1[r] = b + clen < L ? b + clen : L;
+        chunk_keys(a->lens[i0] + r, c, &j0[r], &j1[r]);
         part[r] = a->parts + (size_t)(i0 + r) * ATTN_CHUNKS * pf;
     }
     run_keys(a, i0, R, j0, j1, scratch, stride, part);
-    for (int r = 0; r < R; r++) {
-        const int nc = num_chunks(a->lens[i0] + r);
-        if (c >= nc) continue;
-        if (atomic_fetch_add_explicit(&a->pending[i0 + r], 1, memory_order_acq_rel) == nc - 1) {
-            combine_chunks(a, i0 + r, part[r], nc);
-            atomic_store_explicit(&a->pending[i0 + r], 0, memory_order_relaxed);
-        }
-    }
+    for (int r = 0; r < R; r++)
+        if (j0[r] < j1[r]) chunk_done(a, i0 + r, part[r], num_chunks(a->lens[i0] + r));
 }
 
 /* Runs of consecutive rows of one request (each the previous row's length + 1, as a prompt
