@@ -10,6 +10,11 @@ the first token (decode) and from submission (end to end), the acceptance rate (
 draft tokens / draft tokens), output tokens per model step, and whether every side gave the
 plain side's tokens (greedy: they must).
 
+With --served: every side is an `llm-worker serve` child (its --speculative-config, prefix
+caching off) and each prompt a chat request over gRPC, streamed as a user's client reads it;
+the stream's chunks stand for steps (a step's tokens come as one chunk), and the drafted and
+accepted counts are the ones the worker reports on the request's complete message.
+
 With --batch-sizes B,...: B streams at once (the workload's prompts, repeated, EOS
 ignored), plain against the first --speculative-config as configured (its
 disable_by_batch_size turns it off above that many running requests) and, up to
@@ -21,6 +26,7 @@ nothing once it turns itself off.
     python -m benchmarks.spec_decode --speculative-config \\
         '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
     python -m benchmarks.spec_decode --rounds 1 --batch-sizes 2,4,8,64 --max-tokens 64
+    python -m benchmarks.spec_decode --served --rounds 4 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -141,6 +147,72 @@ def _one_stream(engine: Engine, prompt: list[int], max_tokens: int) -> dict[str,
         "steps": engine.num_steps - steps, "draft_tokens": engine.num_draft_tokens - drafted,
         "accepted_tokens": engine.num_accepted_tokens - accepted,
     }
+
+
+class _ServedSide:
+    """One side served: an `llm-worker serve` child with this side's speculation (none for
+    the plain side), sent each task as the chat turn `task_prompt` renders."""
+
+    def __init__(self, spec_json: str | None, activations: str) -> None:
+        from benchmarks.served_vs_offline import Served
+
+        args = [f"--cpu-activations={activations}", "--max-model-len=2048"]
+        self.served = Served(args + ([f"--speculative-config={spec_json}"] if spec_json else []))
+
+    def one_stream(self, task: str, max_tokens: int) -> dict[str, Any]:
+        times, tokens, complete = [], [], None
+        t0 = time.perf_counter()
+        for resp in self.served.client.generate(messages=[{"role": "user", "content": TASKS[task]}],
+                                                max_tokens=max_tokens, temperature=0.0):
+            if resp.HasField("chunk") and resp.chunk.token_ids:
+                times.append(time.perf_counter())
+                tokens += resp.chunk.token_ids
+            elif resp.HasField("complete"):
+                complete = resp.complete
+        t1 = time.perf_counter()
+        assert complete is not None and complete.finish_reason in (1, 2), complete
+        return {"tokens": tokens, "num_tokens": len(tokens), "e2e_s": t1 - t0, "decode_s": t1 - times[0],
+                "steps": len(times), "draft_tokens": complete.spec_draft_tokens,
+                "accepted_tokens": complete.spec_accepted_tokens, "prompt_tokens": complete.usage.prompt_tokens}
+
+    def close(self) -> None:
+        self.served.close()
+
+
+def _served_rounds(args: argparse.Namespace, specs: list[NgramSpeculation | None], tasks: list[str],
+                   report: dict[str, Any]) -> None:
+    """The one-stream rounds with every side served (--served)."""
+    sides: dict[str, _ServedSide] = {}
+    try:
+        sides["plain"] = _ServedSide(None, args.cpu_activations)
+        for spec, spec_json in zip(specs, args.speculative_config or [DEFAULT_SPEC], strict=True):
+            assert spec is not None
+            sides[_side_name(spec)] = _ServedSide(spec_json, args.cpu_activations)
+        report["sides"] = list(sides)
+        for side in sides.values():  # warm-up
+            side.one_stream(tasks[0], 8)
+        for r in range(args.rounds):
+            results: dict[str, dict[str, Any]] = {s: {} for s in sides}
+            for task in tasks:
+                for name, side in sides.items():
+                    results[name][task] = res = side.one_stream(task, args.max_tokens)
+                    # the server rendered the chat turn as task_prompt does here
+                    assert res["prompt_tokens"] == report["prompt_tokens"][task], (task, res["prompt_tokens"])
+                    _say_round(r, task, name, res)
+            report["rounds"].append(results)
+    finally:
+        for side in sides.values():
+            side.close()
+
+
+def _side_name(spec: NgramSpeculation) -> str:
+    return f"ngram k={spec.num_speculative_tokens} n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+
+
+def _say_round(r: int, task: str, side: str, res: dict[str, Any]) -> None:
+    print(f"round {r + 1} {task:>8} {side:>24}: {res['num_tokens']} tokens, "
+          f"{(res['num_tokens'] - 1) / res['decode_s']:.1f} tok/s decode, "
+          f"{res['accepted_tokens']}/{res['draft_tokens']} drafts accepted", flush=True)
 
 
 def _batch(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, float]:
@@ -267,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
     ap.add_argument("--cpu-activations", default="auto",
                     help="the engines' --cpu-activations (every side's; on a GPU it is ignored)")
+    ap.add_argument("--served", action="store_true",
+                    help="one `llm-worker serve` child per side, each prompt a chat request over gRPC")
     ap.add_argument("--output-json")
     ap.add_argument("--report", metavar="JSON", help="print the tables of an --output-json file and exit")
     args = ap.parse_args(argv)
@@ -286,11 +360,19 @@ def main(argv: list[str] | None = None) -> None:
     prompts = {t: task_prompt(tok, t) for t in tasks}
     kv = args.kv_cache_memory
     act = args.cpu_activations
+    if args.served:
+        if args.batch_sizes or args.model != "default" or args.threads:
+            raise SystemExit("--served runs the default model's one-stream rounds with the server's threads")
+        report = {"info": {**environment(), "args": recorded(vars(args)), "served": True},
+                  "sides": [], "specs": [dataclasses.asdict(s) for s in specs if s is not None],
+                  "tasks": tasks, "prompt_tokens": {t: len(p) for t, p in prompts.items()}, "rounds": []}
+        _served_rounds(args, specs, tasks, report)
+        _finish(report, args)
+        return
     sides: dict[str, Engine] = {"plain": _engine(loaded, None, 1, kv, act)}
     for spec in specs:
         assert spec is not None
-        name = f"ngram k={spec.num_speculative_tokens} n={spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
-        sides[name] = _engine(loaded, spec, 1, kv, act)
+        sides[_side_name(spec)] = _engine(loaded, spec, 1, kv, act)
     report: dict[str, Any] = {
         "info": {**environment(), "args": recorded(vars(args)), "threads": torch.get_num_threads(),
                  "kernels": sides["plain"].runner.describe_kernels(),
@@ -306,9 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         for task in tasks:
             for side, engine in sides.items():
                 results[side][task] = res = _one_stream(engine, prompts[task], args.max_tokens)
-                print(f"round {r + 1} {task:>8} {side:>24}: {res['num_tokens']} tokens, "
-                      f"{(res['num_tokens'] - 1) / res['decode_s']:.1f} tok/s decode, "
-                      f"{res['accepted_tokens']}/{res['draft_tokens']} drafts accepted", flush=True)
+                _say_round(r, task, side, res)
         report["rounds"].append(results)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     if batches:
@@ -329,6 +409,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"batch {b}: " + ", ".join(f"{k} {v['output_tokens_per_s']:.1f} tok/s "
                                              f"({v['graph_steps']}/{v['steps']} steps from graphs)"
                                              for k, v in res.items() if v), flush=True)
+    _finish(report, args)
+
+
+def _finish(report: dict[str, Any], args: argparse.Namespace) -> None:
     report["summary"] = summarize(report)
     print(render_markdown(report))
     if args.output_json:

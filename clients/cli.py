@@ -141,6 +141,8 @@ def _run_generation(args: argparse.Namespace, **input_kwargs: Any) -> int:
         f"total_ms={result.total_time_ms:.1f}",
         f"request_id={result.request_id}",
     ]
+    if result.spec_draft_tokens:  # a worker with --speculative-config drafted for it
+        stats.append(f"spec_accepted={result.spec_accepted_tokens}/{result.spec_draft_tokens}")
     if result.stop_reason:
         stats.append(f"stop_reason={json.dumps(result.stop_reason, ensure_ascii=False)}")
     print(" ".join(stats), file=sys.stderr)

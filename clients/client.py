@@ -192,6 +192,9 @@ class Completion:
     queue_time_ms: float = 0.0
     error_message: str = ""  # with finish_reason "error"
     logprobs: list[worker_pb2.TokenLogprob] = field(default_factory=list)
+    # Speculative decoding: draft tokens the worker verified for it, and of those, accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 # ---------------------------------------------------------------- request building
@@ -338,6 +341,8 @@ class CompletionBuilder:
             queue_time_ms=c.queue_time_ms,
             error_message=c.error_message,
             logprobs=self.logprobs,
+            spec_draft_tokens=c.spec_draft_tokens,
+            spec_accepted_tokens=c.spec_accepted_tokens,
         )
 
 

@@ -148,6 +148,24 @@ def test_spec_decode_runs_every_side_on_the_asked_activations(tmp_path: Path) ->
     assert all(s["same_tokens_as_plain"] for s in report["summary"].values())
 
 
+def test_spec_decode_served_sides_report_the_workers_counts(tmp_path: Path) -> None:
+    """`--served`: a worker per side over gRPC; the same greedy tokens on both, and the drafts
+    the speculating worker says it verified for each request (its complete message)."""
+    from benchmarks import spec_decode
+
+    out = tmp_path / "served.json"
+    spec_decode.main(["--served", "--tasks", "code", "--rounds", "1", "--max-tokens", "24",
+                      "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["sides"] == ["plain", "ngram k=3 n=2..4"] and report["info"]["served"]
+    (rnd,) = report["rounds"]
+    plain, spec = rnd["plain"]["code"], rnd["ngram k=3 n=2..4"]["code"]
+    assert plain["num_tokens"] == 24 and plain["draft_tokens"] == 0
+    assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]  # renaming a parameter copies code
+    assert spec["steps"] < 24  # accepted drafts come several tokens a chunk
+    assert all(s["same_tokens_as_plain"] for s in report["summary"].values())
+
+
 def test_native_ab_breakdown_times_every_side(tmp_path: Path) -> None:
     """`benchmarks.native_ab --breakdown`: the whole call, the call without the LM head (its
     logits and greedy tokens not asked for) and the build without matmuls each run and time."""

@@ -60,6 +60,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         # When set, the stream waits after its first chunk until the client shows it.
         self.gate: threading.Event | None = None
         self.gate_passed: bool | None = None
+        self.spec = (0, 0)  # (draft tokens, accepted tokens) on the complete
 
     def Generate(self, request, context):
         self.requests.append(request)
@@ -89,6 +90,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 total_time_ms=40.25,
                 stop_reason=self.stop_reason,
                 error_message=self.error_message,
+                spec_draft_tokens=self.spec[0],
+                spec_accepted_tokens=self.spec[1],
             ),
         )
 
@@ -499,6 +502,20 @@ def test_cli_generate_stream_shows_text_as_it_arrives(fake, target, monkeypatch,
     (req,) = fake.requests
     assert req.text == "Say hello" and req.stopping.max_tokens == 8
     assert list(req.stopping.stop) == ["END", "\n\n"] and req.sampling.temperature == 0.0
+
+
+def test_speculation_counts_reach_the_completion_and_the_stats_line(fake, target, capsys) -> None:
+    with WorkerClient(target) as client:
+        plain = client.complete("hi")
+        fake.spec = (7, 5)
+        drafted = client.complete("hi")
+    assert (plain.spec_draft_tokens, plain.spec_accepted_tokens) == (0, 0)
+    assert (drafted.spec_draft_tokens, drafted.spec_accepted_tokens) == (7, 5)
+    assert cli.main(["generate", "hi", "--target", target]) == 0
+    assert "spec_accepted=5/7" in capsys.readouterr().err
+    fake.spec = (0, 0)  # a worker without speculation: nothing said of it
+    assert cli.main(["generate", "hi", "--target", target]) == 0
+    assert "spec_accepted" not in capsys.readouterr().err
 
 
 def test_cli_generate_whole_text_and_global_options_after_command(fake, target, capsys) -> None:

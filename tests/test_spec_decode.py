@@ -677,6 +677,9 @@ def _free_port() -> int:
 
 
 def test_served_counts_reach_the_metrics_and_the_vllm_protocol(grounded_ids) -> None:
+    """One request on each protocol: each complete carries its own counts, and the server's
+    totals (GetServerStatus, Prometheus) are their sums, the warm-up's left out."""
+    from llmworker.v1 import worker_pb2 as pb
     from prometheus_client.parser import text_string_to_metric_families
     from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
@@ -695,16 +698,25 @@ def test_served_counts_reach_the_metrics_and_the_vllm_protocol(grounded_ids) -> 
         (resp,) = list(stub.Generate(req, timeout=120))
         complete = resp.complete
         assert 0 < complete.spec_accepted_tokens <= complete.spec_draft_tokens
+        ours = pb.GenerateRequest(token_ids=pb.TokenIdsInput(ids=grounded_ids[1]),
+                                  sampling=pb.SamplingParams(temperature=0.0),
+                                  stopping=pb.StoppingCriteria(max_tokens=40))
+        (mine,) = [r.complete for r in w.stub.Generate(ours, timeout=120) if r.HasField("complete")]
+        assert 0 < mine.spec_accepted_tokens <= mine.spec_draft_tokens
+        drafted = complete.spec_draft_tokens + mine.spec_draft_tokens
+        accepted = complete.spec_accepted_tokens + mine.spec_accepted_tokens
+        status = w.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=10)
+        assert (status.spec_draft_tokens, status.spec_accepted_tokens) == (drafted, accepted)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()
         values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-        assert values["vllm:spec_decode_num_draft_tokens_total"] == complete.spec_draft_tokens
-        assert values["vllm:spec_decode_num_accepted_tokens_total"] == complete.spec_accepted_tokens
-        assert 0 < values["vllm:spec_decode_num_drafts_total"] <= complete.spec_draft_tokens
+        assert values["vllm:spec_decode_num_draft_tokens_total"] == drafted
+        assert values["vllm:spec_decode_num_accepted_tokens_total"] == accepted
+        assert 0 < values["vllm:spec_decode_num_drafts_total"] <= drafted
         per_pos = {s.labels["position"]: s.value for f in text_string_to_metric_families(text)
                    for s in f.samples if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
         assert sorted(per_pos) == ["0", "1", "2", "3"]
-        assert sum(per_pos.values()) == complete.spec_accepted_tokens
+        assert sum(per_pos.values()) == accepted
         assert per_pos["0"] >= per_pos["1"] >= per_pos["2"] >= per_pos["3"]
     finally:
         w.close()

@@ -172,6 +172,8 @@ class Status:
     num_steps: int
     num_in_flight: int
     draining: bool
+    spec_draft_tokens: int = 0  # speculative decoding since ready (after the warm-up)
+    spec_accepted_tokens: int = 0
 
 
 class Door:
@@ -184,6 +186,7 @@ class Door:
         self.sc = config.server
         self.on_drain = on_drain  # e.g. health NOT_SERVING
         self.bridge: EngineBridge | None = None
+        self._spec_base = (0, 0)  # the engine's speculation counters when it became ready
         self.model: ModelInfo | None = None
         self.grammars: GrammarCompiler | None = None  # with a tokenizer, at attach
         self.draining = False
@@ -197,6 +200,8 @@ class Door:
     def attach(self, bridge: EngineBridge) -> None:
         self.bridge = bridge
         engine = bridge.engine
+        # What the warm-up drafted is left out, as the Prometheus counters leave it out.
+        self._spec_base = (engine.num_draft_tokens, engine.num_accepted_tokens)
         loaded, tok = engine.loaded, engine.tokenizer
         self.model = ModelInfo(
             name=engine.model_name, architecture=loaded.config.architecture,
@@ -272,7 +277,9 @@ class Door:
             prefix_cache_hit_tokens=bridge.engine.kv.stats.num_hit_tokens if bridge else 0,
             num_steps=bridge.engine.num_steps if bridge else 0,
             num_in_flight=bridge.num_in_flight if bridge else 0,
-            draining=self.draining)
+            draining=self.draining,
+            spec_draft_tokens=bridge.engine.num_draft_tokens - self._spec_base[0] if bridge else 0,
+            spec_accepted_tokens=bridge.engine.num_accepted_tokens - self._spec_base[1] if bridge else 0)
 
     async def abort_requests(self, context: grpc.aio.ServicerContext,
                              request_ids: Sequence[str]) -> list[str]:

@@ -210,6 +210,7 @@ def chunk_response(rid: str, out: RequestOutput, logprobs: bool) -> pb.GenerateR
 
 def complete_response(rid: str, out: RequestOutput) -> pb.GenerateResponse:
     prompt = out.index == 0  # n > 1: the prompt is counted once, on sample 0
+    req = out.request  # speculative decoding's counts are the sample's (its own Request)
     return pb.GenerateResponse(request_id=rid, complete=pb.GenerateComplete(
         finish_reason=FINISH_REASONS.get(out.finish_reason or "error", pb.FINISH_REASON_ERROR),
         usage=pb.Usage(prompt_tokens=out.prompt_tokens if prompt else 0,
@@ -221,6 +222,8 @@ def complete_response(rid: str, out: RequestOutput) -> pb.GenerateResponse:
         total_time_ms=_ms(out.total_time_s),
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         error_message=out.error or "",
+        spec_draft_tokens=req.num_draft_tokens if req is not None else 0,
+        spec_accepted_tokens=req.num_accepted_tokens if req is not None else 0,
     ))
 
 
@@ -309,6 +312,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             prefix_cache_hit_tokens=st.prefix_cache_hit_tokens,
             num_steps=st.num_steps,
             draining=st.draining,
+            spec_draft_tokens=st.spec_draft_tokens,
+            spec_accepted_tokens=st.spec_accepted_tokens,
             lora_adapters=self._lora_adapters(),
         )
 

@@ -195,7 +195,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "queue_time_ms", "ttft_ms", "total_time_ms", "stop_reason", "error_message", "index")
+    __slots__ = ("finish_reason", "usage", "queue_time_ms", "ttft_ms", "total_time_ms", "stop_reason", "error_message", "index", "spec_draft_tokens", "spec_accepted_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,8 @@ class GenerateComplete(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     queue_time_ms: float
@@ -212,7 +214,9 @@ class GenerateComplete(_message.Message):
     stop_reason: str
     error_message: str
     index: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., queue_time_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_time_ms: _Optional[float] = ..., stop_reason: _Optional[str] = ..., error_message: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., queue_time_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_time_ms: _Optional[float] = ..., stop_reason: _Optional[str] = ..., error_message: _Optional[str] = ..., index: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete")
@@ -301,7 +305,7 @@ class Counter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
 
 class GetServerStatusResponse(_message.Message):
-    __slots__ = ("uptime_s", "config_json", "versions", "requests_by_finish_reason", "num_preemptions", "prefix_cache_hit_tokens", "num_steps", "draining", "lora_adapters")
+    __slots__ = ("uptime_s", "config_json", "versions", "requests_by_finish_reason", "num_preemptions", "prefix_cache_hit_tokens", "num_steps", "draining", "spec_draft_tokens", "spec_accepted_tokens", "lora_adapters")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +328,8 @@ class GetServerStatusResponse(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     uptime_s: float
     config_json: str
@@ -333,8 +339,10 @@ class GetServerStatusResponse(_message.Message):
     prefix_cache_hit_tokens: int
     num_steps: int
     draining: bool
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
-    def __init__(self, uptime_s: _Optional[float] = ..., config_json: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., requests_by_finish_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., draining: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+    def __init__(self, uptime_s: _Optional[float] = ..., config_json: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., requests_by_finish_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., draining: _Optional[bool] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
