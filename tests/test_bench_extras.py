@@ -144,7 +144,7 @@ def test_spec_decode_runs_every_side_on_the_asked_activations(tmp_path: Path) ->
     report = json.loads(out.read_text())
     kernels = report["info"]["kernels"]
     assert "int24 activations" in kernels or "torch" in kernels  # no gcc/AVX2: the torch paths
-    assert report["sides"] == ["plain", "ngram k=3 n=2..4"]
+    assert report["sides"] == ["plain", "ngram k=3 n=2..8"]
     assert all(s["same_tokens_as_plain"] for s in report["summary"].values())
 
 
@@ -157,9 +157,9 @@ def test_spec_decode_served_sides_report_the_workers_counts(tmp_path: Path) -> N
     spec_decode.main(["--served", "--tasks", "code", "--rounds", "1", "--max-tokens", "24",
                       "--output-json", str(out)])
     report = json.loads(out.read_text())
-    assert report["sides"] == ["plain", "ngram k=3 n=2..4"] and report["info"]["served"]
+    assert report["sides"] == ["plain", "ngram k=3 n=2..8"] and report["info"]["served"]
     (rnd,) = report["rounds"]
-    plain, spec = rnd["plain"]["code"], rnd["ngram k=3 n=2..4"]["code"]
+    plain, spec = rnd["plain"]["code"], rnd["ngram k=3 n=2..8"]["code"]
     assert plain["num_tokens"] == 24 and plain["draft_tokens"] == 0
     assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"]  # renaming a parameter copies code
     assert spec["steps"] < 24  # accepted drafts come several tokens a chunk

@@ -340,9 +340,9 @@ class SpeculativeConfig:
     # opt() returns a dataclass field (as for every leaf); ruff cannot tell for this type.
     speculative_config: NgramSpeculation | None = opt(  # noqa: RUF009
         None, "speculative decoding as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-        "(on a CPU a drafted token costs about a third of a step: short drafts pay best, "
-        "BENCHMARKS.md): "
+        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 8, \"prompt_lookup_min\": 2}' "
+        "(on a CPU a drafted token costs about a third of a step: short drafts pay best; "
+        "suffixes of up to 8 tokens find the text being copied: BENCHMARKS.md): "
         "drafts copied from the request's own prompt and output where its last tokens occurred "
         "before, verified by the model in one step (greedy and sampled outputs keep the "
         "model's distribution); only method ngram. disable_by_batch_size (default "
