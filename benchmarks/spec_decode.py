@@ -33,15 +33,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from clients.bench.environment import environment, recorded
+from clients.client import finish_reason_name
 from scheduler.request import SamplingParams
 from worker.config import (
     CacheConfig,
@@ -172,7 +175,7 @@ class _ServedSide:
             elif resp.HasField("complete"):
                 complete = resp.complete
         t1 = time.perf_counter()
-        assert complete is not None and complete.finish_reason in (1, 2), complete
+        assert complete is not None and finish_reason_name(complete.finish_reason) in ("stop", "length"), complete
         return {"tokens": tokens, "num_tokens": len(tokens), "e2e_s": t1 - t0, "decode_s": t1 - times[0],
                 "steps": len(times), "draft_tokens": complete.spec_draft_tokens,
                 "accepted_tokens": complete.spec_accepted_tokens, "prompt_tokens": complete.usage.prompt_tokens}
@@ -191,20 +194,32 @@ def _served_rounds(args: argparse.Namespace, specs: list[NgramSpeculation | None
             assert spec is not None
             sides[_side_name(spec)] = _ServedSide(spec_json, args.cpu_activations)
         report["sides"] = list(sides)
-        for side in sides.values():  # warm-up
-            side.one_stream(tasks[0], 8)
-        for r in range(args.rounds):
-            results: dict[str, dict[str, Any]] = {s: {} for s in sides}
-            for task in tasks:
-                for name, side in sides.items():
-                    results[name][task] = res = side.one_stream(task, args.max_tokens)
-                    # the server rendered the chat turn as task_prompt does here
-                    assert res["prompt_tokens"] == report["prompt_tokens"][task], (task, res["prompt_tokens"])
-                    _say_round(r, task, name, res)
-            report["rounds"].append(results)
+
+        def checked(side: _ServedSide, task: str, max_tokens: int) -> dict[str, Any]:
+            res = side.one_stream(task, max_tokens)
+            # the server rendered the chat turn as task_prompt does here
+            assert res["prompt_tokens"] == report["prompt_tokens"][task], (task, res["prompt_tokens"])
+            return res
+
+        _rounds({name: functools.partial(checked, side) for name, side in sides.items()}, tasks, args, report)
     finally:
         for side in sides.values():
             side.close()
+
+
+def _rounds(sides: dict[str, Callable[[str, int], dict[str, Any]]], tasks: list[str], args: argparse.Namespace,
+            report: dict[str, Any]) -> None:
+    """A warm-up (first calls build kernels and caches), then --rounds rounds of every task
+    alone, the sides taking turns task by task; `sides[name](task, max_tokens)` runs one."""
+    for run in sides.values():
+        run(tasks[0], 8)
+    for r in range(args.rounds):
+        results: dict[str, dict[str, Any]] = {s: {} for s in sides}
+        for task in tasks:
+            for name, run in sides.items():
+                results[name][task] = res = run(task, args.max_tokens)
+                _say_round(r, task, name, res)
+        report["rounds"].append(results)
 
 
 def _side_name(spec: NgramSpeculation) -> str:
@@ -383,15 +398,8 @@ def main(argv: list[str] | None = None) -> None:
         "sides": list(sides), "specs": [dataclasses.asdict(s) for s in specs if s is not None],
         "tasks": tasks, "prompt_tokens": {t: len(p) for t, p in prompts.items()}, "rounds": [],
     }
-    for engine in sides.values():  # warm-up: first calls build kernels and caches
-        _one_stream(engine, prompts[tasks[0]], 8)
-    for r in range(args.rounds):
-        results: dict[str, dict[str, Any]] = {s: {} for s in sides}
-        for task in tasks:
-            for side, engine in sides.items():
-                results[side][task] = res = _one_stream(engine, prompts[task], args.max_tokens)
-                _say_round(r, task, side, res)
-        report["rounds"].append(results)
+    _rounds({name: (lambda task, n, engine=engine: _one_stream(engine, prompts[task], n))
+             for name, engine in sides.items()}, tasks, args, report)
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     if batches:
         report["batches"] = {}
