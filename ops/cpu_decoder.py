@@ -73,7 +73,7 @@ class _Step(ctypes.Structure):
                 ("dec_rows", _p), ("dec_tables", _p), ("dec_lens", _p), ("max_blocks", _i32),
                 ("k_caches", _p), ("v_caches", _p), ("residual", _p), ("qkv", _p), ("att", _p),
                 ("out", _p), ("nthreads", _i32), ("lora_slots", _p), ("lora_pairs", _p), ("n_lora", _i32),
-                ("lora_groups", _i32), ("logits", _p), ("argmax", _p)]
+                ("lora_groups", _i32), ("logits", _p), ("argmax", _p), ("wake_fd", _i32)]
 
 
 # The linears of a layer as decoder.c's lora_layer holds them, and their LORA_* bits.
@@ -205,7 +205,8 @@ class CpuDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list,
-                logits: bool = False, argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logits: bool = False, argmax: torch.Tensor | None = None,
+                wake_fd: int = -1) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [T, hidden], logits [T, vocab] or None). `logits`: have the call compute
         every row's logits too, which it does when every row is a decode and the head is
         quantized (the runner's `compute_logits`, bit for bit); else None. `argmax` (int64
@@ -213,7 +214,8 @@ class CpuDecoder:
         there, the first maximum as `ops.sampling.finite_argmax` finds it, or -1 where that
         gives None (a maximum that is not finite). It reads each tile of logits while it is
         in L1, where numpy's argmax after the call read them cold (a batch-1 step 1.002-1.014x
-        faster, BENCHMARKS.md)."""
+        faster, BENCHMARKS.md). `wake_fd` >= 0: the call writes one byte to it as it begins,
+        with the GIL released (a served worker's event loop: worker/engine.py)."""
         cfg = self.config
         t = input_ids.shape[0]
         ids = input_ids.long().contiguous()
@@ -245,6 +247,7 @@ class CpuDecoder:
                      dec_tables.data_ptr(), dec_lens.data_ptr(), tables.shape[1], ctypes.addressof(ks),
                      ctypes.addressof(vs), residual.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr(),
                      torch.get_num_threads())
+        step.wake_fd = wake_fd  # (ctypes zeroes it: fd 0 is stdin)
         step_lora = getattr(meta, "lora", None)
         if step_lora is not None:
             assert self.has_lora, "a step with LoRA rows on a decoder built without LoRA slots"

@@ -339,9 +339,11 @@ def test_admin_rpcs_answer_fast_while_16_streams_run(worker: Worker) -> None:
     ]
     for call in calls:  # connection and first-call costs are not what we measure
         call()
+    # Long enough to outlast the 40 calls (~0.5 s) on a fast machine: 24 tokens did not on
+    # the session-18 Intel one (batch-16 steps of ~15 ms).
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(run, worker.stub, text=f"Story number {i}:", sampling=GREEDY,
-                               stopping=pb.StoppingCriteria(max_tokens=24, ignore_eos=True))
+                               stopping=pb.StoppingCriteria(max_tokens=96, ignore_eos=True))
                    for i in range(16)]
         wait_until(lambda: worker.stub.GetLoad(pb.GetLoadRequest()).num_running == 16,
                    what="16 running streams")
@@ -355,7 +357,7 @@ def test_admin_rpcs_answer_fast_while_16_streams_run(worker: Worker) -> None:
         assert load.num_running == 16, "the engine was not saturated while we measured"
         assert load.tokens_per_second > 0
         for f in futures:
-            assert f.result()[1].usage.completion_tokens == 24
+            assert f.result()[1].usage.completion_tokens == 96
     latencies.sort()
     assert latencies[-1] < 0.050, f"admin RPC latencies (s): {latencies}"
 
@@ -512,14 +514,18 @@ class FakeEngine:
         self._thread = threading.current_thread()  # alive
         self.num_steps = 0
 
-    def start(self, on_step) -> None:
+    def start(self, on_step, wake_fd: int | None = None) -> None:
         self.on_step = on_step
+        self.wake_fd = wake_fd
 
     def sink(self, outputs: list[RequestOutput]) -> None:
-        """Publish one step's outputs, each tied to its request as the engine's are."""
+        """Publish one step's outputs, each tied to its request as the engine's are, and
+        wake the loop (at once: an engine without the C decoder's deferred wake)."""
         for o in outputs:
             o.request = self.requests[o.request_id]
         self.on_step(StepOutput(outputs))
+        if self.wake_fd is not None:
+            os.write(self.wake_fd, b"\0")
 
     def submit(self, request: Request) -> None:
         self.requests[request.request_id] = request

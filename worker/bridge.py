@@ -1,12 +1,13 @@
 """The asyncio side of the engine: per-request streams fed from the engine thread.
 
 The engine thread calls the sink once per step with that step's `StepOutput`; the sink
-makes ONE ``loop.call_soon_threadsafe`` hop and `_dispatch` fans it out on the loop::
+queues it, and the engine wakes the loop through a pipe (one byte a step: as its next
+native call begins, see `Engine.start`); `_drain` fans every queued step out on the loop::
 
     engine thread                      event loop
-    step -> StepOutput ------------->  _dispatch: out A -> stream A, out B -> stream B, ...
-            (outputs, KV events,                  tokens/s ring, finish counters,
-             figures; one hop a step)             step observers (KV-event hub, metrics)
+    step -> StepOutput --> inbox --->  _drain -> _dispatch: out A -> stream A, out B -> ...
+            (outputs, KV events,  byte        tokens/s ring, finish counters,
+             figures)             on a pipe   step observers (KV-event hub, metrics)
 
 Outputs are routed by their request object, not by id: `abort` frees a request id at once
 (a new request may take it as soon as Abort returns) while the old request's last output,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -136,6 +138,10 @@ class EngineBridge:
         self.num_preemptions = 0
         self.observers: list[RequestObserver] = []
         self.step_observers: list[StepObserver] = []
+        # Steps from the engine thread (deque appends and pops are atomic) and the pipe
+        # it wakes the loop through.
+        self._inbox: collections.deque[tuple[StepOutput, float]] = collections.deque()
+        self._wake_r = self._wake_w = -1
 
     # ----- lifecycle -----
 
@@ -143,7 +149,11 @@ class EngineBridge:
         """Start the engine thread; call on the loop that will read the streams."""
         self._loop = asyncio.get_running_loop()
         self._started_at = time.monotonic()
-        self.engine.start(self._sink)
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._loop.add_reader(self._wake_r, self._drain)
+        self.engine.start(self._sink, wake_fd=self._wake_w)
         self._watchdog = self._loop.create_task(self._watch())
 
     async def close(self) -> None:
@@ -155,7 +165,12 @@ class EngineBridge:
         if self._watchdog is not None:
             self._watchdog.cancel()
         await asyncio.to_thread(self.engine.shutdown)
-        await asyncio.sleep(0)  # let the last hops posted before the shutdown land
+        if self._loop is not None and self._wake_r >= 0:
+            self._drain()  # the steps queued before the shutdown
+            self._loop.remove_reader(self._wake_r)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
         self._fail_all("the worker shut down before the request finished")
 
     async def _watch(self) -> None:
@@ -247,13 +262,18 @@ class EngineBridge:
     # ----- the hop from the engine thread -----
 
     def _sink(self, step: StepOutput) -> None:
-        """Engine thread: one hop per step."""
-        loop = self._loop
-        assert loop is not None
+        """Engine thread: queue the step (the engine wakes the loop: Engine.start)."""
+        self._inbox.append((step, time.monotonic()))
+
+    def _drain(self) -> None:
+        """Loop: every step queued so far, in order (the pipe's bytes only wake it)."""
         try:
-            loop.call_soon_threadsafe(self._dispatch, step, time.monotonic())
-        except RuntimeError:  # the loop is closed: the process is going down
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
             pass
+        while self._inbox:
+            self._dispatch(*self._inbox.popleft())
 
     def _dispatch(self, step: StepOutput, t: float) -> None:
         tokens = 0

@@ -434,6 +434,13 @@ class ServerConfig:
     log_level: str = opt("INFO", "lowest level logged", ("DEBUG", "INFO", "WARNING", "ERROR"))
     trace_content: bool = opt(False, "record prompt and output text in trace spans (off: only "
                               "counts and timings are recorded)")
+    cpu_threads_bind: str = opt("auto", "where a CPU worker's threads run (as vLLM's "
+                                "VLLM_CPU_OMP_THREADS_BIND, auto or nobind): auto puts the engine "
+                                "thread on the first CPU the process may use and every other "
+                                "thread (the event loop, gRPC's, the OpenMP partners) on the rest, "
+                                "so that streaming never stops a step's serial part "
+                                "(worker/cpu_placement.py); nobind leaves them to the OS",
+                                ("auto", "nobind"))
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

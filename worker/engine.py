@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -118,6 +119,16 @@ def _max_verify_rows(spec: NgramSpeculation | None, max_num_seqs: int) -> int:
         return 0
     rows = min(max_num_seqs, spec.disable_by_batch_size) * (spec.num_speculative_tokens + 1)
     return min(rows, MAX_VERIFY_GRAPH_ROWS)
+
+
+def _wake_reader(fd: int | None) -> bool:
+    """One byte to the reader's wake-up pipe (Engine.start); False, for `queued`."""
+    assert fd is not None
+    try:
+        os.write(fd, b"\0")
+    except (BlockingIOError, BrokenPipeError):  # full: the reader is awake; closed: gone
+        pass
+    return False
 
 
 class Engine:
@@ -534,10 +545,23 @@ class Engine:
 
     # ----- background loop -----
 
-    def start(self, on_step: StepSink) -> None:
+    def start(self, on_step: StepSink, wake_fd: int | None = None) -> None:
+        """Run steps in a thread, calling `on_step` with each step that produced something.
+
+        With `wake_fd`, `on_step` only queues the step for its reader (a served worker's
+        event loop, `worker.bridge`), and the engine wakes the reader by writing one byte to
+        `wake_fd` once per step it queued: as the *next* step's native call begins, where
+        that call has released the GIL for its whole length, so that the loop's Python for
+        the token runs beside the model, not in the gap between two steps, where the engine
+        thread's own Python needs the GIL and would wait for the loop's (0.3 ms a token on a
+        2-core machine, BENCHMARKS.md, session 18). Where no such call comes (the next step
+        runs without the CPU decoder, or there is no next step yet) the byte is written
+        after the step, or at once when the engine goes idle.
+        """
         assert self._thread is None, "engine already started"
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, args=(on_step,), name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(on_step, wake_fd), name="engine",
+                                        daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -547,19 +571,35 @@ class Engine:
             self._thread.join()
             self._thread = None
 
-    def _loop(self, on_step: StepSink) -> None:
-        while not self._stop:
-            if not self.has_work():
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            step = self.step()
-            if step:
-                on_step(step)
-            if self.num_failed_steps >= self.max_consecutive_failed_steps:
-                log.error("%d model steps failed in a row; the engine stops",
-                          self.num_failed_steps)
-                return
+    def _loop(self, on_step: StepSink, wake_fd: int | None) -> None:
+        defer = wake_fd is not None and self.runner.cpu_decoder is not None
+        queued = False  # a step handed to on_step whose reader is not woken yet
+        try:
+            while not self._stop:
+                if not self.has_work():
+                    if queued:
+                        queued = _wake_reader(wake_fd)
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                if queued:
+                    self.runner.wake_fd = wake_fd  # taken (reset to -1) by the step's native call
+                step = self.step()
+                if queued and self.runner.wake_fd >= 0:  # the step made no native call
+                    self.runner.wake_fd = -1
+                    _wake_reader(wake_fd)
+                queued = False
+                if step:
+                    on_step(step)
+                    if wake_fd is not None:
+                        queued = defer or _wake_reader(wake_fd)
+                if self.num_failed_steps >= self.max_consecutive_failed_steps:
+                    log.error("%d model steps failed in a row; the engine stops",
+                              self.num_failed_steps)
+                    return
+        finally:
+            if queued:
+                _wake_reader(wake_fd)
 
     # ----- offline API -----
 

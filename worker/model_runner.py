@@ -131,6 +131,9 @@ class ModelRunner:
                             if ops.kernel_path(device) == "c" and dtype == torch.float32
                             and cpu_decoder.unsupported(model) is None
                             and (lora is None or cpu_decoder.lora_unsupported(lora.layers) is None) else None)
+        # A file descriptor the next native call writes a byte to as it begins (-1: none):
+        # the engine's deferred wake of a served worker's event loop (Engine._loop).
+        self.wake_fd = -1
         self.lora = lora
         self.device = device
         self.dtype = dtype
@@ -310,8 +313,9 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         if self.cpu_decoder is not None:  # a decode step's logits in the same native call
+            wake_fd, self.wake_fd = self.wake_fd, -1  # taken by this call
             return self.cpu_decoder.forward(self._tensor(input_ids), pos_t, meta, self.kv_caches, logits=logits,
-                                            argmax=argmax)
+                                            argmax=argmax, wake_fd=wake_fd)
         return self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches), None
 
     def _prompt_logprobs(self, hidden: torch.Tensor,

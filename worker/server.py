@@ -23,13 +23,14 @@ import signal
 import uuid
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from llmworker.v1 import worker_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from scheduler.request import SamplingParams
-from worker import auth, telemetry, wire
+from worker import auth, cpu_placement, telemetry, wire
 from worker.bridge import EngineBridge
 from worker.config import WorkerConfig
 from worker.door import Door
@@ -163,6 +164,8 @@ async def serve(config: WorkerConfig) -> int:
 
     bridge: EngineBridge | None = None
     metrics: MetricsServer | None = None
+    allowed_cpus = cpu_placement.allowed_cpus()  # given back to every thread at the end
+    placed: str | None = None
     try:
         # The loop keeps serving health meanwhile; a thread that ends, so that the engine
         # thread's OpenMP pool is the process's only one (see worker.oneshot_thread).
@@ -172,6 +175,13 @@ async def serve(config: WorkerConfig) -> int:
         bridge.start()
         if not stop.is_set():
             await warm_up(bridge)
+            # After the warm-up: the engine thread's OpenMP partners exist now.
+            if sc.cpu_threads_bind == "auto" and str(engine.loaded.device) == "cpu":
+                thread = engine._thread
+                assert thread is not None and thread.native_id is not None
+                placed = cpu_placement.place_threads(thread.native_id, torch.get_num_threads())
+                if placed:
+                    _say(f"threads: {placed}")
             door.attach(bridge)
             if hub is not None:
                 bridge.step_observers.append(hub)
@@ -198,6 +208,8 @@ async def serve(config: WorkerConfig) -> int:
         if metrics is not None:
             await asyncio.to_thread(metrics.stop)
         telemetry.shutdown_tracing()
+        if placed:  # serve() may run inside a larger process (tests): leave it as found
+            cpu_placement.unplace_threads(allowed_cpus)
     _say("stopped")
     return exit_code
 

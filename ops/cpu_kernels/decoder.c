@@ -34,6 +34,7 @@
  * x_rot sin, two products and a sum, no FMA: the same bits); silu(g) = g / (1 + e^-g).
  */
 #include <math.h>
+#include <unistd.h>
 
 #include "lora.c"
 #include "paged_attention.c"
@@ -93,6 +94,9 @@ typedef struct {
     float *logits; /* [M, V]: the decode entry computes the head's logits here (or NULL) */
     int64_t *argmax; /* [M] (with logits, or NULL): each row's first maximum, -1 where the
                       * maximum is not finite (NaN, +inf, or every logit -inf) */
+    int wake_fd; /* >= 0: one byte is written to it as the call begins, its caller's GIL
+                  * released for the whole call: a served worker's event loop is woken
+                  * there (worker/engine.py), to run its Python beside the model */
 } step_desc;
 
 /* A matmul's input as the kernels read it: float rows (a norm's output, when the input is
@@ -571,6 +575,10 @@ int cpu_decoder_decode(const model_desc *m, const step_desc *s) {
     if (attention_check(&a) < 0) return -2;
     temps t;
     if (temps_alloc(m, s, s->nthreads, &t)) return -3;
+    if (s->wake_fd >= 0) {
+        const char byte = 0;
+        if (write(s->wake_fd, &byte, 1) < 0) { /* full or closed: the reader is awake anyway */ }
+    }
 #pragma omp parallel num_threads(s->nthreads)
     {
         /* this thread's view of the loops */
