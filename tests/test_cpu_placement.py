@@ -76,3 +76,19 @@ def test_cpu_ranges_read_as_lscpu_writes_them() -> None:
     assert _ranges([1]) == "1"
     assert _ranges([1, 2, 3, 5]) == "1-3,5"
     assert _ranges([0, 2, 3, 4, 7, 8]) == "0,2-4,7-8"
+
+
+def test_the_setting_is_checked_from_the_flag_and_the_variable() -> None:
+    from worker.config import ServerConfig
+
+    assert ServerConfig().cpu_threads_bind == "auto"
+    assert ServerConfig(cpu_threads_bind="nobind").cpu_threads_bind == "nobind"
+    with pytest.raises(ValueError, match="--cpu-threads-bind must be auto or nobind, got 'bogus'"):
+        ServerConfig(cpu_threads_bind="bogus")  # what LLMWORKER_CPU_THREADS_BIND=bogus gives
+    env = {**os.environ, "LLMWORKER_CPU_THREADS_BIND": "x" * 500}
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "serve", "--port", "0"], env=env,
+                          capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 2
+    assert "--cpu-threads-bind must be auto or nobind, got 'xxxxxxxx" in done.stderr
+    assert "x" * 41 not in done.stderr  # a bounded prefix

@@ -447,6 +447,9 @@ class ServerConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
+        if self.cpu_threads_bind not in ("auto", "nobind"):  # the variable skips argparse
+            raise ValueError(f"--cpu-threads-bind must be auto or nobind, got "
+                             f"{self.cpu_threads_bind[:40]!r}")
         for name in ("max_waiting", "default_max_tokens", "max_stop_len", "max_request_id_len"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
