@@ -387,6 +387,9 @@ class LoraConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+CPU_THREADS_BIND = ("auto", "nobind")  # --cpu-threads-bind's choices
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
@@ -440,14 +443,14 @@ class ServerConfig:
                                 "thread (the event loop, gRPC's, the OpenMP partners) on the rest, "
                                 "so that streaming never stops a step's serial part "
                                 "(worker/cpu_placement.py); nobind leaves them to the OS",
-                                ("auto", "nobind"))
+                                CPU_THREADS_BIND)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.drain_grace_s < 0:
             raise ValueError(f"--drain-grace-s must be >= 0, got {self.drain_grace_s}")
-        if self.cpu_threads_bind not in ("auto", "nobind"):  # the variable skips argparse
+        if self.cpu_threads_bind not in CPU_THREADS_BIND:  # the variable skips argparse
             raise ValueError(f"--cpu-threads-bind must be auto or nobind, got "
                              f"{self.cpu_threads_bind[:40]!r}")
         for name in ("max_waiting", "default_max_tokens", "max_stop_len", "max_request_id_len"):

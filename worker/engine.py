@@ -121,14 +121,13 @@ def _max_verify_rows(spec: NgramSpeculation | None, max_num_seqs: int) -> int:
     return min(rows, MAX_VERIFY_GRAPH_ROWS)
 
 
-def _wake_reader(fd: int | None) -> bool:
-    """One byte to the reader's wake-up pipe (Engine.start); False, for `queued`."""
+def _wake_reader(fd: int | None) -> None:
+    """One byte to the reader's wake-up pipe (Engine.start)."""
     assert fd is not None
     try:
         os.write(fd, b"\0")
     except (BlockingIOError, BrokenPipeError):  # full: the reader is awake; closed: gone
         pass
-    return False
 
 
 class Engine:
@@ -578,7 +577,8 @@ class Engine:
             while not self._stop:
                 if not self.has_work():
                     if queued:
-                        queued = _wake_reader(wake_fd)
+                        _wake_reader(wake_fd)
+                        queued = False
                     self._wake.wait()
                     self._wake.clear()
                     continue
@@ -591,8 +591,10 @@ class Engine:
                 queued = False
                 if step:
                     on_step(step)
-                    if wake_fd is not None:
-                        queued = defer or _wake_reader(wake_fd)
+                    if defer:
+                        queued = True
+                    elif wake_fd is not None:
+                        _wake_reader(wake_fd)
                 if self.num_failed_steps >= self.max_consecutive_failed_steps:
                     log.error("%d model steps failed in a row; the engine stops",
                               self.num_failed_steps)
