@@ -12,6 +12,10 @@ minutes here, cancels); the ratio of the two medians is printed beside it.
 Extra `--serve-arg` values go to `llm-worker serve` (e.g. `--serve-arg=--kernels=torch`); the
 offline engine takes the same settings from `--engine-arg` (`ModelConfig` field=value pairs).
 Prefix caching is off on both, so every round computes its prompt.
+
+`--stream-intervals 1,4` serves the request from one worker per `--stream-interval` (all up
+at once, idle but for their turn); each round runs offline, then every worker in turn, and
+each worker gets its own ratio (results under `served@N`; `served` is the first one's).
 """
 
 from __future__ import annotations
@@ -90,7 +94,13 @@ class Served:
         while self.client.health() != "SERVING" and time.monotonic() < deadline:
             time.sleep(0.2)
 
+    def _loop_cpu_s(self) -> float:
+        """CPU time of the worker's main thread so far: its event loop (gRPC, the bridge)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def round(self, max_tokens: int) -> dict[str, float]:
+        loop0, client0 = self._loop_cpu_s(), time.process_time()
         times, counts = [time.perf_counter()], [0]
         tokens = 0
         for resp in self.client.generate(messages=[{"role": "user", "content": PROMPT}],
@@ -101,7 +111,11 @@ class Served:
                 tokens += len(resp.chunk.token_ids)
         assert tokens == max_tokens, tokens
         ttft, rate = _decode_rate(times, counts)
-        return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": tokens}
+        # The streaming's CPU beside the model (the request's admission and prompt included):
+        # the worker's loop thread and this client's whole process. Clock ticks (10 ms): the
+        # summary divides the rounds' sums.
+        return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": tokens, "messages": len(counts) - 1,
+                "loop_cpu_s": self._loop_cpu_s() - loop0, "client_cpu_s": time.process_time() - client0}
 
     def close(self) -> None:
         self.client.close()
@@ -123,8 +137,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating offline/served rounds")
     p.add_argument("--serve-arg", action="append", default=[], help="an extra serve flag")
     p.add_argument("--engine-arg", action="append", default=[], help="ModelConfig field=value")
+    p.add_argument("--stream-intervals", default="1",
+                   help="comma-separated --stream-interval values, one worker each")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args()
+    intervals = [int(x) for x in a.stream_intervals.split(",")]
 
     model = ModelConfig(**_engine_args(a.engine_arg))
     loaded = load_model(model.model, "cpu", __import__("torch").float32)
@@ -133,31 +150,55 @@ def main() -> None:
     assert engine.tokenizer is not None
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     offline_round(engine, ids, 8)  # warm-up
-    served = Served(a.serve_arg)
-    rounds: dict[str, list[dict[str, float]]] = {"offline": [], "served": []}
+    served: dict[str, Served] = {}
+    rounds: dict[str, list[dict[str, float]]] = {"offline": []}
     try:
-        served.round(8)  # warm-up
+        for n in intervals:
+            served[f"served@{n}"] = Served([*a.serve_arg, f"--stream-interval={n}"])
+            rounds[f"served@{n}"] = []
+        for worker in served.values():
+            worker.round(8)  # warm-up
         for r in range(a.rounds):
             rounds["offline"].append(offline_round(engine, ids, a.max_tokens))
-            rounds["served"].append(served.round(a.max_tokens))
-            print(f"round {r + 1}: offline {rounds['offline'][-1]['decode_tok_s']:.1f} tok/s, "
-                  f"served {rounds['served'][-1]['decode_tok_s']:.1f} tok/s", flush=True)
+            line = f"round {r + 1}: offline {rounds['offline'][-1]['decode_tok_s']:.1f} tok/s"
+            for mode, worker in served.items():
+                rounds[mode].append(worker.round(a.max_tokens))
+                line += f", {mode} {rounds[mode][-1]['decode_tok_s']:.1f}"
+            print(line, flush=True)
     finally:
-        served.close()
-    summary = {mode: {"decode_tok_s": statistics.median(x["decode_tok_s"] for x in rs),
-                      "ttft_s": statistics.median(x["ttft_s"] for x in rs)}
-               for mode, rs in rounds.items()}
-    of_medians = summary["served"]["decode_tok_s"] / summary["offline"]["decode_tok_s"]
-    ratio = statistics.median(s["decode_tok_s"] / o["decode_tok_s"]
-                              for o, s in zip(rounds["offline"], rounds["served"], strict=True))
-    print(f"median decode tok/s after the first: offline {summary['offline']['decode_tok_s']:.1f}, "
-          f"served {summary['served']['decode_tok_s']:.1f}; served / offline: {ratio:.3f} "
-          f"(median of the rounds' ratios), {of_medians:.3f} (ratio of the medians)")
+        for worker in served.values():
+            worker.close()
+    rounds["served"] = rounds[f"served@{intervals[0]}"]
+    summary: dict[str, dict[str, float]] = {}
+    for mode, rs in rounds.items():
+        summary[mode] = {k: statistics.median(x[k] for x in rs)
+                         for k in ("decode_tok_s", "ttft_s", "messages") if k in rs[0]}
+        for k in ("loop_cpu", "client_cpu"):
+            if f"{k}_s" in rs[0]:
+                summary[mode][f"{k}_ms_per_token"] = (sum(x[f"{k}_s"] for x in rs) * 1e3
+                                                      / sum(x["tokens"] for x in rs))
+    ratios, of_medians = {}, {}
+    for mode in served:
+        of_medians[mode] = summary[mode]["decode_tok_s"] / summary["offline"]["decode_tok_s"]
+        ratios[mode] = statistics.median(
+            s["decode_tok_s"] / o["decode_tok_s"]
+            for o, s in zip(rounds["offline"], rounds[mode], strict=True))
+        print(f"{mode}: median decode tok/s after the first: offline "
+              f"{summary['offline']['decode_tok_s']:.1f}, served {summary[mode]['decode_tok_s']:.1f}; "
+              f"served / offline: {ratios[mode]:.3f} (median of the rounds' ratios), "
+              f"{of_medians[mode]:.3f} (ratio of the medians); {summary[mode]['messages']:.0f} "
+              f"messages, CPU a token: loop {summary[mode]['loop_cpu_ms_per_token']:.3f} ms, "
+              f"client {summary[mode]['client_cpu_ms_per_token']:.3f} ms")
+    first = f"served@{intervals[0]}"
     if a.output_json:
+        del rounds["served"]  # the same list as the first interval's
         result = {"command": recorded(" ".join(["python -m benchmarks.served_vs_offline", *sys.argv[1:]])),
                   "prompt_tokens": len(ids), "max_tokens": a.max_tokens, "rounds": rounds,
-                  "summary": summary, "served_over_offline": ratio,
-                  "served_over_offline_of_medians": of_medians,
+                  "summary": summary, "served_over_offline": ratios[first],
+                  "served_over_offline_of_medians": of_medians[first],
+                  "stream_intervals": intervals,
+                  "served_over_offline_by_mode": ratios,
+                  "served_over_offline_of_medians_by_mode": of_medians,
                   "kernels": engine.runner.describe_kernels(), "environment": environment(),
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         a.output_json.parent.mkdir(parents=True, exist_ok=True)

@@ -100,3 +100,54 @@ def test_every_queued_step_wakes_its_reader_exactly_once(default_model, chat_pro
     assert woken == queued and queued >= 6 + 7 + 8  # a step per token at least
     os.close(r)
     os.close(w)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_a_step_the_sink_asks_no_wake_for_is_announced_by_a_later_one_or_the_idle_engine(
+        default_model, chat_prompt_ids, kernels) -> None:
+    """--stream-interval: the bridge's sink returns False for a step that makes no message
+    due. Such a step wakes nobody; the next step the sink wants woken announces it too (one
+    byte); and where none comes, the engine going idle does: here a sink that wants every
+    third step, then none at all (the last request's steps), so the idle engine wakes."""
+    engine = _engine(default_model, kernels)
+    r, w = _pipe()
+    calls = 0
+    wanted = 0
+    done = threading.Event()
+    want_any = True
+
+    def sink(step) -> bool:
+        nonlocal calls, wanted
+        calls += 1
+        want = want_any and calls % 3 == 0
+        wanted += want
+        if any(o.finished for o in step.outputs):
+            done.set()
+        return want
+
+    engine.start(sink, wake_fd=w)
+    try:
+        engine.submit(engine.make_request(chat_prompt_ids[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))
+        assert done.wait(60)
+        deadline = time.monotonic() + 10
+        woken = 0
+        while woken < wanted + 1 and time.monotonic() < deadline:
+            woken += _read_all(r)
+            time.sleep(0.001)
+        # One byte per wanted step; one more at idle unless the last step was wanted.
+        assert woken == wanted + (calls % 3 != 0) and wanted >= 4, (woken, wanted, calls)
+        time.sleep(0.05)
+        assert _read_all(r) == 0, "nothing more: the idle engine woke once"
+
+        done.clear()
+        want_any = False
+        engine.submit(engine.make_request(chat_prompt_ids[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+        assert done.wait(60)
+        deadline = time.monotonic() + 10
+        while not (woken := _read_all(r)) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert woken == 1, "no step wanted a wake: the engine going idle announced them all"
+    finally:
+        engine.shutdown()
+        os.close(r)
+        os.close(w)

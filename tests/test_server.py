@@ -518,14 +518,16 @@ class FakeEngine:
         self.on_step = on_step
         self.wake_fd = wake_fd
 
-    def sink(self, outputs: list[RequestOutput]) -> None:
+    def sink(self, outputs: list[RequestOutput]) -> bool:
         """Publish one step's outputs, each tied to its request as the engine's are, and
-        wake the loop (at once: an engine without the C decoder's deferred wake)."""
+        wake the loop (at once: an engine without the C decoder's deferred wake) unless the
+        bridge asks for no wake (--stream-interval: nothing due). Returns whether it woke."""
         for o in outputs:
             o.request = self.requests[o.request_id]
-        self.on_step(StepOutput(outputs))
-        if self.wake_fd is not None:
+        wake = self.on_step(StepOutput(outputs)) is not False
+        if wake and self.wake_fd is not None:
             os.write(self.wake_fd, b"\0")
+        return wake
 
     def submit(self, request: Request) -> None:
         self.requests[request.request_id] = request

@@ -19,6 +19,15 @@ reader is slower than the engine, a new output merges into the pending one of it
 request is bounded and a reader gets at most one message per sample and engine step,
 however far behind it falls. A stream ends when all its samples have finished.
 
+`--stream-interval N` (vLLM's flag) holds a sample's output back until N tokens have come
+since its last message; a sample's first tokens and its finished output go at once (time
+to first token and the end are never delayed). Each message costs CPU on both ends of the
+wire (~0.3 ms each on the machines in BENCHMARKS.md) that a CPU worker's compute threads
+lose, so N > 1 buys back single-stream speed where a client does not need every token as
+it comes. The count is kept on the engine thread (`_sink`), which then also leaves the
+loop asleep for a step that makes no message due (`Engine.start`): the loop's own work a
+step is saved too, not only gRPC's.
+
 Everything here runs on the loop thread except `_sink`. Readers of the engine's own
 state (`num_running`, `num_free_blocks`, ...) read plain ints and lengths and take no
 lock: a Python int or `len()` read is atomic, and a figure one step stale is fine.
@@ -64,10 +73,13 @@ class RequestStream:
         self.num_samples = request.sampling_params.n
         self._finished_samples: set[int] = set()
         self._pending: dict[int, RequestOutput] = {}  # by sample index, oldest first
-        self._ready = asyncio.Event()
+        self._due: set[int] = set()  # samples whose pending output goes out now
+        self._ready = asyncio.Event()  # set when some pending output is due
         self._woken = False  # `wake` was called: `next` returns None once
 
-    def push(self, out: RequestOutput) -> None:
+    def push(self, out: RequestOutput, due: bool = True) -> None:
+        """Queue a sample's output; `due` (always for a finished one): the reader may take
+        it now, else it waits to be merged with later ones (--stream-interval)."""
         i = out.index
         assert i not in self._finished_samples, f"{self.request_id}[{i}]: output after the finished one"
         pending = self._pending.get(i)
@@ -78,7 +90,9 @@ class RequestStream:
         if out.finished:
             self._finished_samples.add(i)
             self.finished = len(self._finished_samples) == self.num_samples
-        self._ready.set()
+        if due or out.finished:
+            self._due.add(i)
+            self._ready.set()
 
     def wake(self) -> None:
         """Ends the reader's wait: its `next` returns None when no output is pending (a
@@ -87,15 +101,19 @@ class RequestStream:
         self._ready.set()
 
     async def next(self) -> RequestOutput | None:
-        """One sample's outputs since the last call, merged into one (the sample pending
-        longest); waits for at least one, or returns None after `wake` with none pending."""
-        while not self._pending:
+        """One sample's outputs since the last call, merged into one (of the samples whose
+        output is due, the one pending longest); waits for one, or returns None after
+        `wake` with none due."""
+        while True:
+            for i in self._pending:
+                if i in self._due:
+                    self._due.discard(i)
+                    return self._pending.pop(i)
             if self._woken:
                 self._woken = False
                 return None
             self._ready.clear()
             await self._ready.wait()
-        return self._pending.pop(next(iter(self._pending)))
 
 
 class RequestObserver(Protocol):
@@ -118,8 +136,12 @@ class EngineBridge:
     """Starts the engine thread and routes its outputs into `RequestStream`s."""
 
     def __init__(self, engine: Engine, rate_window_s: float = 10.0,
-                 watchdog_period_s: float = 0.5) -> None:
+                 watchdog_period_s: float = 0.5, stream_interval: int = 1) -> None:
         self.engine = engine
+        self.stream_interval = stream_interval  # tokens a message waits for (_sink)
+        # Engine thread only: per sample, tokens published since its last due output (a
+        # sample not here has had none, so its first tokens are due at once).
+        self._since_due: dict[object, int] = {}
         self.rate_window_s = rate_window_s
         self.watchdog_period_s = watchdog_period_s
         self.on_dead: Callable[[], None] | None = None  # called on the loop if the thread dies
@@ -140,7 +162,8 @@ class EngineBridge:
         self.step_observers: list[StepObserver] = []
         # Steps from the engine thread (deque appends and pops are atomic) and the pipe
         # it wakes the loop through.
-        self._inbox: collections.deque[tuple[StepOutput, float]] = collections.deque()
+        self._inbox: collections.deque[tuple[StepOutput, float, set[int] | None]] = (
+            collections.deque())
         self._wake_r = self._wake_w = -1
 
     # ----- lifecycle -----
@@ -261,25 +284,52 @@ class EngineBridge:
 
     # ----- the hop from the engine thread -----
 
-    def _sink(self, step: StepOutput) -> None:
-        """Engine thread: queue the step (the engine wakes the loop: Engine.start)."""
-        self._inbox.append((step, time.monotonic()))
+    def _sink(self, step: StepOutput) -> bool:
+        """Engine thread: queue the step, with which of its outputs are due; True if the
+        loop is to be woken for it (the engine wakes it: Engine.start)."""
+        t = time.monotonic()
+        if self.stream_interval == 1:
+            self._inbox.append((step, t, None))
+            return True
+        due = self._due_outputs(step)
+        self._inbox.append((step, t, due))
+        return bool(due) or not step.outputs
+
+    def _due_outputs(self, step: StepOutput) -> set[int]:
+        """Which of the step's outputs (positions) a stream sends now at --stream-interval
+        N: a sample's finished one, its first with tokens, and one that brings the tokens
+        since its sample's last due output to N."""
+        due: set[int] = set()
+        since = self._since_due
+        for k, out in enumerate(step.outputs):
+            key = (out.stream_key or out.request_id, out.index)  # the admitted request's
+            if out.finished:
+                since.pop(key, None)
+                due.add(k)
+            elif out.new_token_ids:
+                n = since.get(key)
+                n = self.stream_interval if n is None else n + len(out.new_token_ids)
+                if n >= self.stream_interval:
+                    due.add(k)
+                    n = 0
+                since[key] = n
+        return due
 
     def _drain(self) -> None:
         """Loop: every step queued so far, in order (the pipe's bytes only wake it)."""
-        try:
-            while os.read(self._wake_r, 4096):
+        try:  # one byte a step: a short read emptied the pipe (no second, failing call)
+            while len(os.read(self._wake_r, 4096)) == 4096:
                 pass
         except BlockingIOError:
             pass
         while self._inbox:
             self._dispatch(*self._inbox.popleft())
 
-    def _dispatch(self, step: StepOutput, t: float) -> None:
+    def _dispatch(self, step: StepOutput, t: float, due: set[int] | None) -> None:
         tokens = 0
         for obs in self.step_observers:
             obs.step(step, t)
-        for out in step.outputs:
+        for k, out in enumerate(step.outputs):
             tokens += len(out.new_token_ids)
             key = out.stream_key
             stream = self._live.get(key) if key is not None else None
@@ -292,7 +342,7 @@ class EngineBridge:
             if out.finished:
                 self._finish(stream, out)
             else:
-                stream.push(out)
+                stream.push(out, due is None or k in due)
         if tokens:
             self._rate.append((t, tokens))
             self._trim(t)

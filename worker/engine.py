@@ -66,7 +66,9 @@ class StepOutput:
         return bool(self.outputs or self.kv_events or self.num_preempted)
 
 
-StepSink = Callable[[StepOutput], None]
+# Takes a step's output; returns False where its reader need not be woken for it yet
+# (the bridge at --stream-interval > 1: no stream has a message due; `Engine.start`).
+StepSink = Callable[[StepOutput], bool | None]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -555,7 +557,9 @@ class Engine:
         thread's own Python needs the GIL and would wait for the loop's (0.3 ms a token on a
         2-core machine, BENCHMARKS.md, session 18). Where no such call comes (the next step
         runs without the CPU decoder, or there is no next step yet) the byte is written
-        after the step, or at once when the engine goes idle.
+        after the step, or at once when the engine goes idle. A step for which `on_step`
+        returns False stays queued unwoken: the reader takes it with the next step it is
+        woken for, or when the engine goes idle.
         """
         assert self._thread is None, "engine already started"
         self._stop = False
@@ -572,13 +576,14 @@ class Engine:
 
     def _loop(self, on_step: StepSink, wake_fd: int | None) -> None:
         defer = wake_fd is not None and self.runner.cpu_decoder is not None
-        queued = False  # a step handed to on_step whose reader is not woken yet
+        queued = False  # a step handed to on_step whose reader is to be woken at the next call
+        unwoken = False  # a step handed to on_step that asked for no wake (yet)
         try:
             while not self._stop:
                 if not self.has_work():
-                    if queued:
+                    if queued or unwoken:
                         _wake_reader(wake_fd)
-                        queued = False
+                        queued = unwoken = False
                     self._wake.wait()
                     self._wake.clear()
                     continue
@@ -590,17 +595,19 @@ class Engine:
                     _wake_reader(wake_fd)
                 queued = False
                 if step:
-                    on_step(step)
-                    if defer:
-                        queued = True
+                    if on_step(step) is False:
+                        unwoken = wake_fd is not None
+                    elif defer:
+                        queued, unwoken = True, False
                     elif wake_fd is not None:
                         _wake_reader(wake_fd)
+                        unwoken = False
                 if self.num_failed_steps >= self.max_consecutive_failed_steps:
                     log.error("%d model steps failed in a row; the engine stops",
                               self.num_failed_steps)
                     return
         finally:
-            if queued:
+            if queued or unwoken:
                 _wake_reader(wake_fd)
 
     # ----- offline API -----

@@ -170,7 +170,7 @@ async def serve(config: WorkerConfig) -> int:
         # The loop keeps serving health meanwhile; a thread that ends, so that the engine
         # thread's OpenMP pool is the process's only one (see worker.oneshot_thread).
         engine = await in_oneshot_thread(Engine, config, thread_name="engine-build")
-        bridge = EngineBridge(engine)
+        bridge = EngineBridge(engine, stream_interval=sc.stream_interval)
         bridge.on_dead = on_engine_dead
         bridge.start()
         if not stop.is_set():
