@@ -96,8 +96,9 @@ class Served:
 
     def _loop_cpu_s(self) -> float:
         """CPU time of the worker's main thread so far: its event loop (gRPC, the bridge)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        pid = self.proc.pid  # the main thread is the task of the process id
+        # schedstat's first field: nanoseconds on a CPU, exact (stat's ticks are sampled).
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
 
     def round(self, max_tokens: int) -> dict[str, float]:
         loop0, client0 = self._loop_cpu_s(), time.process_time()
@@ -112,8 +113,8 @@ class Served:
         assert tokens == max_tokens, tokens
         ttft, rate = _decode_rate(times, counts)
         # The streaming's CPU beside the model (the request's admission and prompt included):
-        # the worker's loop thread and this client's whole process. Clock ticks (10 ms): the
-        # summary divides the rounds' sums.
+        # the worker's loop thread and this client's whole process; the summary divides the
+        # rounds' sums by their tokens.
         return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": tokens, "messages": len(counts) - 1,
                 "loop_cpu_s": self._loop_cpu_s() - loop0, "client_cpu_s": time.process_time() - client0}
 
