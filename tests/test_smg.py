@@ -385,3 +385,27 @@ def test_cache_aware_without_kv_events() -> None:
     assert replicas[1:] == [replicas[0]] * 15, replicas
     # The ~500-token system prompt is reused from the second request on.
     assert all(c >= 400 for c in cached[1:]), cached
+
+
+# ----- replicas at --stream-interval 4: SMG takes chunks of several tokens -------------------
+
+
+def test_stream_interval_behind_smg_keeps_the_text_in_fewer_events() -> None:
+    """Workers that send four tokens a message (--stream-interval 4): SMG's streamed chat has
+    the same greedy text and usage as its unstreamed one and as our own Generate, in fewer
+    content events than tokens (the first token still alone at the front)."""
+    with replicas_behind_smg("--stream-interval", "4") as gw:
+        messages = [{"role": "user", "content": "Write a haiku about autumn leaves."}]
+        want, _ = worker_chat(gw.workers[0], messages, 32, temperature=0.0)
+        out = gw.chat(messages=messages, max_tokens=32, temperature=0)
+        assert out["choices"][0]["message"]["content"] == want
+        text, events = gw.chat_stream(messages=messages, max_tokens=32, temperature=0,
+                                      stream_options={"include_usage": True})
+        assert text == want
+        usage = events[-1]["usage"]
+        assert usage["prompt_tokens"] == out["usage"]["prompt_tokens"]
+        assert usage["completion_tokens"] == out["usage"]["completion_tokens"]
+        n = usage["completion_tokens"]
+        content = [e for e in events for c in e["choices"] if c["delta"].get("content")]
+        report(f"stream-interval 4 behind SMG: {n} tokens in {len(content)} content events")
+        assert n >= 8 and len(content) <= 1 + -(-(n - 1) // 4) < n, (n, len(content))
