@@ -208,6 +208,25 @@ def worker_chat(w: Worker, messages: list[dict], max_tokens: int, **sampling) ->
     return text_of(chunks), pb.FinishReason.Name(done.finish_reason)
 
 
+def greedy_chat_matches_our_generate(gw: Gateway, question: str, max_tokens: int) -> list[dict]:
+    """SMG's greedy chat, unstreamed and streamed, against our own Generate on a replica:
+    the same text and finish reason, the same usage; the streamed one's SSE events."""
+    messages = [{"role": "user", "content": question}]
+    want, reason = worker_chat(gw.workers[0], messages, max_tokens, temperature=0.0)
+    out = gw.chat(messages=messages, max_tokens=max_tokens, temperature=0)
+    choice = out["choices"][0]
+    assert choice["message"]["content"] == want
+    assert choice["finish_reason"] == {"FINISH_REASON_STOP": "stop",
+                                       "FINISH_REASON_LENGTH": "length"}[reason]
+    text, events = gw.chat_stream(messages=messages, max_tokens=max_tokens, temperature=0,
+                                  stream_options={"include_usage": True})
+    assert text == want
+    usage = events[-1]["usage"]
+    assert usage["prompt_tokens"] == out["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == out["usage"]["completion_tokens"]
+    return events
+
+
 def cache_aware_run(gw: Gateway, n: int = 16) -> tuple[list[int], list[int]]:
     """`n` requests sharing SYSTEM_PROMPT, one at a time: (replica index, cached tokens) each.
 
@@ -285,19 +304,7 @@ class TestGateway:
     @pytest.mark.parametrize("question", ["What is the capital of France?",
                                           "Write a haiku about autumn leaves."])
     def test_greedy_chat_matches_our_generate(self, gw: Gateway, question: str) -> None:
-        messages = [{"role": "user", "content": question}]
-        want, reason = worker_chat(gw.workers[0], messages, 24, temperature=0.0)
-        out = gw.chat(messages=messages, max_tokens=24, temperature=0)
-        choice = out["choices"][0]
-        assert choice["message"]["content"] == want
-        assert choice["finish_reason"] == {"FINISH_REASON_STOP": "stop",
-                                           "FINISH_REASON_LENGTH": "length"}[reason]
-        text, events = gw.chat_stream(messages=messages, max_tokens=24, temperature=0,
-                                      stream_options={"include_usage": True})
-        assert text == want
-        usage = events[-1]["usage"]
-        assert usage["prompt_tokens"] == out["usage"]["prompt_tokens"]
-        assert usage["completion_tokens"] == out["usage"]["completion_tokens"]
+        greedy_chat_matches_our_generate(gw, question, 24)
 
     def test_max_tokens_stop_and_seed(self, gw: Gateway) -> None:
         messages = [{"role": "user", "content": "Tell me a long story about a brave knight."}]
@@ -395,17 +402,8 @@ def test_stream_interval_behind_smg_keeps_the_text_in_fewer_events() -> None:
     the same greedy text and usage as its unstreamed one and as our own Generate, in fewer
     content events than tokens (the first token still alone at the front)."""
     with replicas_behind_smg("--stream-interval", "4") as gw:
-        messages = [{"role": "user", "content": "Write a haiku about autumn leaves."}]
-        want, _ = worker_chat(gw.workers[0], messages, 32, temperature=0.0)
-        out = gw.chat(messages=messages, max_tokens=32, temperature=0)
-        assert out["choices"][0]["message"]["content"] == want
-        text, events = gw.chat_stream(messages=messages, max_tokens=32, temperature=0,
-                                      stream_options={"include_usage": True})
-        assert text == want
-        usage = events[-1]["usage"]
-        assert usage["prompt_tokens"] == out["usage"]["prompt_tokens"]
-        assert usage["completion_tokens"] == out["usage"]["completion_tokens"]
-        n = usage["completion_tokens"]
+        events = greedy_chat_matches_our_generate(gw, "Write a haiku about autumn leaves.", 32)
+        n = events[-1]["usage"]["completion_tokens"]
         content = [e for e in events for c in e["choices"] if c["delta"].get("content")]
         report(f"stream-interval 4 behind SMG: {n} tokens in {len(content)} content events")
         assert n >= 8 and len(content) <= 1 + -(-(n - 1) // 4) < n, (n, len(content))
