@@ -302,7 +302,8 @@ class EngineBridge:
         due: set[int] = set()
         since = self._since_due
         for k, out in enumerate(step.outputs):
-            key = (out.stream_key or out.request_id, out.index)  # the admitted request's
+            leader = out.stream_key  # the admitted request (its id may be reused after it)
+            key = (leader if leader is not None else out.request_id, out.index)
             if out.finished:
                 since.pop(key, None)
                 due.add(k)
