@@ -132,3 +132,29 @@ def test_served_streams_send_a_message_per_interval_on_both_protocols(worker: Wo
     assert 2 <= len(vchunks) <= most
     running = [c.completion_tokens for c in vchunks]
     assert running == sorted(running) and running[-1] == TOKENS
+
+
+def test_a_held_output_is_not_handed_out_by_a_wake() -> None:
+    """The door's deadline timer wakes a stream (`wake`): with only a held (not due) output
+    pending, `next` gives None, as with nothing pending; the output goes with the next due
+    one, merged."""
+    async def main() -> None:
+        eng = FakeEngine()
+        bridge = EngineBridge(eng, stream_interval=4)  # type: ignore[arg-type]
+        bridge.start()
+        stream = bridge.open(Request("a", [1]))
+        assert await asyncio.to_thread(eng.sink, [_out("a", [5], "x")])  # the first: due
+        await asyncio.sleep(0.01)
+        assert (await stream.next()).new_token_ids == [5]
+        assert not await asyncio.to_thread(eng.sink, [_out("a", [6], "y")])  # held
+        bridge._drain()
+        stream.wake()
+        assert await asyncio.wait_for(stream.next(), 5) is None
+        for tok in (7, 8):
+            assert not await asyncio.to_thread(eng.sink, [_out("a", [tok], "z")])
+        assert await asyncio.to_thread(eng.sink, [_out("a", [9], "w")])  # four since the first
+        await asyncio.sleep(0.01)
+        assert (await stream.next()).new_token_ids == [6, 7, 8, 9]
+        await bridge.close()
+
+    asyncio.run(main())
