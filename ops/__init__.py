@@ -6,7 +6,8 @@ Each op has up to three implementations with one signature:
   between calls; what every kernel is tested against;
 - a C kernel for the CPU, `*_c` (ops/cpu_*.py over ops/cpu_kernels/*.c, built with gcc on
   first use): today decode attention (`paged_attention_c`; its prefill chunks run the
-  reference); ops without one run their reference under this backend;
+  reference) and sampling (`sample_c`, ops/cpu_sampling.py); ops without one run their
+  reference under this backend;
 - a Triton kernel, `*_triton` (ops/<op>_triton.py).
 
 The names exported here pick one per call by the backend (`set_backend`, the `--kernels`
@@ -145,7 +146,7 @@ silu_and_mul = _op(silu_and_mul_ref, ("ops.activation_triton", "silu_and_mul_tri
 rotary_kv_write = _op(rotary_kv_write_ref, ("ops.rotary_triton", "rotary_kv_write_triton"))
 paged_attention = _op(paged_attention_ref, ("ops.attention_triton", "paged_attention_triton"),
                       c=("ops.cpu_attention", "paged_attention_c"))
-sample = _op(sample_ref, ("ops.sampling_triton", "sample_triton"))
+sample = _op(sample_ref, ("ops.sampling_triton", "sample_triton"), c=("ops.cpu_sampling", "sample_c"))
 copy_blocks = _op(copy_blocks_ref, ("ops.block_copy_triton", "copy_blocks_triton"))
 # Each LoRA row's adapter delta added to a linear's output (ops/lora.py): one gathered bmm
 # per layer in torch on the CPU (the C path has no kernel of its own: the linears are the

@@ -219,9 +219,16 @@ def sample_ref(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     z = apply_penalties(logits, st) if st.prompt_mask is not None else finite_logits(logits)
     greedy_ids = argmax_rows(z)
     token_ids = greedy_ids if st.all_greedy else _draw(z, greedy_ids, st)
+    return with_logprobs(logits, token_ids, st, None if st.prompt_mask is not None else z)
+
+
+def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, st: SamplingTensors,
+                  clean: torch.Tensor | None = None) -> SamplerOutput:
+    """The drawn tokens with the logprobs `st` asks for (none: num_logprobs < 0), of the raw
+    logits; `clean`: `finite_logits(logits)` where the caller has it already."""
     if st.num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None)
-    clean = finite_logits(logits) if st.prompt_mask is not None else z
+    clean = finite_logits(logits) if clean is None else clean
     lp = clean.log_softmax(-1)
     lp = lp.masked_fill_(lp.isnan(), _MASK)  # a row with no finite logit
     chosen = lp.gather(-1, token_ids[:, None]).squeeze(-1)

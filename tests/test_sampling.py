@@ -416,7 +416,8 @@ def _reference_penalties(logits, prompt_mask, counts, rep, pres, freq) -> torch.
     return out
 
 
-def _penalty_inputs(seed: int, b: int = 5, v: int = 24):
+def penalty_inputs(seed: int, b: int = 5, v: int = 24):
+    """Logits with a prompt mask and output counts for penalties (tests/sampling_checks.py too)."""
     g = torch.Generator().manual_seed(seed)
     logits = rand_logits(b, v, seed=seed, scale=3.0)
     prompt_mask = torch.rand(b, v, generator=g) < 0.3
@@ -426,7 +427,7 @@ def _penalty_inputs(seed: int, b: int = 5, v: int = 24):
 
 
 def test_apply_penalties_matches_reference_loop():
-    logits, prompt_mask, counts = _penalty_inputs(70)
+    logits, prompt_mask, counts = penalty_inputs(70)
     rep = [1.0, 1.3, 2.0, 0.7, 1.1]
     pres = [0.0, 0.5, 0.0, 1.2, 0.3]
     freq = [0.0, 0.0, 0.4, 0.25, -0.5]
@@ -440,7 +441,7 @@ def test_apply_penalties_matches_reference_loop():
 
 
 def test_repetition_penalty_semantics():
-    logits, prompt_mask, counts = _penalty_inputs(71)
+    logits, prompt_mask, counts = penalty_inputs(71)
     st = make_st(
         5, repetition_penalty=1.5, prompt_mask=prompt_mask, output_counts=counts
     )
@@ -464,7 +465,7 @@ def test_repetition_penalty_semantics():
 
 
 def test_frequency_and_presence_penalty_semantics():
-    logits, prompt_mask, counts = _penalty_inputs(72)
+    logits, prompt_mask, counts = penalty_inputs(72)
     assert bool((counts > 1).any())
     f, p = 0.3, 0.8
     got_f = apply_penalties(
@@ -518,7 +519,7 @@ def test_logprobs_top_n_and_chosen(n):
 
 def test_logprobs_are_of_raw_logits():
     b, v = 8, 50
-    logits, prompt_mask, counts = _penalty_inputs(81, b=b, v=v)
+    logits, prompt_mask, counts = penalty_inputs(81, b=b, v=v)
     st = make_st(
         b, temperature=[0.5, 2.0, 0.0, 1.0, 0.3, 1.0, 0.8, 0.0], top_k=[0, 4, 0, 0, 2, 0, 0, 0],
         top_p=[1.0, 1.0, 1.0, 0.5, 1.0, 0.9, 1.0, 1.0], min_p=[0.0] * 6 + [0.2, 0.0],

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 import ops
-from ops import cpu_attention, cpu_decoder, huge_pages, quantized_linear
+from ops import cpu_attention, cpu_decoder, cpu_sampling, huge_pages, quantized_linear
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
 from ops.sampling import SamplingTensors, greedy_ids_cpu
@@ -182,8 +182,11 @@ class ModelRunner:
             pages = f"; weights in 2 MB pages: {huge >> 20} of {moved >> 20} MiB (THP {thp})"
         # The fused decoder runs every row's attention (prefill rows too), norm, rotary and
         # activation in its own C; op by op, only decode attention has a C kernel.
-        rest = ("prefill attention, norm, rotary, activation: C (in the decoder); sampling: torch"
-                if self.cpu_decoder else f"prefill attention, norm, rotary, activation, sampling: {others}")
+        # (Loads the C sampler at start-up: its first build is not a request's wait.)
+        sampling = "C" if path == "c" and cpu_sampling.available() else others
+        rest = ("prefill attention, norm, rotary, activation: C (in the decoder)"
+                if self.cpu_decoder else f"prefill attention, norm, rotary, activation: {others}")
+        rest += f"; sampling: {sampling}"
         return (f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}; "
                 f"{rest}; decoder: {decoder} (--kernels {ops.backend()}){pages}")
 

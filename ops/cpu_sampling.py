@@ -1,0 +1,96 @@
+"""Sampling on the CPU with the C kernel (`cpu_kernels/sampling.c`): the C backend's `sample_c`.
+
+`sample_ref`'s contract (ops/sampling.py), at a small part of its cost: on a 49k vocabulary
+the reference took ~1.3 ms a row at temperature 1 and ~4.7 ms with top-p or top-k (a
+sort of the row), on top of a ~3.5 ms batch-1 decode step, and ~100-230 ms for 64 rows
+(BENCHMARKS.md, session 20). Penalties and logprobs stay the reference's torch code (the
+kernel reads the penalized logits); plain greedy steps keep its numpy argmax.
+
+What differs from the reference, as with the Triton kernel: its own random stream (an
+inverse-CDF draw from one 64-bit key a row: `seed_key(seed, step)` for a seeded row, so
+its token never depends on the batch; a base drawn from torch's global generator plus the
+row for the others), and ties at a top-k / top-p boundary keep every tied token. Greedy
+tokens and the kept sets of distinct logits are the reference's; the draw's distribution
+is the kept tokens' renormalized softmax (tests/test_sampling_c.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+
+from ops import cpu_kernels
+from ops.sampling import (
+    SamplerOutput,
+    SamplingTensors,
+    apply_penalties,
+    sample_ref,
+    seed_key,
+    with_logprobs,
+)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_kernels.load("sampling")
+    if lib is not None:
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.sample_rows.argtypes = [p, i64, i32, i32, p, p, p, p, p, p, ctypes.c_uint64, p, p, i32]
+        lib.sample_rows.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _usable(logits: torch.Tensor) -> bool:
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[0] > 0 and logits.stride(-1) == 1 and available())
+
+
+def _draw(logits: torch.Tensor, st: SamplingTensors, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of the (penalized) logits."""
+    lib = _library()
+    assert lib is not None
+    z = apply_penalties(logits, st) if st.prompt_mask is not None else logits
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    b, v = z.shape
+    # all_greedy rows take their argmax whatever their temperature (e.g. top_k 1).
+    temp = torch.zeros(b) if st.all_greedy else st.temperature.float().contiguous()
+    top_p = st.top_p.float().contiguous()
+    top_k = st.top_k.to(torch.int64).contiguous()
+    min_p = st.min_p.float().contiguous()
+    seeded = np.array([s is not None for s in st.seeds], dtype=np.uint8)
+    keys = np.array([0 if s is None else seed_key(s, n) for s, n in zip(st.seeds, st.steps, strict=True)],
+                    dtype=np.uint64)
+    base = int(torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64)) & ((1 << 64) - 1)
+    out = torch.empty(b, dtype=torch.int64)
+    rc = lib.sample_rows(z.data_ptr(), z.stride(0), b, v, temp.data_ptr(), top_p.data_ptr(),
+                         top_k.data_ptr(), min_p.data_ptr(), keys.ctypes.data, seeded.ctypes.data,
+                         base, out.data_ptr(), None if kept is None else kept.data_ptr(),
+                         torch.get_num_threads())
+    if rc:
+        raise MemoryError("the C sampler could not allocate its scratch")
+    return out
+
+
+def sample_c(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+    """logits: [B, V] float32 -> one token per row; drop-in for sample_ref (which runs where
+    the kernel cannot: not float32 CPU logits, not built here)."""
+    if not _usable(logits) or (st.all_greedy and st.prompt_mask is None and st.num_logprobs < 0):
+        return sample_ref(logits, st)  # plain greedy: its numpy argmax is as cheap
+    return with_logprobs(logits, _draw(logits, st), st)
+
+
+def inspect_c(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tests: (tokens, kept), kept [B, V] bool the set each row's draw picks from (a
+    greedy row: its argmax)."""
+    assert _usable(logits)
+    kept = torch.zeros(logits.shape, dtype=torch.uint8)
+    tokens = _draw(logits, st, kept)
+    return tokens, kept.bool()
