@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +108,12 @@ def llama_server(path: Path, threads: int, slots: int, ctx_per_slot: int) -> Ite
 
 
 @contextlib.contextmanager
-def our_worker(extra: list[str]) -> Iterator[str]:
+def our_worker(extra: list[str], root: Path = ROOT, env: dict[str, str] | None = None) -> Iterator[str]:
+    """An `llm-worker serve` of the checkout at `root` (its code first on the path), with
+    `env` over this process's environment; yields its address once it serves."""
     cmd = [sys.executable, "-m", "worker.cli", "serve", "--port", "0", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})})
     assert proc.stderr is not None
     address: list[str] = []
     ready = threading.Event()
@@ -133,6 +135,16 @@ def our_worker(extra: list[str]) -> Iterator[str]:
         proc.wait(30)
 
 
+def write_gguf_tokenizer(folder: Path) -> str:
+    """The default GGUF's tokenizer, as the worker builds it, as a tokenizer.json in `folder`
+    (the bench client's client-side tokenizer for text datasets)."""
+    from worker.tokenizer import Tokenizer
+
+    path = folder / "tokenizer.json"
+    path.write_text(Tokenizer.from_gguf(default_model_path())._tok.to_str())
+    return str(path)
+
+
 # workload: (ratio's name, metric, True when ours / theirs, False when theirs / ours); above 1
 # ours is ahead (decodes faster, reaches the first token sooner, streams more).
 RATIOS = {"one_stream": ("one_stream_decode", "decode_tokens_per_s", True),
@@ -145,10 +157,12 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
 
 
-def bench(server: list[str], workload: str, tokenizer: str, seed: int = 0) -> dict[str, Any]:
+def bench(server: list[str], workload: str, tokenizer: str, seed: int = 0,
+          extra: Sequence[str] = ()) -> dict[str, Any]:
+    """One `llm-worker-bench run` of `workload` (plus `extra` arguments) against `server`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        cmd = [sys.executable, "-m", "clients.bench.cli", "run", *server, *WORKLOADS[workload],
+        cmd = [sys.executable, "-m", "clients.bench.cli", "run", *server, *WORKLOADS[workload], *extra,
                "--tokenizer", tokenizer, "--seed", str(seed), "--no-progress", "--output-json", str(out)]
         done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True)
@@ -179,11 +193,8 @@ def main() -> None:
     names = [w for w in args.workloads.split(",") if w]
     tok = args.tokenizer
     with tempfile.TemporaryDirectory() as tmp:
-        if tok is None:  # the GGUF's tokenizer, as the worker builds it
-            from worker.tokenizer import Tokenizer
-
-            tok = str(Path(tmp) / "tokenizer.json")
-            Path(tok).write_text(Tokenizer.from_gguf(default_model_path())._tok.to_str())
+        if tok is None:
+            tok = write_gguf_tokenizer(Path(tmp))
         results: dict[str, dict[str, Any]] = {"llm-worker": {}, "llama.cpp": {}}
         rounds: dict[str, list[dict[str, Any]]] = {}
         os.environ.update({"OMP_NUM_THREADS": str(args.threads)})

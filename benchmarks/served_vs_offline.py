@@ -16,6 +16,10 @@ Prefix caching is off on both, so every round computes its prompt.
 `--stream-intervals 1,4` serves the request from one worker per `--stream-interval` (all up
 at once, idle but for their turn); each round runs offline, then every worker in turn, and
 each worker gets its own ratio (results under `served@N`; `served` is the first one's).
+
+The served request is streamed by `benchmarks.stream_client`, a client in a process of its own
+as a user's is (`--clients inline`: by this process, beside the loaded offline engine, as
+before session 20; `--clients process,inline` measures both, a worker each, `served@N/inline`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stream_client import PROMPT, stream_round
 from clients.bench.environment import environment, recorded
 from clients.client import WorkerClient
 from scheduler.request import SamplingParams
@@ -39,8 +44,6 @@ from worker.config import CacheConfig, ModelConfig, WorkerConfig
 from worker.engine import Engine
 from worker.weights import load_model
 
-PROMPT = ("Write a long, detailed story about a lighthouse keeper who finds a message in a "
-          "bottle, with many characters and places.")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -70,9 +73,10 @@ def offline_round(engine: Engine, ids: list[int], max_tokens: int) -> dict[str, 
 
 
 class Served:
-    """An `llm-worker serve` child on a free loopback port."""
+    """An `llm-worker serve` child on a free loopback port, streamed to by a client in a
+    process of its own (``client="process"``) or by this process (``"inline"``)."""
 
-    def __init__(self, serve_args: list[str]) -> None:
+    def __init__(self, serve_args: list[str], client: str = "process") -> None:
         cmd = [sys.executable, "-m", "worker.cli", "serve", "--port", "0",
                "--no-enable-prefix-caching", *serve_args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,
@@ -93,6 +97,11 @@ class Served:
         deadline = time.monotonic() + 300
         while self.client.health() != "SERVING" and time.monotonic() < deadline:
             time.sleep(0.2)
+        self.streamer: subprocess.Popen[str] | None = None
+        if client == "process":  # a user's client: a process of its own (stream_client's why)
+            self.streamer = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.stream_client", address], cwd=ROOT,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def _loop_cpu_s(self) -> float:
         """CPU time of the worker's main thread so far: its event loop (gRPC, the bridge)."""
@@ -100,25 +109,34 @@ class Served:
         # schedstat's first field: nanoseconds on a CPU, exact (stat's ticks are sampled).
         return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
 
+    def _stream(self, max_tokens: int) -> dict[str, Any]:
+        if self.streamer is None:
+            return stream_round(self.client, max_tokens)
+        assert self.streamer.stdin is not None and self.streamer.stdout is not None
+        self.streamer.stdin.write(f"{max_tokens}\n")
+        self.streamer.stdin.flush()
+        line = self.streamer.stdout.readline()  # this process sleeps until the round ends
+        if not line:
+            raise RuntimeError("benchmarks.stream_client exited")
+        return json.loads(line)
+
     def round(self, max_tokens: int) -> dict[str, float]:
-        loop0, client0 = self._loop_cpu_s(), time.process_time()
-        times, counts = [time.perf_counter()], [0]
-        tokens = 0
-        for resp in self.client.generate(messages=[{"role": "user", "content": PROMPT}],
-                                         max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-            if resp.HasField("chunk") and resp.chunk.token_ids:
-                times.append(time.perf_counter())
-                counts.append(len(resp.chunk.token_ids))
-                tokens += len(resp.chunk.token_ids)
+        loop0 = self._loop_cpu_s()
+        got = self._stream(max_tokens)
+        loop_cpu = self._loop_cpu_s() - loop0
+        tokens = sum(got["counts"])
         assert tokens == max_tokens, tokens
-        ttft, rate = _decode_rate(times, counts)
+        ttft, rate = _decode_rate(got["times"], got["counts"])
         # The streaming's CPU beside the model (the request's admission and prompt included):
-        # the worker's loop thread and this client's whole process; the summary divides the
+        # the worker's loop thread and the client's whole process; the summary divides the
         # rounds' sums by their tokens.
-        return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": tokens, "messages": len(counts) - 1,
-                "loop_cpu_s": self._loop_cpu_s() - loop0, "client_cpu_s": time.process_time() - client0}
+        return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": tokens,
+                "messages": len(got["counts"]) - 1, "loop_cpu_s": loop_cpu,
+                "client_cpu_s": got["cpu_s"]}
 
     def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.communicate("\n", timeout=60)
         self.client.close()
         self.proc.terminate()
         self.proc.wait(60)
@@ -140,9 +158,17 @@ def main() -> None:
     p.add_argument("--engine-arg", action="append", default=[], help="ModelConfig field=value")
     p.add_argument("--stream-intervals", default="1",
                    help="comma-separated --stream-interval values, one worker each")
+    p.add_argument("--clients", default="process",
+                   help="comma-separated: 'process' (the client in a process of its own, as a "
+                        "user's is) and/or 'inline' (in this process, beside the offline engine; "
+                        "the figures before session 20); a worker each, results under served@N "
+                        "and served@N/inline")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args()
     intervals = [int(x) for x in a.stream_intervals.split(",")]
+    clients = a.clients.split(",")
+    if not clients or not set(clients) <= {"process", "inline"}:
+        p.error(f"--clients: 'process' and/or 'inline', not {a.clients[:40]!r}")
 
     model = ModelConfig(**_engine_args(a.engine_arg))
     loaded = load_model(model.model, "cpu", __import__("torch").float32)
@@ -155,8 +181,10 @@ def main() -> None:
     rounds: dict[str, list[dict[str, float]]] = {"offline": []}
     try:
         for n in intervals:
-            served[f"served@{n}"] = Served([*a.serve_arg, f"--stream-interval={n}"])
-            rounds[f"served@{n}"] = []
+            for c in clients:
+                mode = f"served@{n}" + ("" if c == "process" else "/inline")
+                served[mode] = Served([*a.serve_arg, f"--stream-interval={n}"], client=c)
+                rounds[mode] = []
         for worker in served.values():
             worker.round(8)  # warm-up
         for r in range(a.rounds):
@@ -189,14 +217,14 @@ def main() -> None:
               f"{of_medians[mode]:.3f} (ratio of the medians); {summary[mode]['messages']:.0f} "
               f"messages, CPU a token: loop {summary[mode]['loop_cpu_ms_per_token']:.3f} ms, "
               f"client {summary[mode]['client_cpu_ms_per_token']:.3f} ms")
-    first = f"served@{intervals[0]}"
+    first = next(iter(served))
     summary["served"] = summary[first]  # the key earlier records have
     if a.output_json:
         result = {"command": recorded(" ".join(["python -m benchmarks.served_vs_offline", *sys.argv[1:]])),
                   "prompt_tokens": len(ids), "max_tokens": a.max_tokens, "rounds": rounds,
                   "summary": summary, "served_over_offline": ratios[first],
                   "served_over_offline_of_medians": of_medians[first],
-                  "stream_intervals": intervals,
+                  "stream_intervals": intervals, "clients": clients,
                   "served_over_offline_by_mode": ratios,
                   "served_over_offline_of_medians_by_mode": of_medians,
                   "kernels": engine.runner.describe_kernels(), "environment": environment(),

@@ -6,7 +6,8 @@ alternating in one run, so that both see the same machine:
 
 Each round runs every side once, in a fresh process with that side's code first on
 PYTHONPATH: the other checkout (named `before`), then each `--variant` of this one (a name
-and ModelConfig fields, e.g. `int8=cpu_int8_activations=true`). A side loads the model, then
+and ModelConfig fields, e.g. `int8=cpu_int8_activations=true`, or `env.NAME=value` for the
+side's environment, e.g. `passive=env.OMP_WAIT_POLICY=passive`). A side loads the model, then
 per batch size submits that many requests of `--context` prompt tokens, takes two warm-up
 steps and times `--steps` decode steps one by one. A table row gives, per side, the median
 over every timed step of every round and the fastest step: on a machine shared with other
@@ -44,7 +45,8 @@ for b in args["batches"]:
                         scheduler=SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=8192))
     engine = Engine(conf, loaded=loaded)
     out["kernels"] = engine.runner.describe_kernels()
-    params = SamplingParams(temperature=0, max_tokens=args["steps"] + 4, ignore_eos=True)
+    sampling = {"temperature": 0, **args.get("sampling", {})}
+    params = SamplingParams(**sampling, max_tokens=args["steps"] + 4, ignore_eos=True)
     for i in range(b):
         engine.submit(engine.make_request([(7 * i + j) % 40000 + 100 for j in range(args["context"])], params))
     engine.step()  # prefill
@@ -127,9 +129,22 @@ def _parse_variant(text: str) -> tuple[str, dict[str, object]]:
     return name, fields
 
 
+def _parse_sampling(text: str) -> dict[str, float | int]:
+    """'temperature=0.7,top_k=50' -> {'temperature': 0.7, 'top_k': 50}."""
+    out: dict[str, float | int] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+    return out
+
+
 def _run_side(root: Path, batches: list[int], args: argparse.Namespace, fields: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # 'env.NAME=value' fields are the side's environment (read before torch loads), not config.
+    env = {**os.environ, "PYTHONPATH": str(root),
+           **{k.removeprefix("env."): str(v) for k, v in fields.items() if k.startswith("env.")}}
+    fields = {k: v for k, v in fields.items() if not k.startswith("env.")}
     payload = json.dumps({"model": args.model, "batches": batches, "context": args.context,
+                          "sampling": _parse_sampling(args.sampling),
                           "steps": args.steps, "fields": fields, "breakdown": args.breakdown,
                           "threads": args.threads})
     proc = subprocess.run([sys.executable, "-c", _MEASURE, payload], cwd=root, env=env, capture_output=True,
@@ -190,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
+    ap.add_argument("--sampling", default="",
+                    help="the requests' SamplingParams fields, e.g. temperature=0.7,top_p=0.9,seed=1 "
+                         "(default greedy)")
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")

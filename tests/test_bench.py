@@ -319,7 +319,8 @@ def test_openai_backend_streams_sse_chat_and_completions() -> None:
     async def go() -> tuple[dict[str, Any], list[RequestRecord]]:
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        be = OpenAIBackend(f"http://127.0.0.1:{port}/v1", ignore_eos=True, temperature=0.0)
+        be = OpenAIBackend(f"http://127.0.0.1:{port}/v1", ignore_eos=True, temperature=0.7,
+                           top_p=0.9)
         try:
             info = await asyncio.wait_for(be.describe(), 10)
             recs = [
@@ -341,6 +342,7 @@ def test_openai_backend_streams_sse_chat_and_completions() -> None:
     sent = fake.bodies[0]
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert sent["ignore_eos"] is True and sent["max_tokens"] == 3 and sent["model"] == "fake-model"
+    assert sent["temperature"] == 0.7 and sent["top_p"] == 0.9
     assert fake.bodies[1]["prompt"] == [5, 6, 7]
     for r in (chat, comp):
         assert r.success, r.error
@@ -466,6 +468,29 @@ def test_client_side_text_with_the_workers_tokenizer_over_the_wire(
         as_text(chats[0], bare)
     with pytest.raises(ValueError, match="--tokenizer"):
         load_tokenizer(str(tmp_path / "nothing.bin"), target="unused:1")
+
+
+def test_grpc_backend_sends_top_p_only_below_one() -> None:
+    from clients.bench.backend_grpc import GrpcBackend
+
+    sent: list[dict[str, Any]] = []
+
+    class Call:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise StopAsyncIteration
+
+    async def go() -> None:
+        for top_p in (0.9, 1.0):
+            be = GrpcBackend("127.0.0.1:1", ignore_eos=True, temperature=0.7, top_p=top_p)
+            be.client.generate = lambda **kw: sent.append(kw) or Call()  # type: ignore[method-assign]
+            await be.send(ds.BenchRequest(0, 3, "random", token_ids=[5, 6]))
+            await be.client.close()
+
+    asyncio.run(go())
+    assert [(kw["temperature"], kw["top_p"]) for kw in sent] == [(0.7, 0.9), (0.7, None)]
 
 
 def test_chat_run_with_fixed_concurrency(worker: Worker, tmp_path: Path) -> None:

@@ -98,6 +98,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true",
                    help="generate exactly --output-len tokens per request (equal work)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling's top_p, sent when below 1 (default 1: off)")
     g.add_argument("--seed", type=int, default=0, help="same seed, same requests and arrivals (default 0)")
 
     g = r.add_argument_group("load")

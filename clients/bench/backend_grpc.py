@@ -29,6 +29,7 @@ class GrpcBackend:
         *,
         ignore_eos: bool,
         temperature: float,
+        top_p: float = 1.0,
         token: str | None = None,
         timeout: float | None = None,
     ) -> None:
@@ -37,6 +38,7 @@ class GrpcBackend:
         self.target = target
         self.ignore_eos = ignore_eos
         self.temperature = temperature
+        self.top_p = top_p
 
     async def describe(self) -> dict[str, Any]:
         """The model, and the worker's whole configuration (its flags) and versions as
@@ -77,6 +79,7 @@ class GrpcBackend:
             **inputs,
             max_tokens=req.output_len,
             temperature=self.temperature,
+            top_p=self.top_p if self.top_p < 1 else None,
             ignore_eos=self.ignore_eos,
         )
         try:

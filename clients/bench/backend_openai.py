@@ -36,6 +36,7 @@ class OpenAIBackend:
         *,
         ignore_eos: bool,
         temperature: float,
+        top_p: float = 1.0,
         model: str | None = None,
         api_key: str | None = None,
         timeout: float | None = None,
@@ -45,6 +46,7 @@ class OpenAIBackend:
         self.model = model
         self.ignore_eos = ignore_eos
         self.temperature = temperature
+        self.top_p = top_p
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -65,6 +67,8 @@ class OpenAIBackend:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.top_p < 1:
+            body["top_p"] = self.top_p
         if self.ignore_eos:
             body["ignore_eos"] = True
         if req.messages is not None:

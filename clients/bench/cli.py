@@ -46,11 +46,12 @@ def make_backend(args: argparse.Namespace) -> Backend:
         from clients.bench.backend_grpc import GrpcBackend
 
         return GrpcBackend(args.target or default_target(), ignore_eos=args.ignore_eos,
-                           temperature=args.temperature, token=args.token, timeout=args.timeout)
+                           temperature=args.temperature, top_p=args.top_p, token=args.token,
+                           timeout=args.timeout)
     from clients.bench.backend_openai import OpenAIBackend
 
     return OpenAIBackend(args.base_url, ignore_eos=args.ignore_eos, temperature=args.temperature,
-                         model=args.model, api_key=args.api_key, timeout=args.timeout)
+                         top_p=args.top_p, model=args.model, api_key=args.api_key, timeout=args.timeout)
 
 
 def make_dataset(args: argparse.Namespace, vocab_size: int,
