@@ -1,6 +1,7 @@
 """One stream, served against offline (issue 21): the same greedy chat request, decoded by the
-engine in this process (`Engine.generate`) and by an `llm-worker serve` process over gRPC, in
-alternating rounds on one machine. Decode speed is tokens after the first over the time from
+engine in a process of its own as `llm-worker generate` runs it (`Engine.generate`,
+benchmarks.offline_engine) and by an `llm-worker serve` process over gRPC, in alternating
+rounds on one machine. Decode speed is tokens after the first over the time from
 the first to the last (time to first token is reported apart), so prompt work does not blur it.
 The ratio is the median over rounds of served / offline within the round (its two halves run
 back to back, so the machine's drift in memory bandwidth, which moves both by up to 2x within
@@ -18,8 +19,9 @@ at once, idle but for their turn); each round runs offline, then every worker in
 each worker gets its own ratio (results under `served@N`; `served` is the first one's).
 
 The served request is streamed by `benchmarks.stream_client`, a client in a process of its own
-as a user's is (`--clients inline`: by this process, beside the loaded offline engine, as
-before session 20; `--clients process,inline` measures both, a worker each, `served@N/inline`).
+as a user's is (`--clients inline`: by this process; `--clients process,inline` measures both,
+a worker each, `served@N/inline`). Before session 20 the offline engine and the client both
+lived in this process: the client's CPU a token was ~0.45 ms there against ~0.33 ms alone.
 """
 
 from __future__ import annotations
@@ -36,13 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stream_client import PROMPT, stream_round
+from benchmarks.stream_client import stream_round
 from clients.bench.environment import environment, recorded
 from clients.client import WorkerClient
-from scheduler.request import SamplingParams
-from worker.config import CacheConfig, ModelConfig, WorkerConfig
-from worker.engine import Engine
-from worker.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,21 +53,30 @@ def _decode_rate(times: list[float], counts: list[int]) -> tuple[float, float]:
     return first - start, after / (times[-1] - first)
 
 
-def offline_round(engine: Engine, ids: list[int], max_tokens: int) -> dict[str, float]:
-    req = engine.make_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                  ignore_eos=True))
-    times, counts = [time.perf_counter()], [0]
+class Offline:
+    """The engine in a process of its own, as `llm-worker generate` runs it
+    (benchmarks.offline_engine)."""
 
-    def on_output(outs: list[Any]) -> None:
-        n = sum(len(o.new_token_ids) for o in outs)
-        if n:
-            times.append(time.perf_counter())
-            counts.append(n)
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.offline_engine", json.dumps(fields)], cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("benchmarks.offline_engine exited before it was ready")
+        self.info = json.loads(line)
 
-    (done,) = engine.generate([req], on_output=on_output)
-    assert len(done.token_ids) == max_tokens, len(done.token_ids)
-    ttft, rate = _decode_rate(times, counts)
-    return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": len(done.token_ids)}
+    def round(self, max_tokens: int) -> dict[str, float]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{max_tokens}\n")
+        self.proc.stdin.flush()
+        got = json.loads(self.proc.stdout.readline())
+        ttft, rate = _decode_rate(got["times"], got["counts"])
+        return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": sum(got["counts"])}
+
+    def close(self) -> None:
+        self.proc.communicate("\n", timeout=60)
 
 
 class Served:
@@ -160,9 +167,8 @@ def main() -> None:
                    help="comma-separated --stream-interval values, one worker each")
     p.add_argument("--clients", default="process",
                    help="comma-separated: 'process' (the client in a process of its own, as a "
-                        "user's is) and/or 'inline' (in this process, beside the offline engine; "
-                        "the figures before session 20); a worker each, results under served@N "
-                        "and served@N/inline")
+                        "user's is) and/or 'inline' (in this process); a worker each, results "
+                        "under served@N and served@N/inline")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args()
     intervals = [int(x) for x in a.stream_intervals.split(",")]
@@ -170,13 +176,7 @@ def main() -> None:
     if not clients or not set(clients) <= {"process", "inline"}:
         p.error(f"--clients: 'process' and/or 'inline', not {a.clients[:40]!r}")
 
-    model = ModelConfig(**_engine_args(a.engine_arg))
-    loaded = load_model(model.model, "cpu", __import__("torch").float32)
-    engine = Engine(WorkerConfig(model=model, cache=CacheConfig(enable_prefix_caching=False)),
-                    loaded=loaded)
-    assert engine.tokenizer is not None
-    ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
-    offline_round(engine, ids, 8)  # warm-up
+    offline = Offline(_engine_args(a.engine_arg))
     served: dict[str, Served] = {}
     rounds: dict[str, list[dict[str, float]]] = {"offline": []}
     try:
@@ -188,13 +188,14 @@ def main() -> None:
         for worker in served.values():
             worker.round(8)  # warm-up
         for r in range(a.rounds):
-            rounds["offline"].append(offline_round(engine, ids, a.max_tokens))
+            rounds["offline"].append(offline.round(a.max_tokens))
             line = f"round {r + 1}: offline {rounds['offline'][-1]['decode_tok_s']:.1f} tok/s"
             for mode, worker in served.items():
                 rounds[mode].append(worker.round(a.max_tokens))
                 line += f", {mode} {rounds[mode][-1]['decode_tok_s']:.1f}"
             print(line, flush=True)
     finally:
+        offline.close()
         for worker in served.values():
             worker.close()
     summary: dict[str, dict[str, float]] = {}
@@ -221,13 +222,14 @@ def main() -> None:
     summary["served"] = summary[first]  # the key earlier records have
     if a.output_json:
         result = {"command": recorded(" ".join(["python -m benchmarks.served_vs_offline", *sys.argv[1:]])),
-                  "prompt_tokens": len(ids), "max_tokens": a.max_tokens, "rounds": rounds,
+                  "prompt_tokens": offline.info["prompt_tokens"], "max_tokens": a.max_tokens, "rounds": rounds,
                   "summary": summary, "served_over_offline": ratios[first],
                   "served_over_offline_of_medians": of_medians[first],
                   "stream_intervals": intervals, "clients": clients,
                   "served_over_offline_by_mode": ratios,
                   "served_over_offline_of_medians_by_mode": of_medians,
-                  "kernels": engine.runner.describe_kernels(), "environment": environment(),
+                  "kernels": offline.info["kernels"],
+                  "omp_wait_policy": offline.info["omp_wait_policy"], "environment": environment(),
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         a.output_json.parent.mkdir(parents=True, exist_ok=True)
         a.output_json.write_text(json.dumps(result, indent=1) + "\n")

@@ -5,6 +5,7 @@ virtual environment; here, in the suite's own environment, the extras are made u
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from llmworker.v1 import worker_pb2 as pb
 from llmworker.v1 import worker_pb2_grpc
 
 from tests import blocked_imports
+from worker.openmp_env import c_kernels_will_run
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180
@@ -64,6 +66,8 @@ def test_worker_starts_answers_and_stops_without_any_extra() -> None:
     try:
         m = wait_for(r"listening on (\S+):(\d+)")
         wait_for(r"serving .* on ")
+        if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys() and c_kernels_will_run("auto", "auto"):
+            wait_for(r"OpenMP wait policy: PASSIVE\b")  # chosen by the CLI (worker.openmp_env)
         with grpc.insecure_channel(f"{m.group(1)}:{m.group(2)}") as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             req = pb.GenerateRequest(text="The capital of France is",

@@ -13,6 +13,7 @@ import sys
 import time
 
 from worker import config as cfgmod
+from worker import openmp_env
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -57,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(cfgmod.from_args(args)))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_plan: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,16 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the gRPC API (llmworker.v1.WorkerService)")
     cfgmod.add_arguments(srv)
     srv.set_defaults(func=_serve)
-    from worker import plan  # llm-worker plan: capacity planning from the model's config
+    if with_plan:
+        # llm-worker plan: capacity planning from the model's config (it imports torch)
+        from worker import plan
 
-    plan.add_parser(sub)
+        plan.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # serve and generate parse without `plan`'s subparser, whose module loads torch: their
+    # OpenMP settings are chosen before torch loads (worker.openmp_env).
+    args = build_parser(with_plan=argv[:1] not in (["serve"], ["generate"])).parse_args(argv)
     try:
+        if args.func in (_serve, _generate):  # before anything loads torch (worker.openmp_env)
+            model = cfgmod.from_args(args).model
+            openmp_env.set_default_wait_policy(model.kernels, model.device)
         return args.func(args)
     except ValueError as e:  # bad input or a model that cannot load: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ GetServerStatus.config_json.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import uuid
 
@@ -182,6 +183,8 @@ async def serve(config: WorkerConfig) -> int:
                 placed = cpu_placement.place_threads(thread.native_id, torch.get_num_threads())
                 if placed:
                     _say(f"threads: {placed}")
+            if str(engine.loaded.device) == "cpu":  # set by the CLI, or not (worker.openmp_env)
+                _say(f"OpenMP wait policy: {os.environ.get('OMP_WAIT_POLICY', 'libgomp default')}")
             door.attach(bridge)
             if hub is not None:
                 bridge.step_observers.append(hub)
