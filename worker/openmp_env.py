@@ -31,6 +31,8 @@ _C_KERNEL_FLAGS = {"avx2", "fma", "f16c"}
 
 
 def _cpu_flags() -> set[str]:
+    # As ops.cpu_kernels reads them; not imported from there: `ops` loads torch on import,
+    # and this must run before torch loads.
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
