@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.stream_client import PROMPT
+from benchmarks.stream_client import PROMPT, answer_rounds
 from worker import openmp_env
 
 
@@ -62,10 +62,7 @@ def main() -> None:
     offline_round(engine, ids, 8)  # warm-up
     print(json.dumps({"prompt_tokens": len(ids), "kernels": engine.runner.describe_kernels(),
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}), flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            break
-        print(json.dumps(offline_round(engine, ids, int(line))), flush=True)
+    answer_rounds(lambda max_tokens: offline_round(engine, ids, max_tokens))
 
 
 if __name__ == "__main__":

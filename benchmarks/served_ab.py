@@ -29,12 +29,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.llamacpp_side_by_side import WORKLOADS, bench, our_worker, write_gguf_tokenizer
+from benchmarks.llamacpp_side_by_side import (
+    RATIOS,
+    WORKLOADS,
+    bench,
+    our_worker,
+    write_gguf_tokenizer,
+)
 from clients.bench.environment import environment, recorded
 
 ROOT = Path(__file__).resolve().parents[1]
-METRIC = {"one_stream": ("decode_tokens_per_s", False), "long_context": ("decode_tokens_per_s", False),
-          "64_streams": ("output_throughput", False), "long_prompt": ("ttft_ms_median", True)}
 
 
 def parse_side(text: str) -> tuple[str, Path, dict[str, str], list[str]]:
@@ -73,16 +77,17 @@ def main() -> None:
                 one = {n: bench(["--backend", "grpc", "--target", addrs[n]], w, tok, seed=r,
                                 extra=a.bench_arg) for n in order}
                 rounds[w].append(one)
-                key = METRIC[w][0]
+                key = RATIOS[w][1]
                 print(f"{w} round {r + 1}: " + ", ".join(f"{n} {one[n][key]:.1f}" for n in names),
                       flush=True)
     summary: dict[str, Any] = {}
     for w in workloads:
-        key, lower_better = METRIC[w]
+        # The side-by-side's metric and direction: above 1, this side is ahead of the first.
+        _, key, higher_better = RATIOS[w]
         med = {n: statistics.median(x[n][key] for x in rounds[w]) for n in names}
         ratios = {}
         for n in names[1:]:
-            per_round = [(x[names[0]][key] / x[n][key]) if lower_better else (x[n][key] / x[names[0]][key])
+            per_round = [(x[n][key] / x[names[0]][key]) if higher_better else (x[names[0]][key] / x[n][key])
                          for x in rounds[w]]
             ratios[n] = statistics.median(per_round)
         summary[w] = {"metric": key, "median": med, f"over_{names[0]}": ratios}

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.stream_client import stream_round
+from benchmarks.stream_client import ask_round, stream_round
 from clients.bench.environment import environment, recorded
 from clients.client import WorkerClient
 
@@ -68,10 +68,7 @@ class Offline:
         self.info = json.loads(line)
 
     def round(self, max_tokens: int) -> dict[str, float]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{max_tokens}\n")
-        self.proc.stdin.flush()
-        got = json.loads(self.proc.stdout.readline())
+        got = ask_round(self.proc, max_tokens)
         ttft, rate = _decode_rate(got["times"], got["counts"])
         return {"ttft_s": ttft, "decode_tok_s": rate, "tokens": sum(got["counts"])}
 
@@ -116,20 +113,10 @@ class Served:
         # schedstat's first field: nanoseconds on a CPU, exact (stat's ticks are sampled).
         return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
 
-    def _stream(self, max_tokens: int) -> dict[str, Any]:
-        if self.streamer is None:
-            return stream_round(self.client, max_tokens)
-        assert self.streamer.stdin is not None and self.streamer.stdout is not None
-        self.streamer.stdin.write(f"{max_tokens}\n")
-        self.streamer.stdin.flush()
-        line = self.streamer.stdout.readline()  # this process sleeps until the round ends
-        if not line:
-            raise RuntimeError("benchmarks.stream_client exited")
-        return json.loads(line)
-
     def round(self, max_tokens: int) -> dict[str, float]:
         loop0 = self._loop_cpu_s()
-        got = self._stream(max_tokens)
+        got = (stream_round(self.client, max_tokens) if self.streamer is None
+               else ask_round(self.streamer, max_tokens))
         loop_cpu = self._loop_cpu_s() - loop0
         tokens = sum(got["counts"])
         assert tokens == max_tokens, tokens

@@ -18,8 +18,11 @@ compute threads on a two-core machine.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from clients.client import WorkerClient
 
@@ -38,13 +41,31 @@ def stream_round(client: WorkerClient, max_tokens: int) -> dict[str, object]:
     return {"times": times, "counts": counts, "cpu_s": time.process_time() - cpu0}
 
 
+def answer_rounds(run_round: Callable[[int], dict[str, Any]]) -> None:
+    """A round child's side of the line protocol (this client's and
+    benchmarks.offline_engine's): each stdin line a round's max_tokens, answered by one JSON
+    line on stdout; an empty line or end of input ends it."""
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        print(json.dumps(run_round(int(line))), flush=True)
+
+
+def ask_round(child: subprocess.Popen[str], max_tokens: int) -> dict[str, Any]:
+    """The parent's side: one round of `child` (this process sleeps until it ends)."""
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(f"{max_tokens}\n")
+    child.stdin.flush()
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{' '.join(map(str, child.args))[:200]} exited")
+    return json.loads(line)
+
+
 def main() -> None:
     (address,) = sys.argv[1:]
     with WorkerClient(address, timeout=600, retry=False) as client:
-        for line in sys.stdin:
-            if not line.strip():
-                break
-            print(json.dumps(stream_round(client, int(line))), flush=True)
+        answer_rounds(lambda max_tokens: stream_round(client, max_tokens))
 
 
 if __name__ == "__main__":
