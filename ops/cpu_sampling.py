@@ -3,8 +3,9 @@
 `sample_ref`'s contract (ops/sampling.py), at a small part of its cost: on a 49k vocabulary
 the reference took ~1.3 ms a row at temperature 1 and ~4.7 ms with top-p or top-k (a
 sort of the row), on top of a ~3.5 ms batch-1 decode step, and ~100-230 ms for 64 rows
-(BENCHMARKS.md, session 20). Penalties and logprobs stay the reference's torch code (the
-kernel reads the penalized logits); plain greedy steps keep its numpy argmax.
+(BENCHMARKS.md, session 20). Penalties are a C pass over each row's seen tokens alone
+(`penalize_c`, cpu_kernels/penalties.c), logprobs two read-only passes a row
+(`ops.cpu_logprobs`); plain greedy steps keep the reference's numpy argmax.
 
 What differs from the reference, as with the Triton kernel: its own random stream (an
 inverse-CDF draw from one 64-bit key a row: `seed_key(seed, step)` for a seeded row, so
@@ -22,14 +23,14 @@ import functools
 import numpy as np
 import torch
 
-from ops import cpu_kernels
+from ops import cpu_kernels, cpu_logprobs
+from ops.cpu_logprobs import with_logprobs_c
 from ops.sampling import (
     SamplerOutput,
     SamplingTensors,
-    apply_penalties,
+    penalty_values,
     sample_ref,
     seed_key,
-    with_logprobs,
 )
 
 
@@ -43,8 +44,43 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def _penalties() -> ctypes.CDLL | None:
+    lib = cpu_kernels.load("penalties")
+    if lib is not None:
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        lib.penalize_rows.argtypes = [p, i64, i32, i32, p, p, p, p, p, p, i32]
+        lib.penalize_rows.restype = ctypes.c_int
+    return lib
+
+
 def available() -> bool:
-    return _library() is not None
+    """The sampler's kernels are built and loaded (the runner asks at start-up, so that no
+    request waits for gcc)."""
+    return _library() is not None and _penalties() is not None and cpu_logprobs.available()
+
+
+def penalize_c(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """`apply_penalties` for the C sampler: a copy of the float32 CPU logits with each row's
+    seen tokens penalized (cpu_kernels/penalties.c) and every other logit as it was. Equal
+    to the reference wherever the reference is finite; a non-finite logit stays non-finite
+    (the reference: -inf), which the sampler never draws either."""
+    pt = st.penalty_tokens
+    if pt is None:
+        return logits
+    lib = _penalties()
+    assert lib is not None
+    z = logits.clone(memory_format=torch.contiguous_format)
+    b, v = z.shape
+    rep, pres, freq = (t.reshape(-1).contiguous() for t in penalty_values(st))
+    ids, starts, lens = pt.ids.contiguous(), pt.starts.contiguous(), pt.prompt_lens.contiguous()
+    assert starts.numel() == b + 1, "one row of penalty tokens per row of logits"
+    rc = lib.penalize_rows(z.data_ptr(), z.stride(0), b, v, ids.data_ptr(), starts.data_ptr(),
+                           lens.data_ptr(), rep.data_ptr(), pres.data_ptr(), freq.data_ptr(),
+                           torch.get_num_threads())
+    if rc:
+        raise MemoryError("the C penalties could not allocate their scratch")
+    return z
 
 
 def _usable(logits: torch.Tensor) -> bool:
@@ -56,7 +92,7 @@ def _draw(logits: torch.Tensor, st: SamplingTensors, kept: torch.Tensor | None =
     """One token per row of the (penalized) logits."""
     lib = _library()
     assert lib is not None
-    z = apply_penalties(logits, st) if st.prompt_mask is not None else logits
+    z = penalize_c(logits, st)
     if z.stride(-1) != 1:
         z = z.contiguous()
     b, v = z.shape
@@ -82,9 +118,9 @@ def _draw(logits: torch.Tensor, st: SamplingTensors, kept: torch.Tensor | None =
 def sample_c(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] float32 -> one token per row; drop-in for sample_ref (which runs where
     the kernel cannot: not float32 CPU logits, not built here)."""
-    if not _usable(logits) or (st.all_greedy and st.prompt_mask is None and st.num_logprobs < 0):
+    if not _usable(logits) or (st.all_greedy and st.penalty_tokens is None and st.num_logprobs < 0):
         return sample_ref(logits, st)  # plain greedy: its numpy argmax is as cheap
-    return with_logprobs(logits, _draw(logits, st), st)
+    return with_logprobs_c(logits, _draw(logits, st), st)
 
 
 def inspect_c(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -347,7 +347,7 @@ def _launch(
         logits = logits.contiguous()
     b, vocab = logits.shape
     dev = logits.device
-    has_pen = st.prompt_mask is not None
+    has_pen = st.penalty_tokens is not None
     do_sample = not st.all_greedy
     want_lp = st.num_logprobs >= 0
     tokens = torch.empty(b, dtype=torch.int64, device=dev)
@@ -359,9 +359,9 @@ def _launch(
     chosen = torch.empty((b, 2) if want_lp else (1,), dtype=torch.float32, device=dev)
     kept = torch.empty((b, vocab) if debug else (1,), dtype=torch.int8, device=dev)
     if has_pen:
-        assert st.prompt_mask is not None and st.output_counts is not None
-        prompt = st.prompt_mask.contiguous().view(torch.uint8)
-        counts = st.output_counts.to(torch.float32).contiguous()
+        assert st.penalty_tokens is not None
+        prompt_mask, counts = st.penalty_tokens.dense(vocab, dev)
+        prompt = prompt_mask.view(torch.uint8)
     else:
         prompt, counts = tokens, work  # never read
     block, num_warps = _config(vocab)
@@ -383,7 +383,7 @@ def sample_triton(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] -> one token per row; drop-in for sample_ref, all on the logits' device."""
     if logits.shape[0] == 0:
         return sample_ref(logits, st)  # nothing to launch; the reference handles empty shapes
-    if st.all_greedy and st.prompt_mask is None and st.num_logprobs < 0:
+    if st.all_greedy and st.penalty_tokens is None and st.num_logprobs < 0:
         # Plain argmax: torch spreads a row over many blocks, faster than one program per row.
         return SamplerOutput(finite_logits(logits).argmax(-1), None, None, None)
     tokens, chosen, _, _ = _launch(logits, st)

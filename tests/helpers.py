@@ -36,11 +36,13 @@ def last_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 16) -
 
 
 @torch.inference_mode()
-def hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of one prompt, stopping at EOS as it does by default."""
+def hf_greedy(hf_model, ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """transformers' greedy continuation of one prompt, stopping at EOS as it does by default
+    (`generate_kwargs`: e.g. repetition_penalty)."""
     out = hf_model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=hf_model.config.eos_token_id,
+        **generate_kwargs,
     )
     return out[0, len(ids):].tolist()
 

@@ -22,7 +22,7 @@ __all__ = ["penalty_inputs"]  # re-exported for the kernels' tests
 
 def scaled_ref(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Penalized logits / temperature, as sample_ref computes them (greedy rows: T = 1)."""
-    z = apply_penalties(logits, st) if st.prompt_mask is not None else logits
+    z = apply_penalties(logits, st) if st.penalty_tokens is not None else logits
     temp = torch.where(st.temperature < SAMPLING_EPS, torch.ones_like(st.temperature), st.temperature)
     return z / temp[:, None]
 

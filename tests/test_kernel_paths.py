@@ -17,9 +17,20 @@ NEW_TOKENS = 16
 PROMPTS = 4
 
 
+REPETITION_PENALTY = 1.3
+
+
 @pytest.fixture(scope="module")
 def hf_outputs(hf_model, chat_prompt_ids) -> list[list[int]]:
     return [hf_greedy(hf_model, ids, NEW_TOKENS) for ids in chat_prompt_ids[:PROMPTS]]
+
+
+@pytest.fixture(scope="module")
+def hf_penalized(hf_model, chat_prompt_ids) -> list[list[int]]:
+    """transformers' repetition penalty divides (or multiplies) the logit of every token in
+    the prompt and the output so far, as ours does."""
+    return [hf_greedy(hf_model, ids, NEW_TOKENS, repetition_penalty=REPETITION_PENALTY)
+            for ids in chat_prompt_ids[:PROMPTS]]
 
 
 @pytest.mark.parametrize("model", [
@@ -30,7 +41,7 @@ def hf_outputs(hf_model, chat_prompt_ids) -> list[list[int]]:
     pytest.param(ModelConfig(kernels="c", cpu_activations="int16"), marks=pytest.mark.skipif(
         not ops.c_kernels_available(), reason="the C kernels cannot be built here")),
 ], ids=["torch", "c", "c-int16"])
-def test_greedy_tokens_match_transformers_on_each_path(model, chat_prompt_ids, hf_outputs) -> None:
+def test_greedy_tokens_match_transformers_on_each_path(model, chat_prompt_ids, hf_outputs, hf_penalized) -> None:
     with ops.use_backend("auto"):  # restored after the engine sets its own
         engine = Engine(WorkerConfig(model=model), loaded=load_model("default"))
         kernels = engine.runner.describe_kernels()
@@ -40,6 +51,14 @@ def test_greedy_tokens_match_transformers_on_each_path(model, chat_prompt_ids, h
             assert "decode attention: C kernel" in kernels and "QuantLinear" in kernels
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
         done = engine.generate([engine.make_request(ids, params) for ids in chat_prompt_ids[:PROMPTS]])
+        # The penalty in a batch with an unpenalized row: each row counts its own tokens only.
+        penalized = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, repetition_penalty=REPETITION_PENALTY)
+        pen = engine.generate([engine.make_request(ids, penalized) for ids in chat_prompt_ids[:PROMPTS]]
+                              + [engine.make_request(chat_prompt_ids[0], params)])
         assert engine.kv.num_free_blocks == engine.budget.num_blocks
     for i, (c, want) in enumerate(zip(done, hf_outputs, strict=True)):
         assert c.token_ids == want, f"prompt {i} ({model.kernels}): {c.token_ids} != {want}"
+    assert pen[-1].token_ids == hf_outputs[0]
+    assert [c.token_ids for c in pen[:-1]] != hf_outputs  # the penalty changed some continuation
+    for i, (c, want) in enumerate(zip(pen, hf_penalized, strict=False)):
+        assert c.token_ids == want, f"prompt {i} ({model.kernels}, penalized): {c.token_ids} != {want}"

@@ -14,6 +14,7 @@ import torch
 
 from ops.sampling import (
     SAMPLING_EPS,
+    PenaltyTokens,
     SamplingTensors,
     _top_k_top_p_min_p,
     apply_penalties,
@@ -80,8 +81,7 @@ def make_st(
         repetition_penalty=_col(repetition_penalty, b, torch.float32),
         presence_penalty=_col(presence_penalty, b, torch.float32),
         frequency_penalty=_col(frequency_penalty, b, torch.float32),
-        prompt_mask=prompt_mask,
-        output_counts=output_counts,
+        penalty_tokens=None if prompt_mask is None else PenaltyTokens.from_dense(prompt_mask, output_counts),
         seeds=list(seeds) if seeds is not None else [None] * b,
         steps=list(steps) if isinstance(steps, Sequence) else [steps] * b,
         all_greedy=all_greedy,
@@ -424,6 +424,27 @@ def penalty_inputs(seed: int, b: int = 5, v: int = 24):
     counts = torch.randint(0, 4, (b, v), generator=g).float()
     counts[torch.rand(b, v, generator=g) < 0.5] = 0.0
     return logits, prompt_mask, counts
+
+
+def test_penalty_tokens_give_the_prompt_mask_and_output_counts():
+    """Row 0: a prompt with a repeat and an output with repeats; row 1: nothing; row 2: a
+    token in both. dense() is what the reference and the Triton kernel read; from_dense is
+    its inverse up to the order of a row's tokens."""
+    v = 10
+    pt = PenaltyTokens.from_lists([([4, 2, 4], [7, 7, 1, 7]), ([], []), ([3], [3, 9])])
+    assert pt.ids.tolist() == [4, 2, 4, 7, 7, 1, 7, 3, 3, 9]
+    assert pt.starts.tolist() == [0, 7, 7, 10] and pt.prompt_lens.tolist() == [3, 0, 1]
+    mask, counts = pt.dense(v, torch.device("cpu"))
+    want_mask = torch.zeros(3, v, dtype=torch.bool)
+    want_mask[0, [2, 4]] = True
+    want_mask[2, 3] = True
+    want_counts = torch.zeros(3, v)
+    want_counts[0, 7], want_counts[0, 1], want_counts[2, 3], want_counts[2, 9] = 3, 1, 1, 1
+    assert torch.equal(mask, want_mask) and torch.equal(counts, want_counts)
+    again = PenaltyTokens.from_dense(mask, counts).dense(v, torch.device("cpu"))
+    assert torch.equal(again[0], want_mask) and torch.equal(again[1], want_counts)
+    with pytest.raises(AssertionError):
+        PenaltyTokens.from_dense(mask, counts * 0.5)  # counts are whole occurrences
 
 
 def test_apply_penalties_matches_reference_loop():

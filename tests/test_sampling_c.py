@@ -17,8 +17,8 @@ import torch
 
 import ops
 from ops import cpu_sampling
-from ops.cpu_sampling import inspect_c, sample_c
-from ops.sampling import apply_penalties, sample_ref
+from ops.cpu_sampling import inspect_c, penalize_c, sample_c
+from ops.sampling import PenaltyTokens, apply_penalties, sample_ref
 from tests.sampling_checks import (
     assert_kept_matches,
     check_distribution,
@@ -282,3 +282,99 @@ def test_the_c_backend_samples_with_the_kernel_and_others_fall_back():
         ops.set_backend(before)
     # Logits the kernel does not take (float64) are the reference's.
     assert torch.equal(sample_c(logits.double(), st).token_ids, sample_ref(logits.double(), st).token_ids)
+
+
+# ----- penalties at the seen tokens alone (penalize_c, cpu_kernels/penalties.c) -------------
+
+
+def _seen_tokens(b: int, v: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Per row: prompt tokens (with repeats) and output tokens (repeats: counts up to 4);
+    row 1 sees nothing, row 2 only a prompt, row 3 only an output."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for r in range(b):
+        prompt = torch.randint(0, v, (int(torch.randint(1, 300, (1,), generator=g)),), generator=g).tolist()
+        output = torch.randint(0, v, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        output += output[: len(output) // 3] * 3  # repeated output tokens
+        output += prompt[:5]  # some tokens in both
+        rows.append(([] if r in (1, 3) else prompt, [] if r in (1, 2) else output))
+    return rows
+
+
+def _hostile_logits(b: int, v: int, rows) -> torch.Tensor:
+    """Logits whose seen tokens include +-3e38, NaN, +inf, -inf, zeros of both signs."""
+    logits = rand_logits(b, v, seed=31, scale=4.0)
+    for r, (prompt, output) in enumerate(rows):
+        seen = prompt + output
+        for j, x in zip(seen[::7], [3e38, -3e38, float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-45], strict=False):
+            logits[r, j] = x
+    return logits
+
+
+def _assert_same_where_finite(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The reference's finite logits exactly; where it has -inf (a non-finite logit), a
+    non-finite one (never drawn either way)."""
+    finite = torch.isfinite(want)
+    assert torch.equal(got[finite], want[finite])
+    assert not bool(torch.isfinite(got[~finite]).any())
+
+
+@pytest.mark.parametrize("v", [24, 49152])
+def test_penalties_at_seen_tokens_match_the_reference(v):
+    b = 9
+    rows = _seen_tokens(b, v, seed=v)
+    logits = _hostile_logits(b, v, rows)
+    st = make_st(
+        b, temperature=0.8,
+        repetition_penalty=[1.3, 1.3, 0.7, 1.0, 1e-45, 3e38, float("nan"), 1.1, 2.0],
+        presence_penalty=[0.5, 0.5, -0.4, 1.0, 3e38, 0.0, -3e38, float("nan"), 0.2],
+        frequency_penalty=[0.2, 0.2, 0.3, -1.0, 0.0, -3e38, 3e38, 0.5, float("nan")],
+    )
+    st.penalty_tokens = PenaltyTokens.from_lists(rows)
+    want = apply_penalties(logits, st)
+    got = penalize_c(logits, st)
+    _assert_same_where_finite(got, want)
+    assert not torch.equal(got, logits)  # it did penalize
+    unseen = torch.ones(b, v, dtype=torch.bool)
+    for r, (prompt, output) in enumerate(rows):
+        unseen[r, prompt + output] = False
+    finite_unseen = unseen & logits.isfinite()
+    assert torch.equal(got[finite_unseen], logits[finite_unseen])  # untouched
+    # the same bits on one thread as on two, and from rows that are a slice of wider ones
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(penalize_c(logits, st).nan_to_num(), got.nan_to_num())
+    finally:
+        torch.set_num_threads(threads)
+    wide = torch.cat([logits, torch.zeros(b, 5)], dim=1)[:, :v]
+    assert wide.stride(0) == v + 5
+    assert torch.equal(penalize_c(wide, st).nan_to_num(), got.nan_to_num())
+
+
+def test_penalties_skip_token_ids_outside_the_vocabulary():
+    """The door admits none, but a stray id must not write outside the row."""
+    v = 50
+    logits = rand_logits(2, v, seed=4)
+    st = make_st(2, repetition_penalty=1.5, frequency_penalty=0.5)
+    st.penalty_tokens = PenaltyTokens.from_lists([([3, v, -1, 2**31 - 1], [7, v + 1, 7]), ([], [-5, 9])])
+    st_clean = make_st(2, repetition_penalty=1.5, frequency_penalty=0.5)
+    st_clean.penalty_tokens = PenaltyTokens.from_lists([([3], [7, 7]), ([], [9])])
+    assert torch.equal(penalize_c(logits, st), apply_penalties(logits, st_clean))
+
+
+def test_sampled_tokens_with_penalties_equal_the_dense_penalties():
+    """The draw reads the sparse penalties: the same tokens as from the reference's dense
+    penalized logits, for seeded sampled rows and greedy ones."""
+    b, v = 9, 49152
+    rows = _seen_tokens(b, v, seed=5)
+    logits = rand_logits(b, v, seed=6, scale=3.0)
+    cols = dict(temperature=[0.0, 0.7, 1.0, 0.0, 0.9, 1.2, 0.6, 0.0, 0.8], top_p=0.9,
+                repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3,
+                seeds=list(range(b)), steps=3)
+    st = make_st(b, **cols)
+    st.penalty_tokens = PenaltyTokens.from_lists(rows)
+    dense = apply_penalties(logits, st)
+    plain = make_st(b, **{**cols, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0})
+    assert torch.equal(tokens(logits, st), tokens(dense, plain))
+    assert not torch.equal(tokens(logits, st), tokens(logits, plain))

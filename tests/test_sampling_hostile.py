@@ -126,7 +126,7 @@ def test_every_parameter_extreme_at_once(backend: str, value: float) -> None:
     for all_greedy in (False, True):
         st = dataclasses.replace(st, all_greedy=all_greedy)
         _check(logits, _sample(backend, logits, st), f"all at {value} {backend}")
-    no_pen = dataclasses.replace(st, prompt_mask=None, output_counts=None, all_greedy=True, num_logprobs=-1)
+    no_pen = dataclasses.replace(st, penalty_tokens=None, all_greedy=True, num_logprobs=-1)
     _check(logits, _sample(backend, logits, no_pen), f"greedy shortcut {backend}")
 
 

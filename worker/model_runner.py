@@ -48,7 +48,7 @@ import ops
 from ops import cpu_attention, cpu_decoder, cpu_sampling, huge_pages, quantized_linear
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
-from ops.sampling import SamplingTensors, greedy_ids_cpu
+from ops.sampling import PenaltyTokens, SamplingTensors, greedy_ids_cpu
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from worker import prompt_logprobs
@@ -409,17 +409,13 @@ class ModelRunner:
               p.frequency_penalty] for p in ps], dtype=torch.float32,
         ).t().to(self.device, non_blocking=True)
 
-        penalties = any(p.penalized for p in ps)
-        prompt_mask = output_counts = None
-        if penalties:
-            b, v = len(reqs), self.vocab_size
-            prompt_mask = torch.zeros(b, v, dtype=torch.bool, device=self.device)
-            output_counts = torch.zeros(b, v, dtype=torch.float32, device=self.device)
-            for i, r in enumerate(reqs):
-                prompt_mask[i, self._tensor(r.prompt_token_ids)] = True
-                if r.output_token_ids or prior[i]:
-                    out = self._tensor(r.output_token_ids + prior[i])
-                    output_counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+        penalty_tokens = None
+        if any(p.penalized for p in ps):
+            # Rows without penalties count no token: their seen logits stay as they are.
+            penalty_tokens = PenaltyTokens.from_lists([
+                (r.prompt_token_ids, r.output_token_ids + d) if p.penalized else ([], [])
+                for r, p, d in zip(reqs, ps, prior, strict=True)
+            ])
         wants = [p.logprobs for p in ps if p.logprobs is not None]
         return SamplingTensors(
             temperature=floats[0],
@@ -429,8 +425,7 @@ class ModelRunner:
             repetition_penalty=floats[3],
             presence_penalty=floats[4],
             frequency_penalty=floats[5],
-            prompt_mask=prompt_mask,
-            output_counts=output_counts,
+            penalty_tokens=penalty_tokens,
             seeds=[p.seed for p in ps],
             steps=[r.num_output_tokens + len(d) for r, d in zip(reqs, prior, strict=True)],
             all_greedy=all(p.greedy for p in ps),
