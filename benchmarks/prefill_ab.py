@@ -8,7 +8,9 @@ Both sides run at once as two warm processes (the other checkout is `before`, th
 each measurement runs on one side, then the same on the other (the order flips every round),
 so that both see the same minute of a machine whose speed drifts by 20-30% over minutes.
 Workloads: per prompt length P, one request of P new tokens and one output token (the
-whole prefill one step: the token budget is P); `mixed`: 32 requests of 100 prompt tokens
+whole prefill one step: the token budget is P); `prompt_logprobs` (with --workloads): the
+same requests asking for 5 prompt logprobs (`logprobs:P`, how an evaluation harness scores
+a text); `mixed`: 32 requests of 100 prompt tokens
 and 8 output tokens each under a 256-token budget, prefill chunks sharing most steps with
 decodes; `decode64`: 64 requests of 8 prompt tokens and 48 output tokens each, at once (one
 prefill step of 512 rows, then 47 decode steps of 64 rows: mostly the 64-stream step); `spec` and `plain` (with
@@ -88,10 +90,12 @@ for n, line in enumerate(sys.stdin):
         e = engine(512, 64)
         reqs = [e.make_request([(7 * i + j + 1000 * n) % 40000 + 100 for j in range(8)],
                                SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)) for i in range(64)]
-    else:
-        e = engine(work, 1)
-        reqs = [e.make_request([(7 * j + n) % 40000 + 100 for j in range(work)],
-                               SamplingParams(temperature=0, max_tokens=1))]
+    else:  # P, or "logprobs:P": the same with 5 prompt logprobs (an evaluation harness's scoring)
+        plp = 5 if isinstance(work, str) else None
+        length = int(work.split(":")[1]) if plp else work
+        e = engine(length, 1)
+        reqs = [e.make_request([(7 * j + n) % 40000 + 100 for j in range(length)],
+                               SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=plp))]
     t0 = time.perf_counter()
     e.generate(reqs)
     print(json.dumps(time.perf_counter() - t0), flush=True)
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--against", help="root of the other checkout (its code runs as 'before')")
     ap.add_argument("--prompts", default="300,1000,2000", help="prompt lengths timed alone")
     ap.add_argument("--workloads", default="prompts,mixed",
-                    help="comma list of: prompts (each of --prompts), mixed, decode64, spec, plain")
+                    help="comma list of: prompts (each of --prompts), prompt_logprobs (each of "
+                         "--prompts with 5 prompt logprobs), mixed, decode64, spec, plain")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch (and kernel) threads; 0 = torch's default")
     ap.add_argument("--output-json")
@@ -154,9 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     here = Path(__file__).resolve().parents[1]
     workloads: list[int | str] = []
     for w in args.workloads.split(","):
-        if w not in ("prompts", "mixed", "decode64", "spec", "plain"):
+        if w not in ("prompts", "prompt_logprobs", "mixed", "decode64", "spec", "plain"):
             ap.error(f"unknown workload {w!r}")
-        workloads += prompts if w == "prompts" else [w]
+        workloads += prompts if w == "prompts" else [f"logprobs:{p}" for p in prompts] if w == "prompt_logprobs" else [w]
     report: dict = {"environment": environment(), "prompts": prompts,
                     "times": {str(w): {"before": [], "after": []} for w in workloads}}
     sides = {"before": _Side(Path(args.against).resolve(), args, prompts), "after": _Side(here, args, prompts)}

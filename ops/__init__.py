@@ -6,7 +6,8 @@ Each op has up to three implementations with one signature:
   between calls; what every kernel is tested against;
 - a C kernel for the CPU, `*_c` (ops/cpu_*.py over ops/cpu_kernels/*.c, built with gcc on
   first use): today decode attention (`paged_attention_c`; its prefill chunks run the
-  reference) and sampling (`sample_c`, ops/cpu_sampling.py); ops without one run their
+  reference), sampling (`sample_c`, ops/cpu_sampling.py) and logprobs (`token_logprobs_c`,
+  ops/cpu_logprobs.py); ops without one run their
   reference under this backend;
 - a Triton kernel, `*_triton` (ops/<op>_triton.py).
 
@@ -46,7 +47,13 @@ from ops.block_copy import copy_blocks_ref, swap_blocks
 from ops.lora import LoraRows, LoraStack, lora_add_ref
 from ops.norm import rms_norm_ref
 from ops.rotary import RopeScaling, rope_cos_sin_cache, rotary_kv_write_ref
-from ops.sampling import SAMPLING_EPS, SamplerOutput, SamplingTensors, sample_ref
+from ops.sampling import (
+    SAMPLING_EPS,
+    SamplerOutput,
+    SamplingTensors,
+    sample_ref,
+    token_logprobs_ref,
+)
 
 BACKENDS = ("auto", "torch", "c", "triton")
 KernelPath = Literal["torch", "c", "triton"]
@@ -147,6 +154,10 @@ rotary_kv_write = _op(rotary_kv_write_ref, ("ops.rotary_triton", "rotary_kv_writ
 paged_attention = _op(paged_attention_ref, ("ops.attention_triton", "paged_attention_triton"),
                       c=("ops.cpu_attention", "paged_attention_c"))
 sample = _op(sample_ref, ("ops.sampling_triton", "sample_triton"), c=("ops.cpu_sampling", "sample_c"))
+# Prompt logprobs (worker/prompt_logprobs.py); the sampler's own take the same kernel. On
+# CUDA the reference (its log_softmax and topk are the GPU's own kernels).
+token_logprobs = _op(token_logprobs_ref, ("ops.sampling", "token_logprobs_ref"),
+                     c=("ops.cpu_logprobs", "token_logprobs_c"))
 copy_blocks = _op(copy_blocks_ref, ("ops.block_copy_triton", "copy_blocks_triton"))
 # Each LoRA row's adapter delta added to a linear's output (ops/lora.py): one gathered bmm
 # per layer in torch on the CPU (the C path has no kernel of its own: the linears are the
@@ -176,6 +187,7 @@ __all__ = [
     "set_backend",
     "silu_and_mul",
     "swap_blocks",
+    "token_logprobs",
     "use_backend",
     "uses_triton",
 ]

@@ -1,6 +1,7 @@
-"""Logprobs on the CPU with the C kernel (`cpu_kernels/logprobs.c`): `with_logprobs_c`.
+"""Logprobs on the CPU with the C kernel (`cpu_kernels/logprobs.c`): `token_logprobs_c`, the
+C backend's `ops.token_logprobs` (the sampler's logprobs and prompt logprobs).
 
-`with_logprobs`'s contract (ops/sampling.py), at a small part of its cost: on a 49k
+`token_logprobs_ref`'s contract (ops/sampling.py), at a small part of its cost: on a 49k
 vocabulary the reference (finite_logits, log_softmax, gather, topk over a [B, V] copy) took
 ~0.6 ms at batch 1 and ~40 ms a decode step at batch 64 with 5 logprobs. The kernel reads
 each row twice (the max and the top n by logit; the sum of exponentials) and writes only
@@ -24,7 +25,7 @@ import functools
 import torch
 
 from ops import cpu_kernels
-from ops.sampling import SamplerOutput, SamplingTensors, with_logprobs
+from ops.sampling import SamplerOutput, SamplingTensors, token_logprobs_ref
 
 MAX_TOP = 64  # the kernel's largest n (its buffer); OpenAI's API asks for at most 20
 
@@ -51,16 +52,13 @@ def _usable(logits: torch.Tensor, token_ids: torch.Tensor, n: int) -> bool:
             and token_ids.shape == logits.shape[:1] and available())
 
 
-def with_logprobs_c(logits: torch.Tensor, token_ids: torch.Tensor, st: SamplingTensors,
-                    clean: torch.Tensor | None = None) -> SamplerOutput:
-    """Drop-in for `with_logprobs(logits, token_ids, st, clean)`: chosen [B] float32, top_ids
-    [B, n] int64, top_logprobs [B, n] float32 (n = st.num_logprobs; the top ones None at
-    n = 0, all None at n < 0). `clean` only matters where the reference runs."""
-    n = st.num_logprobs
-    if n < 0:
-        return SamplerOutput(token_ids, None, None, None)
+def token_logprobs_c(logits: torch.Tensor, token_ids: torch.Tensor, n: int, clean: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Drop-in for `token_logprobs_ref(logits, token_ids, n, clean)`: chosen [B] float32,
+    and with n > 0 top ids [B, n] int64 and logprobs [B, n] float32 (else None, None).
+    `clean` only matters where the reference runs."""
     if not _usable(logits, token_ids, n):
-        return with_logprobs(logits, token_ids, st, clean)
+        return token_logprobs_ref(logits, token_ids, n, clean)
     lib = _library()
     assert lib is not None
     b, v = logits.shape
@@ -72,5 +70,12 @@ def with_logprobs_c(logits: torch.Tensor, token_ids: torch.Tensor, st: SamplingT
                           chosen.data_ptr(), None if top_ids is None else top_ids.data_ptr(),
                           None if top_lp is None else top_lp.data_ptr(), torch.get_num_threads())
     if rc:  # a token out of range: the reference raises torch's own error
-        return with_logprobs(logits, token_ids, st, clean)
-    return SamplerOutput(token_ids, chosen, top_ids, top_lp)
+        return token_logprobs_ref(logits, token_ids, n, clean)
+    return chosen, top_ids, top_lp
+
+
+def with_logprobs_c(logits: torch.Tensor, token_ids: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+    """`with_logprobs(logits, token_ids, st)` through `token_logprobs_c`."""
+    if st.num_logprobs < 0:
+        return SamplerOutput(token_ids, None, None, None)
+    return SamplerOutput(token_ids, *token_logprobs_c(logits, token_ids, st.num_logprobs))

@@ -292,9 +292,17 @@ def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, st: SamplingTen
     logits; `clean`: `finite_logits(logits)` where the caller has it already."""
     if st.num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None)
+    return SamplerOutput(token_ids, *token_logprobs_ref(logits, token_ids, st.num_logprobs, clean))
+
+
+def token_logprobs_ref(logits: torch.Tensor, token_ids: torch.Tensor, n: int, clean: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Of the log-softmax of logits [B, V] (a non-finite logit counts as -inf): each row's
+    logprob of token_ids[row] [B], and with n > 0 its n best token ids and logprobs [B, n],
+    best first (else None, None). `clean`: `finite_logits(logits)` where the caller has it."""
     clean = finite_logits(logits) if clean is None else clean
     lp = clean.log_softmax(-1)
     lp = lp.masked_fill_(lp.isnan(), _MASK)  # a row with no finite logit
     chosen = lp.gather(-1, token_ids[:, None]).squeeze(-1)
-    top_lp, top_ids = lp.topk(st.num_logprobs, dim=-1) if st.num_logprobs > 0 else (None, None)
-    return SamplerOutput(token_ids, chosen, top_ids, top_lp)
+    top_lp, top_ids = lp.topk(n, dim=-1) if n > 0 else (None, None)
+    return chosen, top_ids, top_lp

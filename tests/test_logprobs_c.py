@@ -35,7 +35,7 @@ def kernel_only(monkeypatch):
     """The wrapper's fallback fails the test: these inputs must run in the kernel."""
     def no_fallback(*args, **kwargs):
         raise AssertionError("with_logprobs_c fell back to the reference")
-    monkeypatch.setattr(cpu_logprobs, "with_logprobs", no_fallback)
+    monkeypatch.setattr(cpu_logprobs, "token_logprobs_ref", no_fallback)
 
 
 def reference_lp(logits: torch.Tensor) -> torch.Tensor:

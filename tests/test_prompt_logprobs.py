@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ops
 from scheduler.request import SamplingParams
 from worker import prompt_logprobs
 
@@ -136,6 +137,29 @@ def test_bounds() -> None:
     SamplingParams(prompt_logprobs=20)
     with pytest.raises(ValueError, match=r"prompt_logprobs must be None or in \[0, 20\]"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.skipif(not ops.c_kernels_available(), reason="the C kernels cannot be built here")
+@pytest.mark.parametrize("k", [0, 5])
+def test_the_c_kernel_gives_the_references_values(k) -> None:
+    """compute() over more rows than a pass holds, through the C kernel (the CPU's default)
+    and through the torch reference: the same values to float tolerance, the same top ids
+    (the logits are distinct)."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(5003, 64, generator=g)
+    hidden = torch.randn(prompt_logprobs.ROWS_PER_PASS + 45, 64, generator=g)
+    rows = list(range(3, hidden.shape[0]))
+    targets = torch.randint(0, 5003, (len(rows),), generator=g).tolist()
+    results = {}
+    for backend in ("c", "torch"):
+        with ops.use_backend(backend):
+            results[backend] = prompt_logprobs.compute(lambda h: h @ head.t(), hidden, rows, targets, k)
+    assert len(results["c"]) == len(rows)
+    for got, want in zip(results["c"], results["torch"], strict=True):
+        assert got.token_id == want.token_id
+        assert got.logprob == pytest.approx(want.logprob, abs=2e-5)
+        assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+        assert [v for _, v in got.top_logprobs] == pytest.approx([v for _, v in want.top_logprobs], abs=2e-5)
 
 
 # -- both gRPC protocols ------------------------------------------------------------------------

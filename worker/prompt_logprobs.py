@@ -11,10 +11,11 @@ prompt token's):
     logprob of    t1    t2    t3  | t4    (first output token: sampled, not returned)
 
 Only the rows of requests that asked are turned into logits, `ROWS_PER_PASS` rows at a time
-(log-softmax, gather, top-k), and only those small results are kept: never a whole prompt's
-logits. The values are of the raw logits (no temperature, penalty or mask), as vLLM
-returns them. Entry i of `Request.prompt_logprobs` is token i + 1's; a recomputed request
-(preempted) skips the positions it has already.
+(`ops.token_logprobs`: the C kernel on the CPU, log-softmax, gather and top-k elsewhere),
+and only those small results are kept: never a whole prompt's logits. The values are of
+the raw logits (no temperature, penalty or mask), as vLLM returns them. Entry i of
+`Request.prompt_logprobs` is token i + 1's; a recomputed request (preempted) skips the
+positions it has already.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+import ops
 from scheduler.output import ScheduledRequest
 
 # Rows of logits alive at once (x vocabulary x 4 bytes: 32 MiB for a 32k vocabulary).
@@ -55,14 +57,11 @@ def compute(compute_logits, hidden: torch.Tensor, rows: list[int], targets: list
     for first in range(0, len(rows), ROWS_PER_PASS):
         idx = torch.tensor(rows[first : first + ROWS_PER_PASS], device=hidden.device)
         tgt = torch.tensor(targets[first : first + ROWS_PER_PASS], device=hidden.device)
-        logp = torch.log_softmax(compute_logits(hidden.index_select(0, idx)).float(), dim=-1)
-        own = logp.gather(1, tgt[:, None])[:, 0].tolist()
-        if k:
-            top = logp.topk(k, dim=-1)
-            top_ids, top_lp = top.indices.tolist(), top.values.tolist()
-        else:
-            top_ids = top_lp = [[] for _ in own]
-        del logp
+        logits = compute_logits(hidden.index_select(0, idx)).float()
+        chosen, ids, values = ops.token_logprobs(logits, tgt, k)
+        del logits
+        own = chosen.tolist()
+        top_ids, top_lp = (ids.tolist(), values.tolist()) if k else ([[]] * len(own), [[]] * len(own))
         out += [PromptLogprob(t, lp, list(zip(ti, tl, strict=True)))
                 for t, lp, ti, tl in zip(targets[first:], own, top_ids, top_lp, strict=False)]
     return out
