@@ -28,7 +28,6 @@ from ops.cpu_logprobs import with_logprobs_c
 from ops.sampling import (
     SamplerOutput,
     SamplingTensors,
-    penalty_values,
     sample_ref,
     seed_key,
 )
@@ -72,7 +71,9 @@ def penalize_c(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     assert lib is not None
     z = logits.clone(memory_format=torch.contiguous_format)
     b, v = z.shape
-    rep, pres, freq = (t.reshape(-1).contiguous() for t in penalty_values(st))
+    # The values as the requests gave them: the kernel clamps them as penalty_values does.
+    rep, pres, freq = (t.float().contiguous() for t in (st.repetition_penalty, st.presence_penalty,
+                                                         st.frequency_penalty))
     ids, starts, lens = pt.ids.contiguous(), pt.starts.contiguous(), pt.prompt_lens.contiguous()
     assert starts.numel() == b + 1, "one row of penalty tokens per row of logits"
     rc = lib.penalize_rows(z.data_ptr(), z.stride(0), b, v, ids.data_ptr(), starts.data_ptr(),

@@ -73,21 +73,22 @@ class PenaltyTokens:
         assert self.ids.dtype == torch.int32 and self.ids.dim() == 1
         assert self.starts.dtype == torch.int64 and self.starts.shape == (b + 1,)
         assert self.prompt_lens.dtype == torch.int64
-        assert int(self.starts[0]) == 0 and int(self.starts[-1]) == self.ids.numel()
+        # (No element read here: indexing a tensor costs tens of microseconds a step.)
 
     @classmethod
     def from_lists(cls, rows: list[tuple[list[int], list[int]]]) -> PenaltyTokens:
         """rows[i] = (row i's prompt tokens, its output tokens)."""
         flat: list[int] = []
-        starts, prompt_lens = [0], []
+        bounds = [0]  # per row: where its prompt ends, then where its output ends
         for prompt, output in rows:
             flat += prompt
+            bounds.append(len(flat))
             flat += output
-            starts.append(len(flat))
-            prompt_lens.append(len(prompt))
+            bounds.append(len(flat))
         # numpy converts a list of ints ~4x faster than torch.tensor.
+        b = np.asarray(bounds, dtype=np.int64)
         return cls(torch.from_numpy(np.asarray(flat, dtype=np.int32).reshape(-1)),
-                   torch.tensor(starts, dtype=torch.int64), torch.tensor(prompt_lens, dtype=torch.int64))
+                   torch.from_numpy(np.concatenate([b[:1], b[2::2]])), torch.from_numpy(b[1::2] - b[:-1:2]))
 
     @classmethod
     def from_dense(cls, prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> PenaltyTokens:

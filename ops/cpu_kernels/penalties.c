@@ -75,9 +75,14 @@ static void penalize_row(float *z, int V, const int32_t *ids, int64_t n_prompt, 
     }
 }
 
-/* z: [B, V] float32 (row stride ld), penalized in place. rep / pres / freq: [B], clamped
- * by the caller (`ops.sampling.penalty_values`). Returns 0, or -1 where scratch could not
- * be allocated (z may then be partly penalized). */
+/* `ops.sampling.penalty_values`: repetition in [FLT_MIN, FLT_MAX] (NaN: 1, off), presence
+ * and frequency finite (NaN: 0, off), so that the arithmetic above can overflow but never
+ * make a NaN. */
+static inline float clamp_between(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+/* z: [B, V] float32 (row stride ld), penalized in place. rep / pres / freq: [B], as the
+ * request gave them (clamped here). Returns 0, or -1 where scratch could not be allocated
+ * (z may then be partly penalized). */
 int penalize_rows(float *z, int64_t ld, int B, int V, const int32_t *ids, const int64_t *starts,
                   const int64_t *prompt_lens, const float *rep, const float *pres, const float *freq,
                   int nthreads) {
@@ -90,8 +95,10 @@ int penalize_rows(float *z, int64_t ld, int B, int V, const int32_t *ids, const 
             failed = 1;
             continue;
         }
-        penalize_row(z + r * ld, V, ids + starts[r], prompt_lens[r], starts[r + 1] - starts[r], rep[r],
-                     pres[r], freq[r]);
+        const float rp = isnan(rep[r]) ? 1.0f : clamp_between(rep[r], FLT_MIN, FLT_MAX);
+        const float pr = isnan(pres[r]) ? 0.0f : clampf(pres[r]);
+        const float fr = isnan(freq[r]) ? 0.0f : clampf(freq[r]);
+        penalize_row(z + r * ld, V, ids + starts[r], prompt_lens[r], starts[r + 1] - starts[r], rp, pr, fr);
     }
     return failed ? -1 : 0;
 }
