@@ -216,3 +216,22 @@ def test_fused_argmax_ab_times_both_ways_on_the_same_tokens(tmp_path: Path) -> N
     assert report["same_tokens"] is True
     assert set(report["steps_ms"]) == {"in the call", "numpy after the call"}
     assert all(len(v) >= 8 and min(v) > 0 for v in report["steps_ms"].values())
+
+
+def test_sampler_ops_times_both_sides_of_each_part(tmp_path: Path) -> None:
+    """`benchmarks.sampler_ops`: penalties, logprobs and a whole sample call, the reference
+    against the C kernels, each timed; the C penalties (a few hundred tokens against [B, V]
+    passes) are the faster even at two calls."""
+    from benchmarks import sampler_ops
+    from ops import cpu_sampling
+
+    if not cpu_sampling.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    out = tmp_path / "ops.json"
+    sampler_ops.main(["--batch-sizes", "1,4", "--repeat", "3", "--output-json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"1", "4"}
+    for parts in results.values():
+        assert set(parts) == {"penalties", "logprobs", "sample"}
+        assert all(r["reference_ms"] > 0 and r["c_ms"] > 0 for r in parts.values())
+    assert results["4"]["penalties"]["ratio"] > 1
