@@ -6,8 +6,9 @@
  *   top n     = the n largest x - lse, descending, with their token ids.
  *
  * Why: the reference (finite_logits, log_softmax, gather, topk) writes and re-reads a
- * [B, V] copy three times; on a 49k vocabulary it took ~0.6 ms at batch 1 and ~40 ms a
- * decode step at batch 64 with 5 logprobs. Here a row is two read-only passes:
+ * [B, V] copy three times; on a 49k vocabulary with 5 logprobs it took ~0.25 ms at batch 1
+ * and ~7 ms at 64 rows (benchmarks.sampler_ops: ~0.07 and ~1.6 ms here). A row is two
+ * read-only passes:
  *   1. the max of the finite logits, and the top n by logit (an insertion-sorted buffer
  *      of n entries; a vector compare against its smallest value finds the few tokens
  *      that enter it, so a pass costs about what a max costs);

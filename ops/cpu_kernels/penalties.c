@@ -1,9 +1,10 @@
 /* Repetition, presence and frequency penalties on the CPU, at the tokens a row has seen only.
  *
  * `ops.sampling.apply_penalties` (the reference) builds a [B, V] prompt mask and output
- * counts and makes ~15 passes over the row: ~0.9 ms of a ~3.5 ms batch-1 step and ~80 ms of
- * a ~115 ms step of 64 rows on a 49k vocabulary. A penalty changes only the logits of the
- * tokens in the row's prompt or output, a few hundred, so this visits just those:
+ * counts and makes ~15 passes over the row: ~0.6 ms at batch 1 (a decode step is ~3.5 ms)
+ * and ~58 ms at 64 rows on a 49k vocabulary (benchmarks.sampler_ops: ~0.04 and ~2.3 ms
+ * here). A penalty changes only the logits of the tokens in the row's prompt or output, a
+ * few hundred, so this visits just those:
  *
  *   ids[starts[r] .. starts[r] + prompt_lens[r])   row r's prompt tokens (repeats allowed)
  *   ids[starts[r] + prompt_lens[r] .. starts[r+1]) its output tokens, with repeats
