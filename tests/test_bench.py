@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from clients.bench import dataset as ds
+from clients.bench.args import parse_args
 from clients.bench.arrival import arrival_offsets, dispatch
 from clients.bench.backend_openai import OpenAIBackend
-from clients.bench.cli import main
+from clients.bench.cli import main, penalties
 from clients.bench.knee import find_knee
 from clients.bench.lengths import output_lengths, parse_lengths
 from clients.bench.metrics import parse_slo, summarize
@@ -320,7 +321,7 @@ def test_openai_backend_streams_sse_chat_and_completions() -> None:
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         be = OpenAIBackend(f"http://127.0.0.1:{port}/v1", ignore_eos=True, temperature=0.7,
-                           top_p=0.9)
+                           top_p=0.9, penalties={"presence_penalty": 0.5})
         try:
             info = await asyncio.wait_for(be.describe(), 10)
             recs = [
@@ -342,7 +343,8 @@ def test_openai_backend_streams_sse_chat_and_completions() -> None:
     sent = fake.bodies[0]
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert sent["ignore_eos"] is True and sent["max_tokens"] == 3 and sent["model"] == "fake-model"
-    assert sent["temperature"] == 0.7 and sent["top_p"] == 0.9
+    assert sent["temperature"] == 0.7 and sent["top_p"] == 0.9 and sent["presence_penalty"] == 0.5
+    assert "frequency_penalty" not in sent and "repetition_penalty" not in sent
     assert fake.bodies[1]["prompt"] == [5, 6, 7]
     for r in (chat, comp):
         assert r.success, r.error
@@ -484,13 +486,18 @@ def test_grpc_backend_sends_top_p_only_below_one() -> None:
 
     async def go() -> None:
         for top_p in (0.9, 1.0):
-            be = GrpcBackend("127.0.0.1:1", ignore_eos=True, temperature=0.7, top_p=top_p)
+            be = GrpcBackend("127.0.0.1:1", ignore_eos=True, temperature=0.7, top_p=top_p,
+                             penalties=penalties(parse_args(
+                                 ["--frequency-penalty", "0.2", "--repetition-penalty", "1.1"] if top_p < 1 else [])))
             be.client.generate = lambda **kw: sent.append(kw) or Call()  # type: ignore[method-assign]
             await be.send(ds.BenchRequest(0, 3, "random", token_ids=[5, 6]))
             await be.client.close()
 
     asyncio.run(go())
     assert [(kw["temperature"], kw["top_p"]) for kw in sent] == [(0.7, 0.9), (0.7, None)]
+    # Penalties asked for are sent by their field names; those left at off are not sent.
+    assert (sent[0]["frequency_penalty"], sent[0]["repetition_penalty"]) == (0.2, 1.1)
+    assert "presence_penalty" not in sent[0] and not {k for k in sent[1] if k.endswith("_penalty")}
 
 
 def test_chat_run_with_fixed_concurrency(worker: Worker, tmp_path: Path) -> None:

@@ -100,6 +100,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling's top_p, sent when below 1 (default 1: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's presence_penalty, sent when not 0 (default 0: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's frequency_penalty, sent when not 0 (default 0: off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's repetition_penalty (the logits of the prompt's and output's "
+                        "tokens divided by it), sent when not 1 (default 1: off); not an OpenAI "
+                        "field, so an OpenAI server without it ignores or refuses it")
     g.add_argument("--seed", type=int, default=0, help="same seed, same requests and arrivals (default 0)")
 
     g = r.add_argument_group("load")

@@ -30,6 +30,7 @@ class GrpcBackend:
         ignore_eos: bool,
         temperature: float,
         top_p: float = 1.0,
+        penalties: dict[str, float] | None = None,
         token: str | None = None,
         timeout: float | None = None,
     ) -> None:
@@ -39,6 +40,7 @@ class GrpcBackend:
         self.ignore_eos = ignore_eos
         self.temperature = temperature
         self.top_p = top_p
+        self.penalties = dict(penalties or {})  # request fields: presence_penalty, ...
 
     async def describe(self) -> dict[str, Any]:
         """The model, and the worker's whole configuration (its flags) and versions as
@@ -81,6 +83,7 @@ class GrpcBackend:
             temperature=self.temperature,
             top_p=self.top_p if self.top_p < 1 else None,
             ignore_eos=self.ignore_eos,
+            **self.penalties,
         )
         try:
             async for resp in call:

@@ -37,6 +37,7 @@ class OpenAIBackend:
         ignore_eos: bool,
         temperature: float,
         top_p: float = 1.0,
+        penalties: dict[str, float] | None = None,
         model: str | None = None,
         api_key: str | None = None,
         timeout: float | None = None,
@@ -47,6 +48,7 @@ class OpenAIBackend:
         self.ignore_eos = ignore_eos
         self.temperature = temperature
         self.top_p = top_p
+        self.penalties = dict(penalties or {})  # body fields: presence_penalty, ...
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -69,6 +71,7 @@ class OpenAIBackend:
         }
         if self.top_p < 1:
             body["top_p"] = self.top_p
+        body.update(self.penalties)
         if self.ignore_eos:
             body["ignore_eos"] = True
         if req.messages is not None:

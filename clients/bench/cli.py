@@ -41,17 +41,25 @@ from clients.bench.runner import run_once, warm_up
 from clients.client import default_target
 
 
+def penalties(args: argparse.Namespace) -> dict[str, float]:
+    """The penalties asked for, by their request field names; those left off are not sent."""
+    asked = {"presence_penalty": (args.presence_penalty, 0.0), "frequency_penalty": (args.frequency_penalty, 0.0),
+             "repetition_penalty": (args.repetition_penalty, 1.0)}
+    return {name: value for name, (value, off) in asked.items() if value != off}
+
+
 def make_backend(args: argparse.Namespace) -> Backend:
     if args.backend == "grpc":
         from clients.bench.backend_grpc import GrpcBackend
 
         return GrpcBackend(args.target or default_target(), ignore_eos=args.ignore_eos,
-                           temperature=args.temperature, top_p=args.top_p, token=args.token,
-                           timeout=args.timeout)
+                           temperature=args.temperature, top_p=args.top_p, penalties=penalties(args),
+                           token=args.token, timeout=args.timeout)
     from clients.bench.backend_openai import OpenAIBackend
 
     return OpenAIBackend(args.base_url, ignore_eos=args.ignore_eos, temperature=args.temperature,
-                         top_p=args.top_p, model=args.model, api_key=args.api_key, timeout=args.timeout)
+                         top_p=args.top_p, penalties=penalties(args), model=args.model, api_key=args.api_key,
+                         timeout=args.timeout)
 
 
 def make_dataset(args: argparse.Namespace, vocab_size: int,
