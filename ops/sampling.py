@@ -103,17 +103,26 @@ class PenaltyTokens:
         return cls.from_lists(rows)
 
     def dense(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, V] bool: in the prompt, [B, V] float32: occurrences in the output)."""
+        """([B, V] bool: in the prompt, [B, V] float32: occurrences in the output).
+
+        The flat indices are made on the host and travel as one non-blocking copy, and the
+        device writes are scatters, so a CUDA step never waits on the host here (a boolean
+        index or `index_put_(accumulate=True)` on the device would: tests/
+        test_sampling_triton.py::test_gpu_no_host_sync). Ids outside the vocabulary are
+        skipped, as the C kernel skips them."""
         b = self.prompt_lens.numel()
         rows = torch.repeat_interleave(torch.arange(b), self.starts.diff())
         in_prompt = torch.arange(self.ids.numel()) - self.starts[rows] < self.prompt_lens[rows]
-        ids, rows, in_prompt = (t.to(device) for t in (self.ids.long(), rows, in_prompt))
+        ids = self.ids.long()
+        valid = (ids >= 0) & (ids < vocab)
+        flat = rows * vocab + ids
+        prompt_at, output_at = flat[valid & in_prompt], flat[valid & ~in_prompt]
+        both = torch.cat((prompt_at, output_at)).to(device, non_blocking=True)
+        prompt_at, output_at = both[: prompt_at.numel()], both[prompt_at.numel():]
         prompt_mask = torch.zeros(b, vocab, dtype=torch.bool, device=device)
-        prompt_mask[rows[in_prompt], ids[in_prompt]] = True
+        prompt_mask.view(-1).scatter_(0, prompt_at, True)
         output_counts = torch.zeros(b, vocab, dtype=torch.float32, device=device)
-        out = ~in_prompt
-        output_counts.index_put_((rows[out], ids[out]), torch.ones_like(ids[out], dtype=torch.float32),
-                                 accumulate=True)
+        output_counts.view(-1).scatter_add_(0, output_at, torch.ones(output_at.numel(), device=device))
         return prompt_mask, output_counts
 
 

@@ -101,7 +101,7 @@ def test_graph_replay_matches_eager(dtype: torch.dtype) -> None:
     assert len(step.scheduled) == 11 and all(s.num_new_tokens == 1 for s in step.scheduled)
     runner = engine.runner
     captured: list[torch.Tensor] = []
-    runner._sample = lambda reqs, logits, masks=None: captured.append(logits.float().clone()) or {}
+    runner._sample = lambda reqs, logits, *_: captured.append(logits.float().clone()) or {}
     try:
         runner.execute(step)  # graph replay (writes this step's K/V)
         graphs, runner.graphs = runner.graphs, None

@@ -445,6 +445,11 @@ def test_penalty_tokens_give_the_prompt_mask_and_output_counts():
     assert torch.equal(again[0], want_mask) and torch.equal(again[1], want_counts)
     with pytest.raises(AssertionError):
         PenaltyTokens.from_dense(mask, counts * 0.5)  # counts are whole occurrences
+    # Ids outside the vocabulary (a tokenizer larger than the model's head) count nowhere,
+    # as in the C kernel, and shift no other row's tokens.
+    odd = PenaltyTokens.from_lists([([4, 2, 10, 4], [7, -1, 7, 1, 7, 99]), ([], []), ([3], [3, 9])])
+    odd_mask, odd_counts = odd.dense(v, torch.device("cpu"))
+    assert torch.equal(odd_mask, want_mask) and torch.equal(odd_counts, want_counts)
 
 
 def test_apply_penalties_matches_reference_loop():
