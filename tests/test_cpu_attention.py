@@ -54,6 +54,9 @@ def kernel_calls(monkeypatch) -> list[int]:
     ([1, 5, 17, 100, 33, 8, 9], [1] * 7),  # decodes only: lengths around the 8-lane tails
     ([1, 50, 17, 130, 33], [1, 20, 1, 1, 5]),  # decodes beside prefill chunks
     ([300, 2, 64], [1, 2, 64]),  # a whole prefill, a 2-token chunk, one long decode
+    # a 1,500-token decode (chunks of 375 keys: the vector max, eight-key sums and their
+    # tails, chunks shared among threads) beside a one-token one
+    ([1500, 1], [1, 1]),
 ])
 def test_c_attention_matches_the_pure_reference(lens, q_lens, kernel_calls) -> None:
     args = _step(lens, q_lens, seed=len(lens) + sum(q_lens))

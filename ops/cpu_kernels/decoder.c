@@ -446,12 +446,12 @@ static void attention_decode_team(const model_desc *m, int l, const step_desc *s
     a.parts = t->attn_parts;
     a.pending = t->attn_pending;
     float *scratch = t->attn + (size_t)omp_get_thread_num() * t->attn_floats;
-    /* runs of rows (attention_blocks), whole or, when few, chunk by chunk */
+    /* runs of rows (attention_blocks; a decode row alone is a run of one), whole or, when
+     * few, chunk by chunk */
     const int C = attention_chunked(t->n_attn_items, ws->nthreads) ? ATTN_CHUNKS : 1;
     WS_FOR(ws, k, mine, t->n_attn_items * C) {
         const int i0 = t->attn_items[2 * (k / C)], R = t->attn_items[2 * (k / C) + 1], c = k % C;
-        if (R == 1) attention_item(&a, t->max_len, C, C == 1 ? i0 : i0 * ATTN_CHUNKS + c, scratch);
-        else if (C == 1) attention_rows(&a, t->max_len, i0, R, scratch);
+        if (C == 1) attention_rows(&a, t->max_len, i0, R, scratch);
         else attention_rows_chunk(&a, t->max_len, i0, R, c, scratch);
     }
 }

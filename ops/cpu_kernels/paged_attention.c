@@ -49,24 +49,18 @@ typedef struct {
     atomic_int *pending;   /* [n] zeroed: chunks of each request done (the last combines) */
 } attn_args;
 
-/* Tokens ahead of the one being read whose keys (values) are prefetched. The cache is read
- * from memory every step (the weights streamed since evict it), a token's rows of a kv head
- * are a few lines at a stride, and a new block every block_size tokens: unaided, the loops
- * waited on memory for most of their time (at 400 tokens of context, 1.4x the whole step).
- * Into L2 (simd.h's T1 hint): a token's keys are 12 lines, 8 tokens ahead ~100 lines in flight,
- * more than L1's miss buffers hold. In one process (benchmarks/native_ab.py, session 7), into
- * L2 rather than L1: batch 1 at 500 tokens of context 4.73 -> 4.45 ms, at 100 3.49 -> 3.37;
- * 64 requests at 300 58.4 -> 52.3 ms (16 tokens ahead: no different). */
-#define PREFETCH_TOKENS 8
-
 static inline const float *cached_row(const float *cache, const int64_t *table, int block_size, size_t tok,
                                       int64_t j) {
-    return cache + ((size_t)table[j / block_size] * block_size + j % block_size) * tok;
+    /* block_size is a power of two (attention_check): a shift and a mask, where a division
+     * (tens of cycles, four a key) took a fifth of a long context's attention. */
+    const int shift = __builtin_ctz((unsigned)block_size);
+    return cache + ((size_t)table[j >> shift] * block_size + (size_t)(j & (block_size - 1))) * tok;
 }
 
 /* Checks the arguments; returns the longest length (>= 1), or < 0 when they are bad. */
 static int64_t attention_check(const attn_args *a) {
-    if (a->num_heads % a->num_kv_heads || a->num_heads > MAX_HEADS || a->head_dim % 8 || a->head_dim > MAX_D)
+    if (a->num_heads % a->num_kv_heads || a->num_heads > MAX_HEADS || a->head_dim % 8 || a->head_dim > MAX_D ||
+        a->block_size < 1 || (a->block_size & (a->block_size - 1)))
         return -1;
     int64_t max_len = 1;
     for (int i = 0; i < a->n; i++) {
@@ -151,6 +145,30 @@ static inline void key_scores(const attn_args *a, int i, const float *kt, int64_
     }
 }
 
+/* The first of sc[0..n-1]'s largest values as `mx = sc[j] > mx ? sc[j] : mx` from sc[0] finds
+ * it, in four vector lanes' worth of such folds: a scalar fold waited on each max's latency
+ * (~70% of the softmax at 4,000 keys). The value is the same; where the maximum is a zero of
+ * either sign either may come back, which changes no bit downstream (z - 0 = z - (-0)). */
+static inline float row_max(const float *sc, int64_t n) {
+    float mx = sc[0];
+    int64_t j = 1;
+    if (n >= 32) {
+        __m256 m0 = _mm256_set1_ps(sc[0]), m1 = m0, m2 = m0, m3 = m0;
+        for (j = 0; j + 32 <= n; j += 32) { /* max_ps(x, m): x where x > m, else m */
+            m0 = _mm256_max_ps(_mm256_loadu_ps(sc + j), m0);
+            m1 = _mm256_max_ps(_mm256_loadu_ps(sc + j + 8), m1);
+            m2 = _mm256_max_ps(_mm256_loadu_ps(sc + j + 16), m2);
+            m3 = _mm256_max_ps(_mm256_loadu_ps(sc + j + 24), m3);
+        }
+        float lanes[32];
+        _mm256_storeu_ps(lanes, m0), _mm256_storeu_ps(lanes + 8, m1);
+        _mm256_storeu_ps(lanes + 16, m2), _mm256_storeu_ps(lanes + 24, m3);
+        for (int l = 0; l < 32; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+    }
+    for (; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+    return mx;
+}
+
 /* Keys j0..j1-1 of every head's scores (scores[h * stride + j]): the max, e^(score - max)
  * in place, their sum, into part's m and s. */
 static void chunk_softmax(const attn_args *a, int64_t j0, int64_t j1, float *scores, size_t stride, float *part) {
@@ -159,8 +177,7 @@ static void chunk_softmax(const attn_args *a, int64_t j0, int64_t j1, float *sco
     float *mh = part + (size_t)nh * D, *sh = mh + nh;
     for (int h = 0; h < nh; h++) {
         float *sc = scores + h * stride + j0;
-        float mx = sc[0];
-        for (int64_t j = 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+        const float mx = row_max(sc, n);
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 acc = _mm256_setzero_ps();
         int64_t j = 0;
@@ -192,26 +209,6 @@ static inline void key_values(const attn_args *a, const float *vt, int64_t j, co
         float *oa = o + (size_t)h * D;
         for (int d = 0; d < D; d += 8)
             _mm256_store_ps(oa + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + d), _mm256_load_ps(oa + d)));
-    }
-}
-
-/* Chunk c of request i into part. `scores`: [Hq][stride] floats, indexed by key. */
-static void chunk_partial(const attn_args *a, int i, int c, float *scores, size_t stride, float *part) {
-    const size_t tok = (size_t)a->num_kv_heads * a->head_dim; /* floats per cached token */
-    int64_t j0, j1;
-    chunk_keys(a->lens[i], c, &j0, &j1);
-    const int64_t *table = a->tables + (size_t)i * a->max_blocks;
-    for (int64_t j = j0; j < j1; j++) {
-        if (j + PREFETCH_TOKENS < j1)
-            prefetch_bytes_l2(cached_row(a->k_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
-        key_scores(a, i, cached_row(a->k_cache, table, a->block_size, tok, j), j, scores, stride);
-    }
-    chunk_softmax(a, j0, j1, scores, stride, part);
-    memset(part, 0, sizeof(float) * (size_t)a->num_heads * a->head_dim);
-    for (int64_t j = j0; j < j1; j++) {
-        if (j + PREFETCH_TOKENS < j1)
-            prefetch_bytes_l2(cached_row(a->v_cache, table, a->block_size, tok, j + PREFETCH_TOKENS), tok * sizeof(float));
-        key_values(a, cached_row(a->v_cache, table, a->block_size, tok, j), j, scores, stride, part);
     }
 }
 
@@ -258,54 +255,53 @@ static inline void chunk_done(const attn_args *a, int i, const float *parts, int
     }
 }
 
-/* One item (of a->n * split); `scratch`: this thread's attention_scratch floats. */
-static void attention_item(const attn_args *a, int64_t max_len, int split, int item, float *scratch) {
-    const size_t stride = (size_t)(max_len + 8);
-    float *scores = scratch, *local = scratch_parts(a, scratch, stride, rows_max(a, max_len));
-    const size_t pf = part_floats(a);
-    if (split == 1) { /* the whole request, its partials here */
-        const int i = item, nc = num_chunks(a->lens[i]);
-        for (int c = 0; c < nc; c++) chunk_partial(a, i, c, scores, stride, local + c * pf);
-        combine_chunks(a, i, local, nc);
-        return;
-    }
-    const int i = item / ATTN_CHUNKS, c = item % ATTN_CHUNKS, nc = num_chunks(a->lens[i]);
-    if (c >= nc) return;
-    float *parts = a->parts + (size_t)i * ATTN_CHUNKS * pf;
-    chunk_partial(a, i, c, scores, stride, parts + c * pf);
-    chunk_done(a, i, parts, nc);
-}
-
 /* Keys (values) of one tile of ATTN_TILE tokens, read by every row of a block: 24 KB for
  * the default model's three kv heads, so a tile stays in L1 while the rows take turns. */
 #define ATTN_TILE 32
 
+/* A query head's 64 floats in registers, and its dot product with a key's 64 as key_scores
+ * makes it: a0 + a1 before the horizontal sum. (An AVX-512 form, one 16-lane chain that is
+ * a0 and a1 at once with the same bits, was 7-10% faster alone but ~1% in a step: not kept.) */
+typedef struct {
+    __m256 y[8];
+} q64;
+static inline q64 q64_load(const float *qa) {
+    q64 q;
+    for (int d = 0; d < 8; d++) q.y[d] = _mm256_loadu_ps(qa + 8 * d);
+    return q;
+}
+static inline __m256 q64_dot(const q64 *q, const float *kp) {
+    __m256 a0 = _mm256_fmadd_ps(q->y[0], _mm256_loadu_ps(kp), _mm256_setzero_ps());
+    __m256 a1 = _mm256_fmadd_ps(q->y[1], _mm256_loadu_ps(kp + 8), _mm256_setzero_ps());
+    a0 = _mm256_fmadd_ps(q->y[2], _mm256_loadu_ps(kp + 16), a0);
+    a1 = _mm256_fmadd_ps(q->y[3], _mm256_loadu_ps(kp + 24), a1);
+    a0 = _mm256_fmadd_ps(q->y[4], _mm256_loadu_ps(kp + 32), a0);
+    a1 = _mm256_fmadd_ps(q->y[5], _mm256_loadu_ps(kp + 40), a1);
+    a0 = _mm256_fmadd_ps(q->y[6], _mm256_loadu_ps(kp + 48), a0);
+    a1 = _mm256_fmadd_ps(q->y[7], _mm256_loadu_ps(kp + 56), a1);
+    return _mm256_add_ps(a0, a1);
+}
+
 /* Rows of a run, head_dim 64: row r's scores against keys lo[r]..hi[r]-1 of the tile (from
- * t0), key_scores' arithmetic with the query head's 64 floats held in registers. */
+ * t0), key_scores' arithmetic with the query head held in registers and eight keys' sums
+ * reduced together (hsum8x8). */
 static void tile_scores64(const attn_args *a, int i0, int R, const int64_t *lo, const int64_t *hi,
                           const float *const *kt, int64_t t0, float *scratch, size_t sh, size_t stride) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
+    const __m256 scale = _mm256_set1_ps(a->scale);
     for (int r = 0; r < R; r++) {
         const float *qi = a->q + (size_t)a->rows[i0 + r] * a->q_stride;
         for (int h = 0; lo[r] < hi[r] && h < nh; h++) {
-            const float *qa = qi + (size_t)h * 64;
-            const __m256 q0 = _mm256_loadu_ps(qa), q1 = _mm256_loadu_ps(qa + 8), q2 = _mm256_loadu_ps(qa + 16),
-                         q3 = _mm256_loadu_ps(qa + 24), q4 = _mm256_loadu_ps(qa + 32), q5 = _mm256_loadu_ps(qa + 40),
-                         q6 = _mm256_loadu_ps(qa + 48), q7 = _mm256_loadu_ps(qa + 56);
+            const q64 q = q64_load(qi + (size_t)h * 64);
             float *sc = scratch + r * sh + (size_t)h * stride;
             const size_t off = (size_t)(h / group) * 64;
-            for (int64_t j = lo[r]; j < hi[r]; j++) {
-                const float *kp = kt[j - t0] + off;
-                __m256 a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kp), _mm256_setzero_ps());
-                __m256 a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kp + 8), _mm256_setzero_ps());
-                a0 = _mm256_fmadd_ps(q2, _mm256_loadu_ps(kp + 16), a0);
-                a1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(kp + 24), a1);
-                a0 = _mm256_fmadd_ps(q4, _mm256_loadu_ps(kp + 32), a0);
-                a1 = _mm256_fmadd_ps(q5, _mm256_loadu_ps(kp + 40), a1);
-                a0 = _mm256_fmadd_ps(q6, _mm256_loadu_ps(kp + 48), a0);
-                a1 = _mm256_fmadd_ps(q7, _mm256_loadu_ps(kp + 56), a1);
-                sc[j] = hsum8(_mm256_add_ps(a0, a1)) * a->scale;
+            int64_t j = lo[r];
+            for (; j + 8 <= hi[r]; j += 8) {
+                __m256 v[8];
+                for (int u = 0; u < 8; u++) v[u] = q64_dot(&q, kt[j + u - t0] + off);
+                _mm256_storeu_ps(sc + j, _mm256_mul_ps(hsum8x8(v), scale));
             }
+            for (; j < hi[r]; j++) sc[j] = hsum8(q64_dot(&q, kt[j - t0] + off)) * a->scale;
         }
     }
 }
@@ -351,7 +347,10 @@ static void tile_values64(const attn_args *a, int R, int64_t L0, const int64_t *
 }
 
 /* tile[j - t0] = token j's row of `cache` for j in t0..t1-1; the next tile's rows (below
- * Lmax) fetched into L2 meanwhile. */
+ * Lmax) fetched into L2 meanwhile (simd.h's T1 hint). The cache is read from memory every
+ * step (the weights streamed since evict it), and unaided the loops waited on memory for
+ * most of their time (session 7: at 400 tokens of context, 1.4x the whole step); into L2
+ * rather than L1, as L1's miss buffers hold fewer lines than are in flight. */
 static inline void tile_rows(const attn_args *a, const float *cache, const int64_t *table, int64_t t0, int64_t t1,
                              int64_t Lmax, const float **tile) {
     const size_t tok = (size_t)a->num_kv_heads * a->head_dim;
@@ -374,7 +373,7 @@ static inline void tile_part(int64_t j0, int64_t j1, int64_t t0, int64_t t1, int
  * a tile at a time for every row, so each key and value token is read once for all R rows (a
  * row alone reads them all again: from L3, past ~300 tokens): the scores, each chunk's
  * softmax, the values, into part[r] (the row's ATTN_CHUNKS partials). Each row's arithmetic
- * is chunk_partial's, in the same order: the same bits as the row alone. */
+ * is a lone row's, in the same order: the same bits as the row alone. */
 static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const int64_t *j1, float *scratch,
                      size_t stride, float *const *part) {
     const size_t sh = (size_t)a->num_heads * stride, pf = part_floats(a);
@@ -446,6 +445,15 @@ static void attention_rows_chunk(const attn_args *a, int64_t max_len, int i0, in
     run_keys(a, i0, R, j0, j1, scratch, stride, part);
     for (int r = 0; r < R; r++)
         if (j0[r] < j1[r]) chunk_done(a, i0 + r, part[r], num_chunks(a->lens[i0] + r));
+}
+
+/* One item (of a->n * split): request i whole, or one of its chunks, as a run of one row
+ * (its keys a tile at a time, as a run's: the query head and its output sums held in
+ * registers; a key at a time, the step's attention cost ~1.1x more at 4,000 tokens).
+ * `scratch`: this thread's attention_scratch floats. */
+static void attention_item(const attn_args *a, int64_t max_len, int split, int item, float *scratch) {
+    if (split == 1) attention_rows(a, max_len, item, 1, scratch);
+    else attention_rows_chunk(a, max_len, item / ATTN_CHUNKS, 1, item % ATTN_CHUNKS, scratch);
 }
 
 /* Runs of consecutive rows of one request (each the previous row's length + 1, as a prompt

@@ -21,6 +21,25 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* hsum8 of eight vectors at once, in lane u: v[u]'s sum with hsum8's additions in its order,
+ * ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), so the same bits; a transpose as it
+ * goes, where eight hsum8s spend three shuffles and three dependent adds each. */
+static inline __m256 hsum8x8(const __m256 v[8]) {
+    __m256 t[4]; /* t[p]: v[2p]'s x_i + x_(i+4) in the low half, v[2p + 1]'s in the high */
+    for (int p = 0; p < 4; p++)
+        t[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+    /* + the pair two lanes on: [v0 v0 v2 v2 | v1 v1 v3 v3] and [v4 v4 v6 v6 | v5 v5 v7 v7] */
+    const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* + the next lane: [v0 v2 v4 v6 | v1 v3 v5 v7], then in order */
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* The float sum of 32 floats at x in one fixed order (a quantized block's activations: the
  * float and integer matmuls' sx, quant_matmul.c and quant_matmul_int8.c). */
 static inline float block_sum32(const float *x) {
