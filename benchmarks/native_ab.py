@@ -9,7 +9,8 @@ one decode step's arguments, then calls `cpu_decoder_decode` with them again and
 alternating between kernel builds every `--calls` calls: this checkout's, and the
 `ops/cpu_kernels` of each `--against` checkout (built with the same flags; their
 `model_desc`/`step_desc` layouts must be this checkout's). A second engine with
-`--no-cpu-huge-pages` is one more side (`--pages both`). Only the native call is timed;
+`--no-cpu-huge-pages` is one more side (`--pages both`), and one with a float16 KV cache
+(`--kv-cache-dtype both`: the same prompts, so the same steps). Only the native call is timed;
 every side's logits must equal the first side's where the kernels' arithmetic is the same
 (the table says when they differ).
 
@@ -84,7 +85,7 @@ class _Timed:
 
 
 def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto", drafts: int = 0,
-            prefill: bool = False):
+            prefill: bool = False, kv_cache_dtype: str = "auto"):
     """An engine mid-decode, its decoder, and the arguments of one decode step (with `drafts`
     drafted tokens a request: a verification step), or with `prefill` of the prompts' prefill
     (every prompt whole, one step)."""
@@ -92,7 +93,7 @@ def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto
                                                 prompt_lookup_max=1, disable_by_batch_size=batch))
             if drafts else SpeculativeConfig())
     config = WorkerConfig(model=ModelConfig(cpu_huge_pages=huge_pages, cpu_activations=activations),
-                          cache=CacheConfig(kv_cache_memory=0.5),
+                          cache=CacheConfig(kv_cache_memory=0.5, kv_cache_dtype=kv_cache_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=batch,
                                                     max_num_batched_tokens=max(8192, batch * context)),
                           speculative=spec)
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--against", action="append", default=[], help="another checkout's root (repeatable)")
     ap.add_argument("--pages", choices=("huge", "4k", "both"), default="huge",
                     help="the engine's --cpu-huge-pages: on, off, or both as sides of their own")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "float16", "both"), default="auto",
+                    help="the engine's --kv-cache-dtype, or both as sides of their own")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--cpu-activations", default="auto", help="the engine's --cpu-activations (every side's)")
     ap.add_argument("--context", type=int, default=100, help="prompt tokens per request")
@@ -163,11 +166,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"a plain read of 100 MB: {reads['4k']:.1f} GB/s in 4 KB pages, {reads['huge']:.1f} GB/s in 2 MB pages "
           f"({reads['huge_bytes'] >> 20} MiB of the buffer in huge pages)")
 
-    engines = {p: _engine(args.batch, args.context, p == "huge", args.cpu_activations, args.drafts,
-                       args.prefill)
-               for p in (("huge", "4k") if args.pages == "both" else (args.pages,))}
+    pages = ("huge", "4k") if args.pages == "both" else (args.pages,)
+    kvs = ("auto", "float16") if args.kv_cache_dtype == "both" else (args.kv_cache_dtype,)
+    # an engine per (pages, KV cache dtype), named by what varies
+    engines = {" ".join([p] * (len(pages) > 1) + [f"kv {kv}"] * (len(kvs) > 1)) or p:
+               _engine(args.batch, args.context, p == "huge", args.cpu_activations, args.drafts, args.prefill, kv)
+               for p in pages for kv in kvs}
     here = Path(__file__).resolve().parents[1]
-    # side -> (pages, library, without the head); breakdown sides' logits are not compared
+    # side -> (engine, library, without the head); breakdown sides' logits are not compared
     sides: dict[str, tuple[str, ctypes.CDLL, bool]] = {}
     partial: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:

@@ -73,7 +73,7 @@ class _Step(ctypes.Structure):
                 ("dec_rows", _p), ("dec_tables", _p), ("dec_lens", _p), ("max_blocks", _i32),
                 ("k_caches", _p), ("v_caches", _p), ("residual", _p), ("qkv", _p), ("att", _p),
                 ("out", _p), ("nthreads", _i32), ("lora_slots", _p), ("lora_pairs", _p), ("n_lora", _i32),
-                ("lora_groups", _i32), ("logits", _p), ("argmax", _p), ("wake_fd", _i32)]
+                ("lora_groups", _i32), ("logits", _p), ("argmax", _p), ("wake_fd", _i32), ("kv_half", _i32)]
 
 
 # The linears of a layer as decoder.c's lora_layer holds them, and their LORA_* bits.
@@ -192,7 +192,8 @@ class CpuDecoder:
     def _cache_pointers(self, kv_caches: list) -> tuple[ctypes.Array, ctypes.Array]:
         if self._caches is None or self._caches[0] is not kv_caches:
             for k, v in kv_caches:
-                assert k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == torch.float32
+                assert k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == kv_caches[0][0].dtype
+                assert k.dtype in (torch.float32, torch.float16), "a KV cache of float32 or float16"
                 assert k.shape[1] == self.block_size
             n = len(kv_caches)
             ks = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in kv_caches])
@@ -248,6 +249,7 @@ class CpuDecoder:
                      ctypes.addressof(vs), residual.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr(),
                      torch.get_num_threads())
         step.wake_fd = wake_fd  # (ctypes zeroes it: fd 0 is stdin)
+        step.kv_half = kv_caches[0][0].dtype == torch.float16  # --kv-cache-dtype float16
         step_lora = getattr(meta, "lora", None)
         if step_lora is not None:
             assert self.has_lora, "a step with LoRA rows on a decoder built without LoRA slots"

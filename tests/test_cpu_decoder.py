@@ -36,7 +36,7 @@ def decoder(request):
 class _Requests:
     """Requests with random prompts, each with blocks of its own in a private paged cache."""
 
-    def __init__(self, model, lens: list[int], seed: int) -> None:
+    def __init__(self, model, lens: list[int], seed: int, kv_dtype: torch.dtype = torch.float32) -> None:
         cfg = model.config
         rng = random.Random(seed)
         self.lens = lens
@@ -46,7 +46,8 @@ class _Requests:
         rng.shuffle(blocks)
         self.tables = [blocks[i * self.max_blocks : (i + 1) * self.max_blocks] for i in range(len(lens))]
         shape = (len(blocks), BS, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+        self.kv = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+                   for _ in range(cfg.num_layers)]
 
     def step(self, chunks: list[tuple[int, int, int]]) -> tuple:
         """(request, first position, count) per request -> the forward pass's arguments."""
@@ -122,6 +123,43 @@ def test_a_prompts_bits_do_not_depend_on_its_chunking(decoder) -> None:
         assert torch.equal(torch.cat(got), whole), f"chunks ending at {cuts} differ from one prefill"
     one_by_one = torch.cat([dec(*reqs.step([(0, p, 1)])) for p in range(n)])
     assert torch.equal(one_by_one, whole), "decoding the prompt token by token differs from its prefill"
+
+
+def test_a_float16_cache(decoder) -> None:
+    """--kv-cache-dtype float16: the call writes each key and value rounded to half as
+    torch's .half() does, and reads them back exactly. Its hidden states match the op-by-op
+    model's over a float16 cache (which casts as it writes and reads) as closely as over
+    float32 caches, differ from a float32 cache's by the halves' rounding, and a row's bits
+    are the same alone, in a batch and in chunks."""
+    dec, model = decoder
+    lens = [37, 5, 70, 300]
+    half, single = (_Requests(model, lens, seed=4, kv_dtype=t) for t in (torch.float16, torch.float32))
+    ref = _Requests(model, lens, seed=4, kv_dtype=torch.float16)
+    prefill = [(r, 0, n) for r, n in enumerate(lens)]
+    dec(*half.step(prefill))
+    dec(*single.step(prefill))
+    # The first layer's keys and values (from the same embeddings either way) are the float32
+    # cache's rounded to half, bit for bit; later layers' inputs differ by that rounding.
+    (k16, v16), (k32, v32) = half.kv[0], single.kv[0]
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half()) and k16.abs().sum() > 0
+    with torch.inference_mode():
+        model(*ref.step(prefill))
+    decode = [(r, n, 1) for r, n in enumerate(lens)]
+    got, full = dec(*half.step(decode)), dec(*single.step(decode))
+    with torch.inference_mode():
+        want = model(*ref.step(decode))
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    # Ten times the float32 caches' bounds (test_matches_the_op_by_op_model): where the two
+    # computations' keys differ in their last float32 bits, the halves can round apart (a
+    # half's step is 2^-11 of it).
+    bound = {"float32": 1e-3, "int24": 1e-3, "int16": 1e-2, "int8": 0.25}[dec.activations]
+    assert rel < bound, f"fused vs op by op over float16 caches: relative error {rel:.2e}"
+    rounding = ((got - full).abs().max() / full.abs().max()).item()
+    assert 0 < rounding < 0.05, f"float16 against float32 caches: {rounding:.2e}"
+    alone = torch.cat([dec(*half.step([(r, n, 1)])) for r, n in enumerate(lens)])
+    assert torch.equal(alone, got), "a float16 cache's decode differs alone and in a batch"
+    chunked = torch.cat([dec(*half.step([(3, p0, p1 - p0)]))[-1:] for p0, p1 in ((0, 100), (100, 301))])
+    assert torch.equal(chunked[-1], got[3]), "a float16 cache's prompt differs when chunked"
 
 
 def test_a_verification_steps_rows_have_their_bits_alone(decoder) -> None:

@@ -49,6 +49,7 @@ def _engine_budget(loaded: LoadedModel, max_model_len: int, cache: CacheConfig) 
     (0, CacheConfig()),  # the defaults: the model's 8192 tokens, 1 GiB, blocks of 16
     (2048, CacheConfig(block_size=32, kv_cache_memory=0.25)),
     (1000, CacheConfig(block_size=8, kv_cache_memory=0.1)),
+    (2048, CacheConfig(kv_cache_memory=0.25, kv_cache_dtype="float16")),  # half the bytes a token
 ])
 def test_predicted_kv_blocks_are_what_the_engine_allocates(
         default_model: LoadedModel, default_info: plan.ModelInfo, max_model_len: int,

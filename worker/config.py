@@ -179,6 +179,9 @@ class ParallelConfig:
                 "gateway'). A model too large for one device cannot be served here.")
 
 
+KV_CACHE_DTYPES = ("auto", "float16")  # --kv-cache-dtype
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = opt(16, "tokens per KV cache block")
@@ -202,10 +205,18 @@ class CacheConfig:
                             "blocks of preempted requests; 0 = preempted requests recompute")
     enable_prefix_caching: bool = opt(True, "reuse the KV blocks of prompt prefixes seen before "
                                       "(full blocks, keyed by a chained hash and cache_salt)")
+    kv_cache_dtype: str = opt("auto", "what the KV cache holds: auto = the model's dtype; "
+                              "float16 = half the bytes a token (twice the tokens in the same "
+                              "memory, and a long context's decode reads half), for a float32 "
+                              "model on the CPU; it rounds every key and value to half, so "
+                              "tokens may differ from auto's (BENCHMARKS.md)", KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype[:40]!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory < 0 or self.kv_cache_memory_bytes < 0:

@@ -77,6 +77,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype as a dtype. float16 is read and written by the CPU's C kernels (the
+    fused decoder converts as it writes, and its attention as it loads) and by the torch
+    references; the GPU's Triton kernels read the model's dtype only."""
+    if name == "auto":
+        return model_dtype
+    assert name == "float16", name
+    if device.type != "cpu" or model_dtype != torch.float32:
+        raise ValueError(f"--kv-cache-dtype float16 is for a float32 model on the CPU (its C kernels); "
+                         f"here the model is {str(model_dtype).removeprefix('torch.')} on {device.type}: "
+                         "use --kv-cache-dtype auto")
+    return torch.float16
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -153,6 +167,7 @@ class Engine:
                 f"--max-model-len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {mcfg.max_position_embeddings}"
             )
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, loaded.device, loaded.dtype)
         self.budget = self._kv_budget()
         log.info(self.budget.describe())
         cc, sc = config.cache, config.scheduler
@@ -190,7 +205,7 @@ class Engine:
         ops.set_backend(config.model.kernels)
         self.runner = ModelRunner(
             loaded.model, self.budget.num_blocks, cc.block_size, loaded.device, loaded.dtype,
-            max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
+            kv_dtype=self.kv_dtype, max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
             # The torch references sync with the host inside; only the kernels can be captured.
             cuda_graphs=config.model.cuda_graphs and ops.uses_triton(loaded.device),
             max_decode_rows=_max_verify_rows(config.speculative.speculative_config, sc.max_num_seqs),
@@ -241,7 +256,7 @@ class Engine:
 
     def _kv_budget(self) -> KVBudget:
         m, dev, cc = self.loaded.config, self.loaded.device, self.config.cache
-        per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.loaded.dtype.itemsize)
+        per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype.itemsize)
         activations = memory.activation_reserve(m, self.config.scheduler, self.max_model_len,
                                                 self.loaded.dtype.itemsize)
         budget = memory.kv_cache_bytes(cc, memory.device_memory(dev), activations)

@@ -74,6 +74,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
         max_num_seqs: int = 0,
         max_model_len: int = 0,
         cuda_graphs: bool = False,
@@ -95,7 +96,8 @@ class ModelRunner:
         `quantized` (CPU, float32, where the kernel compiles) runs the linears it names on
         their GGUF blocks instead (ops/quantized_linear.py), also in place; it goes first;
         `cpu_activations` is the arithmetic they multiply in. `cpu_huge_pages` (CPU) moves
-        the weights into 2 MB pages (ops/huge_pages.py). A model whose layers
+        the weights into 2 MB pages (ops/huge_pages.py). `kv_dtype`: what the KV cache holds
+        (None: `dtype`; float16 on the CPU: --kv-cache-dtype). A model whose layers
         are all quantized then runs as a few native calls per step (ops/cpu_decoder.py).
         `lora` (--enable-lora) holds the device slots of the LoRA adapters; requests that
         name one get its delta on every adapted linear (ops/lora.py)."""
@@ -142,16 +144,17 @@ class ModelRunner:
         # Grammar bitmasks, logit_bias and min_tokens, applied to the logits before sampling.
         self.logits_masks = LogitsMasks(cfg.vocab_size, device)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv_dtype = kv_dtype or dtype
         self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = device.type == "cuda"
         # torch.empty: host pages are touched only when a block is swapped into them.
         self.cpu_caches: list[KVCache] = [
-            (torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
-             torch.empty(cpu_shape, dtype=dtype, pin_memory=pin))
+            (torch.empty(cpu_shape, dtype=kv_dtype, pin_memory=pin),
+             torch.empty(cpu_shape, dtype=kv_dtype, pin_memory=pin))
             for _ in range(cfg.num_layers)
         ] if num_cpu_blocks else []
         self.graphs: DecodeGraphs | None = None
@@ -187,8 +190,9 @@ class ModelRunner:
         rest = ("prefill attention, norm, rotary, activation: C (in the decoder)"
                 if self.cpu_decoder else f"prefill attention, norm, rotary, activation: {others}")
         rest += f"; sampling: {sampling}"
+        kv = str(self.kv_caches[0][0].dtype).removeprefix("torch.") if self.kv_caches else "none"
         return (f"linear layers: {linears}; embedding: {embedding}; decode attention: {attention}; "
-                f"{rest}; decoder: {decoder} (--kernels {ops.backend()}){pages}")
+                f"{rest}; decoder: {decoder} (--kernels {ops.backend()}); KV cache {kv}{pages}")
 
     def _tensor(self, data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)

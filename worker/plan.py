@@ -57,7 +57,13 @@ from typing import Any
 from kvcache.budget import GIB, fit_budget, kv_bytes_per_token
 from ops.quantized_linear import ACTIVATIONS, held_bytes, resolve_activations, supports
 from worker import memory
-from worker.config import CacheConfig, ModelConfig, SchedulerConfig, human_readable_int
+from worker.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    human_readable_int,
+)
 from worker.models.llama import LlamaConfig, fuse_shards, our_name
 from worker.weights import default_model_path, dummy, gguf_file, hf_folder
 
@@ -391,7 +397,10 @@ def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "aut
     if held >= device.memory_bytes:
         raise ValueError(f"the weights ({held / _GB:.1f} GB held) do not fit in {device.name}'s "
                          f"{device.memory_bytes / _GB:.0f} GB")
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, DTYPE_BYTES[dtype])
+    if cache.kv_cache_dtype == "float16" and (device.kind != "cpu" or dtype != "float32"):
+        raise ValueError("--kv-cache-dtype float16 is for a float32 model on the CPU (as serve refuses it)")
+    kv_bytes = 2 if cache.kv_cache_dtype == "float16" else DTYPE_BYTES[dtype]
+    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_bytes)
     mem = None
     if device.kind == "cuda":  # as the engine sees it once the weights are loaded
         free = max(device.memory_bytes - held - CUDA_CONTEXT_BYTES, 0)
@@ -536,7 +545,8 @@ def _run(args: argparse.Namespace) -> int:
     cache = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        kv_cache_free_memory_fraction=args.kv_cache_free_memory_fraction)
+                        kv_cache_free_memory_fraction=args.kv_cache_free_memory_fraction,
+                        kv_cache_dtype=args.kv_cache_dtype)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens)
     req = Workload(args.prompt_len, args.output_len, args.qps, args.ttft_slo, args.tpot_slo)
@@ -619,6 +629,8 @@ def add_parser(sub: Any) -> None:
                    help="as serve's: the share of the GPU's total memory the worker may use")
     p.add_argument("--kv-cache-free-memory-fraction", type=float,
                    default=c.kv_cache_free_memory_fraction, help="as serve's")
+    p.add_argument("--kv-cache-dtype", default=c.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="as serve's: float16 halves a token's KV bytes (a float32 model on cpu)")
     p.add_argument("--cpu-activations", default=m.cpu_activations,
                    choices=("auto", *ACTIVATIONS),
                    help="as serve's: the CPU kernels' activation arithmetic (auto: int16 with "

@@ -218,7 +218,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             uptime_seconds=st.uptime_s,
             server_type="vllm-grpc",
             data_parallel_size=1,
-            kv_cache_dtype="auto",  # the KV cache holds the model's dtype
+            kv_cache_dtype=cfg.cache.kv_cache_dtype,  # as vLLM reports it: "auto" = the model's dtype
             block_size=cfg.cache.block_size,
             model_dtype=f"torch.{m.dtype}" if m else "",
             max_num_seqs=cfg.scheduler.max_num_seqs,

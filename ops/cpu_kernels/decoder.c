@@ -77,7 +77,7 @@ typedef struct {
     int n_dec;                              /* decode rows, one query each */
     const int64_t *dec_rows, *dec_tables, *dec_lens; /* [n_dec], [n_dec, max_blocks], [n_dec] */
     int max_blocks;
-    float *const *k_caches, *const *v_caches; /* per layer: [num_blocks, block_size, Hkv, D] */
+    void *const *k_caches, *const *v_caches; /* per layer: [num_blocks, block_size, Hkv, D] */
     /* state kept between the stages of one step, owned by the caller */
     float *residual; /* [M, H] */
     float *qkv;      /* [M, (Hq + 2 Hkv) D] */
@@ -97,6 +97,7 @@ typedef struct {
     int wake_fd; /* >= 0: one byte is written to it as the call begins, its caller's GIL
                   * released for the whole call: a served worker's event loop is woken
                   * there (worker/engine.py), to run its Python beside the model */
+    int kv_half; /* the caches hold float16 (--kv-cache-dtype float16), else float32 */
 } step_desc;
 
 /* A matmul's input as the kernels read it: float rows (a norm's output, when the input is
@@ -171,9 +172,11 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     const size_t M = (size_t)s->M, H = (size_t)m->hidden, I = (size_t)m->intermediate;
     const size_t Dq = (size_t)m->num_heads * m->head_dim;
     const size_t kmax = I > H ? (I > Dq ? I : Dq) : (H > Dq ? H : Dq); /* widest matmul input */
-    attn_args probe = {0};
+    attn_args probe = {0}; /* what attention_scratch and attention_parts read */
     probe.num_heads = m->num_heads;
+    probe.num_kv_heads = m->num_kv_heads;
     probe.head_dim = m->head_dim;
+    probe.kv_half = s->kv_half;
     probe.n = s->n_dec;
     t->max_len = 1;
     for (int i = 0; i < s->n_dec; i++)
@@ -426,9 +429,14 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
             float *row = y + (size_t)r * ld;
             if (!is_v) rotary_row(row, m->cos_sin + (size_t)s->positions[r] * D, D);
             if (s->slots[r] < 0 || h < Hq) continue;
-            float *cache = is_k ? s->k_caches[l] : s->v_caches[l];
-            const int kvh = is_k ? h - Hq : h - Hq - Hkv;
-            memcpy(cache + ((size_t)s->slots[r] * Hkv + kvh) * D, row, sizeof(float) * (size_t)D);
+            void *cache = is_k ? s->k_caches[l] : s->v_caches[l];
+            const size_t at = ((size_t)s->slots[r] * Hkv + (is_k ? h - Hq : h - Hq - Hkv)) * D;
+            if (s->kv_half) /* rounded to nearest even, as torch's .half() */
+                for (int d = 0; d < D; d += 8)
+                    _mm_storeu_si128((__m128i *)((uint16_t *)cache + at + d),
+                                     _mm256_cvtps_ph(_mm256_loadu_ps(row + d), _MM_FROUND_TO_NEAREST_INT));
+            else
+                memcpy((float *)cache + at, row, sizeof(float) * (size_t)D);
         }
     }
 }
@@ -436,7 +444,7 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
 static attn_args decode_args(const model_desc *m, int l, const step_desc *s) {
     const size_t Dq = (size_t)m->num_heads * m->head_dim;
     const attn_args a = {s->qkv, Dq + 2 * (size_t)m->num_kv_heads * m->head_dim, s->k_caches[l], s->v_caches[l],
-                         m->block_size, m->num_kv_heads, m->num_heads, m->head_dim, s->dec_rows,
+                         s->kv_half, m->block_size, m->num_kv_heads, m->num_heads, m->head_dim, s->dec_rows,
                          s->dec_tables, s->dec_lens, s->max_blocks, s->n_dec, m->scale, s->att, Dq};
     return a;
 }

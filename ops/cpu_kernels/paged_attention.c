@@ -1,5 +1,7 @@
-/* Decode attention over a paged KV cache, float32, AVX2 + FMA: one query token per request,
- * read straight from the cache through the block table (no gather copy).
+/* Decode attention over a paged KV cache, AVX2 + FMA: one query token per request, read
+ * straight from the cache through the block table (no gather copy). The cache holds float32,
+ * or float16 (`kv_half`, --kv-cache-dtype float16: half the bytes a long context's step
+ * reads), widened exactly as it is loaded; the arithmetic is float32 either way.
  *
  *   q, out   [T, Hq, D] rows q_stride / out_stride floats apart   rows[i]: request i's row
  *   caches   [num_blocks, block_size, Hkv, D]  token p of request i: block
@@ -38,7 +40,8 @@
 typedef struct {
     const float *q;
     size_t q_stride; /* floats from one query row to the next */
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache; /* float32, or float16 where kv_half */
+    int kv_half;
     int block_size, num_kv_heads, num_heads, head_dim;
     const int64_t *rows, *tables, *lens; /* [n], [n, max_blocks], [n] */
     int max_blocks, n;
@@ -49,12 +52,19 @@ typedef struct {
     atomic_int *pending;   /* [n] zeroed: chunks of each request done (the last combines) */
 } attn_args;
 
-static inline const float *cached_row(const float *cache, const int64_t *table, int block_size, size_t tok,
-                                      int64_t j) {
+static inline const void *cached_row(const attn_args *a, const void *cache, const int64_t *table, int64_t j) {
     /* block_size is a power of two (attention_check): a shift and a mask, where a division
      * (tens of cycles, four a key) took a fifth of a long context's attention. */
-    const int shift = __builtin_ctz((unsigned)block_size);
-    return cache + ((size_t)table[j >> shift] * block_size + (size_t)(j & (block_size - 1))) * tok;
+    const int shift = __builtin_ctz((unsigned)a->block_size);
+    const size_t tok = (size_t)a->num_kv_heads * a->head_dim * (a->kv_half ? 2 : 4); /* bytes */
+    return (const char *)cache + ((size_t)table[j >> shift] * a->block_size + (size_t)(j & (a->block_size - 1))) * tok;
+}
+
+/* Eight of a cached row's values from d, as floats: float32 as they are, float16
+ * (--kv-cache-dtype float16) converted, exactly. `half` is a constant where it is inlined. */
+static inline __attribute__((always_inline)) __m256 kv8(const void *row, size_t d, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)))
+                : _mm256_loadu_ps((const float *)row + d);
 }
 
 /* Checks the arguments; returns the longest length (>= 1), or < 0 when they are bad. */
@@ -109,6 +119,10 @@ static size_t attention_parts(const attn_args *a) { return (size_t)a->n * ATTN_C
 #define ATTN_ROWS 8
 #define ATTN_SCORES_MAX (1 << 20)
 
+/* Keys (values) of one tile of ATTN_TILE tokens, read by every row of a block: 24 KB for
+ * the default model's three kv heads, so a tile stays in L1 while the rows take turns. */
+#define ATTN_TILE 32
+
 static inline int rows_max(const attn_args *a, int64_t max_len) {
     const size_t fit = ATTN_SCORES_MAX / ((size_t)a->num_heads * (size_t)(max_len + 8));
     return fit < 1 ? 1 : fit > ATTN_ROWS ? ATTN_ROWS : (int)fit;
@@ -117,7 +131,9 @@ static inline int rows_max(const attn_args *a, int64_t max_len) {
 /* Floats of per-thread scratch an item needs for lengths up to max_len: for each of up to
  * rows_max rows, its scores [Hq][max_len + 8] and its chunks' partials. */
 static size_t attention_scratch(const attn_args *a, int64_t max_len) {
-    return rows_max(a, max_len) * ((size_t)a->num_heads * (size_t)(max_len + 8) + ATTN_CHUNKS * part_floats(a)) + 16;
+    const size_t widened = a->kv_half ? (size_t)ATTN_TILE * a->num_kv_heads * a->head_dim + 16 : 0; /* tile_buffer */
+    return rows_max(a, max_len) * ((size_t)a->num_heads * (size_t)(max_len + 8) + ATTN_CHUNKS * part_floats(a)) + 16 +
+           widened;
 }
 
 /* Items per request: with enough requests to share out, an item is a whole request (its
@@ -129,18 +145,20 @@ static int attention_split(const attn_args *a, int nthreads) {
 
 /* Row i's scores against key token j, every query head: scores[h * stride + j] = scale *
  * q_h . k_j. `kt`: the token's keys, every kv head (one contiguous run of the cache). */
-static inline void key_scores(const attn_args *a, int i, const float *kt, int64_t j, float *scores, size_t stride) {
+static inline void key_scores(const attn_args *a, int i, const void *kt, int64_t j, float *scores, size_t stride,
+                              int half) {
     const int group = a->num_heads / a->num_kv_heads, D = a->head_dim, nh = a->num_heads;
     const float *qi = a->q + (size_t)a->rows[i] * a->q_stride;
     for (int h = 0; h < nh; h++) {
-        const float *qa = qi + (size_t)h * D, *kp = kt + (size_t)(h / group) * D;
+        const float *qa = qi + (size_t)h * D;
+        const size_t kp = (size_t)(h / group) * D; /* the kv head's values in the token's row */
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         int d = 0;
         for (; d + 16 <= D; d += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), _mm256_loadu_ps(kp + d), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d + 8), _mm256_loadu_ps(kp + d + 8), a1);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), kv8(kt, kp + d, half), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d + 8), kv8(kt, kp + d + 8, half), a1);
         }
-        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), _mm256_loadu_ps(kp + d), a0);
+        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), kv8(kt, kp + d, half), a0);
         scores[h * stride + j] = hsum8(_mm256_add_ps(a0, a1)) * a->scale;
     }
 }
@@ -200,15 +218,15 @@ static void chunk_softmax(const attn_args *a, int64_t j0, int64_t j1, float *sco
 }
 
 /* o_h += e_hj v_j for every query head (o: [Hq, D], aligned): key j's turn in its chunk. */
-static inline void key_values(const attn_args *a, const float *vt, int64_t j, const float *scores, size_t stride,
-                              float *o) {
+static inline void key_values(const attn_args *a, const void *vt, int64_t j, const float *scores, size_t stride,
+                              float *o, int half) {
     const int group = a->num_heads / a->num_kv_heads, D = a->head_dim, nh = a->num_heads;
     for (int h = 0; h < nh; h++) {
         const __m256 p = _mm256_set1_ps(scores[h * stride + j]);
-        const float *vp = vt + (size_t)(h / group) * D;
+        const size_t vp = (size_t)(h / group) * D;
         float *oa = o + (size_t)h * D;
         for (int d = 0; d < D; d += 8)
-            _mm256_store_ps(oa + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + d), _mm256_load_ps(oa + d)));
+            _mm256_store_ps(oa + d, _mm256_fmadd_ps(p, kv8(vt, vp + d, half), _mm256_load_ps(oa + d)));
     }
 }
 
@@ -255,10 +273,6 @@ static inline void chunk_done(const attn_args *a, int i, const float *parts, int
     }
 }
 
-/* Keys (values) of one tile of ATTN_TILE tokens, read by every row of a block: 24 KB for
- * the default model's three kv heads, so a tile stays in L1 while the rows take turns. */
-#define ATTN_TILE 32
-
 /* A query head's 64 floats in registers, and its dot product with a key's 64 as key_scores
  * makes it: a0 + a1 before the horizontal sum. (An AVX-512 form, one 16-lane chain that is
  * a0 and a1 at once with the same bits, was 7-10% faster alone but ~1% in a step: not kept.) */
@@ -270,23 +284,24 @@ static inline q64 q64_load(const float *qa) {
     for (int d = 0; d < 8; d++) q.y[d] = _mm256_loadu_ps(qa + 8 * d);
     return q;
 }
-static inline __m256 q64_dot(const q64 *q, const float *kp) {
-    __m256 a0 = _mm256_fmadd_ps(q->y[0], _mm256_loadu_ps(kp), _mm256_setzero_ps());
-    __m256 a1 = _mm256_fmadd_ps(q->y[1], _mm256_loadu_ps(kp + 8), _mm256_setzero_ps());
-    a0 = _mm256_fmadd_ps(q->y[2], _mm256_loadu_ps(kp + 16), a0);
-    a1 = _mm256_fmadd_ps(q->y[3], _mm256_loadu_ps(kp + 24), a1);
-    a0 = _mm256_fmadd_ps(q->y[4], _mm256_loadu_ps(kp + 32), a0);
-    a1 = _mm256_fmadd_ps(q->y[5], _mm256_loadu_ps(kp + 40), a1);
-    a0 = _mm256_fmadd_ps(q->y[6], _mm256_loadu_ps(kp + 48), a0);
-    a1 = _mm256_fmadd_ps(q->y[7], _mm256_loadu_ps(kp + 56), a1);
+static inline __attribute__((always_inline)) __m256 q64_dot(const q64 *q, const void *row, size_t kp, int half) {
+    __m256 a0 = _mm256_fmadd_ps(q->y[0], kv8(row, kp, half), _mm256_setzero_ps());
+    __m256 a1 = _mm256_fmadd_ps(q->y[1], kv8(row, kp + 8, half), _mm256_setzero_ps());
+    a0 = _mm256_fmadd_ps(q->y[2], kv8(row, kp + 16, half), a0);
+    a1 = _mm256_fmadd_ps(q->y[3], kv8(row, kp + 24, half), a1);
+    a0 = _mm256_fmadd_ps(q->y[4], kv8(row, kp + 32, half), a0);
+    a1 = _mm256_fmadd_ps(q->y[5], kv8(row, kp + 40, half), a1);
+    a0 = _mm256_fmadd_ps(q->y[6], kv8(row, kp + 48, half), a0);
+    a1 = _mm256_fmadd_ps(q->y[7], kv8(row, kp + 56, half), a1);
     return _mm256_add_ps(a0, a1);
 }
 
 /* Rows of a run, head_dim 64: row r's scores against keys lo[r]..hi[r]-1 of the tile (from
  * t0), key_scores' arithmetic with the query head held in registers and eight keys' sums
  * reduced together (hsum8x8). */
-static void tile_scores64(const attn_args *a, int i0, int R, const int64_t *lo, const int64_t *hi,
-                          const float *const *kt, int64_t t0, float *scratch, size_t sh, size_t stride) {
+static inline __attribute__((always_inline)) void tile_scores64(const attn_args *a, int i0, int R, const int64_t *lo,
+                                                               const int64_t *hi, const void *const *kt, int64_t t0,
+                                                               float *scratch, size_t sh, size_t stride, int half) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
     const __m256 scale = _mm256_set1_ps(a->scale);
     for (int r = 0; r < R; r++) {
@@ -298,10 +313,10 @@ static void tile_scores64(const attn_args *a, int i0, int R, const int64_t *lo, 
             int64_t j = lo[r];
             for (; j + 8 <= hi[r]; j += 8) {
                 __m256 v[8];
-                for (int u = 0; u < 8; u++) v[u] = q64_dot(&q, kt[j + u - t0] + off);
+                for (int u = 0; u < 8; u++) v[u] = q64_dot(&q, kt[j + u - t0], off, half);
                 _mm256_storeu_ps(sc + j, _mm256_mul_ps(hsum8x8(v), scale));
             }
-            for (; j < hi[r]; j++) sc[j] = hsum8(q64_dot(&q, kt[j - t0] + off)) * a->scale;
+            for (; j < hi[r]; j++) sc[j] = hsum8(q64_dot(&q, kt[j - t0], off, half)) * a->scale;
         }
     }
 }
@@ -309,9 +324,10 @@ static void tile_scores64(const attn_args *a, int i0, int R, const int64_t *lo, 
 /* Rows of a run, head_dim 64: row r's values lo[r]..hi[r]-1 of the tile into its chunks'
  * partials part[r] (ATTN_CHUNKS of part_floats), key_values' arithmetic with a head's output
  * sums held in registers over the keys of one chunk within the tile. */
-static void tile_values64(const attn_args *a, int R, int64_t L0, const int64_t *lo, const int64_t *hi,
-                          const float *const *vt, int64_t t0, const float *scratch, size_t sh, size_t stride,
-                          float *const *part) {
+static inline __attribute__((always_inline)) void tile_values64(const attn_args *a, int R, int64_t L0,
+                                                               const int64_t *lo, const int64_t *hi,
+                                                               const void *const *vt, int64_t t0, const float *scratch,
+                                                               size_t sh, size_t stride, float *const *part, int half) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
     const size_t pf = part_floats(a);
     for (int r = 0; r < R; r++) {
@@ -327,15 +343,15 @@ static void tile_values64(const attn_args *a, int R, int64_t L0, const int64_t *
                        o6 = _mm256_load_ps(o + 48), o7 = _mm256_load_ps(o + 56);
                 for (int64_t j = js; j < je; j++) {
                     const __m256 p = _mm256_set1_ps(sc[j]);
-                    const float *vp = vt[j - t0] + off;
-                    o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp), o0);
-                    o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 8), o1);
-                    o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 16), o2);
-                    o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 24), o3);
-                    o4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 32), o4);
-                    o5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 40), o5);
-                    o6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 48), o6);
-                    o7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp + 56), o7);
+                    const void *vp = vt[j - t0];
+                    o0 = _mm256_fmadd_ps(p, kv8(vp, off, half), o0);
+                    o1 = _mm256_fmadd_ps(p, kv8(vp, off + 8, half), o1);
+                    o2 = _mm256_fmadd_ps(p, kv8(vp, off + 16, half), o2);
+                    o3 = _mm256_fmadd_ps(p, kv8(vp, off + 24, half), o3);
+                    o4 = _mm256_fmadd_ps(p, kv8(vp, off + 32, half), o4);
+                    o5 = _mm256_fmadd_ps(p, kv8(vp, off + 40, half), o5);
+                    o6 = _mm256_fmadd_ps(p, kv8(vp, off + 48, half), o6);
+                    o7 = _mm256_fmadd_ps(p, kv8(vp, off + 56, half), o7);
                 }
                 _mm256_store_ps(o, o0), _mm256_store_ps(o + 8, o1), _mm256_store_ps(o + 16, o2);
                 _mm256_store_ps(o + 24, o3), _mm256_store_ps(o + 32, o4), _mm256_store_ps(o + 40, o5);
@@ -351,13 +367,32 @@ static void tile_values64(const attn_args *a, int R, int64_t L0, const int64_t *
  * step (the weights streamed since evict it), and unaided the loops waited on memory for
  * most of their time (session 7: at 400 tokens of context, 1.4x the whole step); into L2
  * rather than L1, as L1's miss buffers hold fewer lines than are in flight. */
-static inline void tile_rows(const attn_args *a, const float *cache, const int64_t *table, int64_t t0, int64_t t1,
-                             int64_t Lmax, const float **tile) {
-    const size_t tok = (size_t)a->num_kv_heads * a->head_dim;
+static inline void tile_rows(const attn_args *a, const void *cache, const int64_t *table, int64_t t0, int64_t t1,
+                             int64_t Lmax, const void **tile) {
+    const size_t bytes = (size_t)a->num_kv_heads * a->head_dim * (a->kv_half ? 2 : 4);
     for (int64_t j = t0; j < t1; j++) {
-        tile[j - t0] = cached_row(cache, table, a->block_size, tok, j);
-        if (j + ATTN_TILE < Lmax)
-            prefetch_bytes_l2(cached_row(cache, table, a->block_size, tok, j + ATTN_TILE), tok * sizeof(float));
+        tile[j - t0] = cached_row(a, cache, table, j);
+        if (j + ATTN_TILE < Lmax) prefetch_bytes_l2(cached_row(a, cache, table, j + ATTN_TILE), bytes);
+    }
+}
+
+/* The float32 rows a float16 tile is widened into: after a thread's partials in its
+ * scratch (attention_scratch counts them). */
+static inline float *tile_buffer(const attn_args *a, float *scratch, size_t stride) {
+    const int rm = rows_max(a, (int64_t)stride - 8);
+    const float *end = scratch_parts(a, scratch, stride, rm) + (size_t)rm * ATTN_CHUNKS * part_floats(a);
+    return (float *)(((uintptr_t)end + 63) & ~(uintptr_t)63);
+}
+
+/* A float16 tile's n rows widened into buf (exactly), tile[] re-pointed there: a run of R
+ * rows reads each key R times, and converting it each time made a 1,000-token prefill 5%
+ * slower than over a float32 cache. */
+static inline void widen_tile(const attn_args *a, const void **tile, int n, float *buf) {
+    const size_t tok = (size_t)a->num_kv_heads * a->head_dim;
+    for (int j = 0; j < n; j++) {
+        float *dst = buf + (size_t)j * tok;
+        for (size_t d = 0; d < tok; d += 8) _mm256_store_ps(dst + d, kv8(tile[j], d, 1));
+        tile[j] = dst;
     }
 }
 
@@ -385,18 +420,24 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
         U0 = j0[r] < U0 ? j0[r] : U0;
         U1 = j1[r] > U1 ? j1[r] : U1;
     }
-    const float *tile[ATTN_TILE];
+    const void *tile[ATTN_TILE];
     const int d64 = a->head_dim == 64;
+    /* A float16 cache's tile is read as it lies by a row alone, widened once for several */
+    float *widened = a->kv_half && R > 1 ? tile_buffer(a, scratch, stride) : NULL;
+    const int half = a->kv_half && !widened;
     for (int64_t t0 = U0; t0 < U1; t0 += ATTN_TILE) {
         const int64_t t1 = t0 + ATTN_TILE < U1 ? t0 + ATTN_TILE : U1;
         tile_rows(a, a->k_cache, table, t0, t1, U1, tile);
+        if (widened) widen_tile(a, tile, (int)(t1 - t0), widened);
         for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
         if (d64) {
-            tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride);
+            if (half) tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 1);
+            else tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 0);
             continue;
         }
         for (int r = 0; r < R; r++)
-            for (int64_t j = lo[r]; j < hi[r]; j++) key_scores(a, i0 + r, tile[j - t0], j, scratch + r * sh, stride);
+            for (int64_t j = lo[r]; j < hi[r]; j++)
+                key_scores(a, i0 + r, tile[j - t0], j, scratch + r * sh, stride, half);
     }
     for (int r = 0; r < R; r++) {
         const int64_t clen = chunk_len(L0 + r);
@@ -409,14 +450,16 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
     for (int64_t t0 = U0; t0 < U1; t0 += ATTN_TILE) {
         const int64_t t1 = t0 + ATTN_TILE < U1 ? t0 + ATTN_TILE : U1;
         tile_rows(a, a->v_cache, table, t0, t1, U1, tile);
+        if (widened) widen_tile(a, tile, (int)(t1 - t0), widened);
         for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
         if (d64) {
-            tile_values64(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part);
+            if (half) tile_values64(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 1);
+            else tile_values64(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 0);
             continue;
         }
         for (int r = 0; r < R; r++)
             for (int64_t j = lo[r]; j < hi[r]; j++)
-                key_values(a, tile[j - t0], j, scratch + r * sh, stride, part[r] + (j / chunk_len(L0 + r)) * pf);
+                key_values(a, tile[j - t0], j, scratch + r * sh, stride, part[r] + (j / chunk_len(L0 + r)) * pf, half);
     }
 }
 
@@ -494,7 +537,7 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
                            int num_kv_heads, int num_heads, int head_dim, const int64_t *rows,
                            const int64_t *tables, int max_blocks, const int64_t *lens, int n,
                            float scale, float *out, int nthreads) {
-    attn_args a = {q, (size_t)num_heads * head_dim, k_cache, v_cache, block_size, num_kv_heads,
+    attn_args a = {q, (size_t)num_heads * head_dim, k_cache, v_cache, 0, block_size, num_kv_heads,
                    num_heads, head_dim, rows, tables, lens, max_blocks, n, scale, out,
                    (size_t)num_heads * head_dim, NULL, NULL};
     const int64_t max_len = attention_check(&a);
