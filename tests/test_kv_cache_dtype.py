@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from scheduler.request import SamplingParams
+from worker import plan
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from worker.engine import Engine, kv_cache_dtype
+from worker.engine import Engine
+from worker.memory import kv_cache_dtype
 
 GiB = 1 << 30
 HALF_BLOCK = 16 * 2 * 30 * 3 * 64 * 2  # a 16-token block of SmolLM2-135M in float16
@@ -45,6 +47,10 @@ def test_float16_is_for_a_float32_model_on_the_cpu() -> None:
         kv_cache_dtype("float16", cpu, torch.float16)
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float16, got 'fp8'"):
         CacheConfig(kv_cache_dtype="fp8")
+    # the capacity planner refuses it alike (one rule, worker/memory.py)
+    with pytest.raises(ValueError, match=r"is for a float32 model on the CPU.*bfloat16 on cuda"):
+        plan.make_plan(plan.read_model("dummy:smollm2-135m"), plan.DEVICES["h100"], plan.Workload(100, 10),
+                       cache=CacheConfig(kv_cache_dtype="float16"))
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

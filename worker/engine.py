@@ -77,20 +77,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
-    """--kv-cache-dtype as a dtype. float16 is read and written by the CPU's C kernels (the
-    fused decoder converts as it writes, and its attention as it loads) and by the torch
-    references; the GPU's Triton kernels read the model's dtype only."""
-    if name == "auto":
-        return model_dtype
-    assert name == "float16", name
-    if device.type != "cpu" or model_dtype != torch.float32:
-        raise ValueError(f"--kv-cache-dtype float16 is for a float32 model on the CPU (its C kernels); "
-                         f"here the model is {str(model_dtype).removeprefix('torch.')} on {device.type}: "
-                         "use --kv-cache-dtype auto")
-    return torch.float16
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -167,7 +153,7 @@ class Engine:
                 f"--max-model-len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {mcfg.max_position_embeddings}"
             )
-        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, loaded.device, loaded.dtype)
+        self.kv_dtype = memory.kv_cache_dtype(config.cache.kv_cache_dtype, loaded.device, loaded.dtype)
         self.budget = self._kv_budget()
         log.info(self.budget.describe())
         cc, sc = config.cache, config.scheduler

@@ -129,3 +129,17 @@ def kv_cache_bytes(cache: CacheConfig, mem: DeviceMemory | None, activations: in
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
+
+
+def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype as a dtype. float16 is read and written by the CPU's C kernels (the
+    fused decoder converts as it writes, and its attention as it loads) and by the torch
+    references; the GPU's Triton kernels read the model's dtype only."""
+    if name == "auto":
+        return model_dtype
+    assert name == "float16", name
+    if device.type != "cpu" or model_dtype != torch.float32:
+        raise ValueError(f"--kv-cache-dtype float16 is for a float32 model on the CPU (its C kernels); "
+                         f"here the model is {str(model_dtype).removeprefix('torch.')} on {device.type}: "
+                         "use --kv-cache-dtype auto")
+    return torch.float16

@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvcache.budget import GIB, fit_budget, kv_bytes_per_token
 from ops.quantized_linear import ACTIVATIONS, held_bytes, resolve_activations, supports
 from worker import memory
@@ -397,10 +399,9 @@ def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "aut
     if held >= device.memory_bytes:
         raise ValueError(f"the weights ({held / _GB:.1f} GB held) do not fit in {device.name}'s "
                          f"{device.memory_bytes / _GB:.0f} GB")
-    if cache.kv_cache_dtype == "float16" and (device.kind != "cpu" or dtype != "float32"):
-        raise ValueError("--kv-cache-dtype float16 is for a float32 model on the CPU (as serve refuses it)")
-    kv_bytes = 2 if cache.kv_cache_dtype == "float16" else DTYPE_BYTES[dtype]
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_bytes)
+    # what serve's cache would hold (refused alike)
+    kv = memory.kv_cache_dtype(cache.kv_cache_dtype, torch.device(device.kind), getattr(torch, dtype))
+    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv.itemsize)
     mem = None
     if device.kind == "cuda":  # as the engine sees it once the weights are loaded
         free = max(device.memory_bytes - held - CUDA_CONTEXT_BYTES, 0)
