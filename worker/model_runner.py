@@ -173,7 +173,9 @@ class ModelRunner:
         linears = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         path = ops.kernel_path(self.device)
         others = "Triton" if path == "triton" else "torch"
-        c_kernel = path == "c" and self.dtype == torch.float32 and cpu_attention.available()
+        # The op-by-op C attention reads float32 caches; the fused decoder reads float16 too.
+        c_kernel = (path == "c" and self.dtype == torch.float32 and cpu_attention.available()
+                    and (self.cpu_decoder is not None or self.kv_caches[0][0].dtype == torch.float32))
         attention = "C kernel" if c_kernel else others
         quant_embed = isinstance(self.model.embed_tokens, quantized_linear.QuantEmbedding)
         embedding = "Q8_0 blocks" if quant_embed else "table"
