@@ -52,12 +52,17 @@ typedef struct {
     atomic_int *pending;   /* [n] zeroed: chunks of each request done (the last combines) */
 } attn_args;
 
+/* Bytes of one cached token's row (every kv head's values). */
+static inline size_t token_bytes(const attn_args *a) {
+    return (size_t)a->num_kv_heads * a->head_dim * (a->kv_half ? 2 : 4);
+}
+
 static inline const void *cached_row(const attn_args *a, const void *cache, const int64_t *table, int64_t j) {
     /* block_size is a power of two (attention_check): a shift and a mask, where a division
      * (tens of cycles, four a key) took a fifth of a long context's attention. */
     const int shift = __builtin_ctz((unsigned)a->block_size);
-    const size_t tok = (size_t)a->num_kv_heads * a->head_dim * (a->kv_half ? 2 : 4); /* bytes */
-    return (const char *)cache + ((size_t)table[j >> shift] * a->block_size + (size_t)(j & (a->block_size - 1))) * tok;
+    const size_t row = (size_t)table[j >> shift] * a->block_size + (size_t)(j & (a->block_size - 1));
+    return (const char *)cache + row * token_bytes(a);
 }
 
 /* Eight of a cached row's values from d, as floats: float32 as they are, float16
@@ -369,7 +374,7 @@ static inline __attribute__((always_inline)) void tile_values64(const attn_args 
  * rather than L1, as L1's miss buffers hold fewer lines than are in flight. */
 static inline void tile_rows(const attn_args *a, const void *cache, const int64_t *table, int64_t t0, int64_t t1,
                              int64_t Lmax, const void **tile) {
-    const size_t bytes = (size_t)a->num_kv_heads * a->head_dim * (a->kv_half ? 2 : 4);
+    const size_t bytes = token_bytes(a);
     for (int64_t j = t0; j < t1; j++) {
         tile[j - t0] = cached_row(a, cache, table, j);
         if (j + ATTN_TILE < Lmax) prefetch_bytes_l2(cached_row(a, cache, table, j + ATTN_TILE), bytes);
