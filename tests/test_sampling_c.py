@@ -378,3 +378,34 @@ def test_sampled_tokens_with_penalties_equal_the_dense_penalties():
     plain = make_st(b, **{**cols, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0})
     assert torch.equal(tokens(logits, st), tokens(dense, plain))
     assert not torch.equal(tokens(logits, st), tokens(logits, plain))
+
+
+def test_sample_plain_draws_sample_c_tokens():
+    """The runner's plain path (no penalties, no logprobs, not all greedy) calls the kernel
+    from lists: every row's token must be sample_c's, seeded and unseeded rows mixed, with the
+    global generator in the same state, including controls float32 rounds (0.1, 1/3)."""
+    b, v = 9, 3000
+    logits = rand_logits(b, v, seed=11, scale=3.0)
+    temperature = [0.7, 1.0, 0.1, 1.3, 0.0, 2.0, 1 / 3, 0.9, 0.5]  # one greedy row among them
+    top_p = [0.9, 1.0, 0.5, 0.95, 1.0, 0.1, 1.0, 0.8, 1.0]
+    top_k = [0, 40, 0, 5, 0, 0, 100, 1, 0]  # top_k 1: greedy too
+    min_p = [0.0, 0.05, 0.0, 0.0, 0.2, 0.0, 0.1, 0.0, 0.3]
+    seeds = [None, 7, None, -3, 5, None, 2**63 - 1, 11, None]
+    steps = [0, 3, 1, 0, 9, 2, 4, 0, 17]
+    for trial in range(20):
+        torch.manual_seed(100 + trial)
+        want = tokens(logits, make_st(b, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                      seeds=seeds, steps=steps))
+        torch.manual_seed(100 + trial)
+        got = cpu_sampling.sample_plain(logits, temperature, top_p, top_k, min_p, seeds, steps)
+        assert got == want.tolist()
+    # a row of logits that is a strided view (index_select of some rows keeps rows whole; a
+    # column slice does not): the kernel reads a contiguous copy, the same tokens
+    wide = torch.cat([logits, logits], dim=1)[:, :v]
+    torch.manual_seed(5)
+    want = tokens(logits, make_st(b, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  seeds=seeds, steps=steps))
+    torch.manual_seed(5)
+    assert cpu_sampling.sample_plain(wide, temperature, top_p, top_k, min_p, seeds, steps) == want.tolist()
+    # not the kernel's: float64 logits
+    assert cpu_sampling.sample_plain(logits.double(), temperature, top_p, top_k, min_p, seeds, steps) is None

@@ -427,6 +427,32 @@ def test_penalties_and_seeds_see_the_drafts_as_output(engines, grounded_ids) -> 
         assert spec.num_accepted_tokens > accepted_before, params
 
 
+def test_plain_sampled_rows_skip_the_sampling_tensors(engines, grounded_ids, monkeypatch) -> None:
+    """Sampled requests with no penalties, logprobs or masks take the runner's plain path
+    (ops.cpu_sampling.sample_plain: the C sampler called from lists, no ops.sample) on plain
+    and drafted steps, and give the tokens ops.sample gives: seeded, so the same with and
+    without speculation, and with the plain path turned off."""
+    import ops
+    from worker.model_runner import ModelRunner
+
+    plain, spec = engines
+    calls = []
+    real = ops.sample
+    monkeypatch.setattr(ops, "sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, seed=77, max_tokens=32)
+    accepted_before = spec.num_accepted_tokens
+    fast = _generate(plain, grounded_ids, params)
+    fast_spec = [_generate(spec, [p], params)[0] for p in grounded_ids]
+    assert calls == [] and spec.num_accepted_tokens > accepted_before
+    monkeypatch.setattr(ModelRunner, "_plain_rows", staticmethod(lambda *a, **k: None))
+    full = _generate(plain, grounded_ids, params)
+    full_spec = [_generate(spec, [p], params)[0] for p in grounded_ids]
+    assert calls
+    want = [c.token_ids for c in full]
+    assert [c.token_ids for c in fast] == want
+    assert [c.token_ids for c in fast_spec] == [c.token_ids for c in full_spec] == want
+
+
 def test_logprobs_of_accepted_drafts(engines, grounded_ids) -> None:
     """A drafted position's logits are those of a plain decode to the bit (it attends as a
     decode row, and each row's arithmetic is its own), so its logprobs are too."""

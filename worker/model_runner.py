@@ -356,6 +356,8 @@ class ModelRunner:
     def _sample(self, sampling: list[Request], logits: torch.Tensor,
                 masks: StepMasks | None = None, ids: list[int] | None = None) -> dict[str, SampleResult]:
         rows = self._greedy_rows(sampling, logits, masks, ids)
+        if rows is None:
+            rows = self._plain_rows(sampling, logits, masks)
         if rows is not None:
             return {r.request_id: res for r, res in zip(sampling, rows, strict=True)}
         logits = self.logits_masks.apply(logits, masks)
@@ -375,6 +377,25 @@ class ModelRunner:
         return None if ids is None else [SampleResult(t) for t in ids]
 
     @staticmethod
+    def _plain_rows(reqs: list[Request], logits: torch.Tensor, masks: StepMasks | None,
+                    prior: list[list[int]] | None = None) -> list[SampleResult] | None:
+        """What ops.sample gives CPU rows with no mask, penalty or logprobs (and not all
+        greedy: `_greedy_rows`), through the C sampler's own call without the tensors of
+        `_sampling_tensors` (ops.cpu_sampling.sample_plain: the same tokens); None for any
+        other step. `prior` as `_sampling_tensors` takes it."""
+        if masks is not None or ops.kernel_path(logits.device) != "c":
+            return None
+        ps = [r.sampling_params for r in reqs]
+        if all(p.greedy for p in ps) or not all(p.logprobs is None and not p.penalized for p in ps):
+            return None
+        # all_greedy is ruled out, so each row's own temperature stands (as _draw takes it).
+        steps = [r.num_output_tokens + (len(prior[i]) if prior else 0) for i, r in enumerate(reqs)]
+        tokens = cpu_sampling.sample_plain(logits, [p.temperature for p in ps], [p.top_p for p in ps],
+                                           [p.top_k for p in ps], [p.min_p for p in ps],
+                                           [p.seed for p in ps], steps)
+        return None if tokens is None else [SampleResult(t) for t in tokens]
+
+    @staticmethod
     def _one_each(results: dict[str, SampleResult]) -> dict[str, list[SampleResult]]:
         return {rid: [r] for rid, r in results.items()}
 
@@ -389,6 +410,8 @@ class ModelRunner:
             reqs += [s.request] * (len(d) + 1) + s.forks
             prior += [d[:j] for j in range(len(d) + 1)] + [[] for _ in s.forks]
         rows = self._greedy_rows(reqs, logits, masks, ids)  # the drafts change no plain greedy row
+        if rows is None:
+            rows = self._plain_rows(reqs, logits, masks, prior)
         if rows is None:
             logits = self.logits_masks.apply(logits, masks)
             rows = self._row_results(reqs, ops.sample(logits, self._sampling_tensors(reqs, prior)))
