@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"| {b} | {side} | {res[side]['sample_ms']:.3f} | {res[side]['tok_s']:.1f} |")
         print(f"| {b} | plain / general | | **{res['tok_s_ratio_plain_over_general']:.3f}x** |")
     if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(report, indent=2))
     return report
 
