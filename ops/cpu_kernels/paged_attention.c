@@ -326,23 +326,75 @@ static inline __attribute__((always_inline)) void tile_scores64(const attn_args 
     }
 }
 
-/* Rows of a run, head_dim 64: row r's values lo[r]..hi[r]-1 of the tile into its chunks'
- * partials part[r] (ATTN_CHUNKS of part_floats), key_values' arithmetic with a head's output
- * sums held in registers over the keys of one chunk within the tile. */
-static inline __attribute__((always_inline)) void tile_values64(const attn_args *a, int R, int64_t L0,
+/* key_scores' two chains (over d = 0, 16, ... and 8, 24, ...) for four keys at once, any
+ * head_dim a multiple of 16: the query's vectors are read from L1 once for the four (64
+ * floats of them fit in registers, q64; 128 do not). out[u] = a0 + a1 of key u. */
+static inline __attribute__((always_inline)) void dot4(const float *qa, const void *const *rows, size_t kp, int D,
+                                                      int half, __m256 *out) {
+    __m256 a0[4], a1[4];
+    for (int u = 0; u < 4; u++) a0[u] = a1[u] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        const __m256 q0 = _mm256_loadu_ps(qa + d), q1 = _mm256_loadu_ps(qa + d + 8);
+        for (int u = 0; u < 4; u++) {
+            a0[u] = _mm256_fmadd_ps(q0, kv8(rows[u], kp + d, half), a0[u]);
+            a1[u] = _mm256_fmadd_ps(q1, kv8(rows[u], kp + d + 8, half), a1[u]);
+        }
+    }
+    for (int u = 0; u < 4; u++) out[u] = _mm256_add_ps(a0[u], a1[u]);
+}
+
+/* Rows of a run, head_dim a multiple of 64 above 64 (Llama 3's 128): tile_scores64 with the
+ * query read from L1 (dot4), eight keys' sums reduced together (hsum8x8); key_scores' bits. */
+static inline __attribute__((always_inline)) void tile_scores_wide(const attn_args *a, int i0, int R, const int64_t *lo,
+                                                                  const int64_t *hi, const void *const *kt, int64_t t0,
+                                                                  float *scratch, size_t sh, size_t stride, int half) {
+    const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads, D = a->head_dim;
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    for (int r = 0; r < R; r++) {
+        const float *qi = a->q + (size_t)a->rows[i0 + r] * a->q_stride;
+        for (int h = 0; lo[r] < hi[r] && h < nh; h++) {
+            const float *qa = qi + (size_t)h * D;
+            float *sc = scratch + r * sh + (size_t)h * stride;
+            const size_t off = (size_t)(h / group) * D;
+            int64_t j = lo[r];
+            for (; j + 8 <= hi[r]; j += 8) {
+                __m256 v[8];
+                dot4(qa, kt + (j - t0), off, D, half, v);
+                dot4(qa, kt + (j + 4 - t0), off, D, half, v + 4);
+                _mm256_storeu_ps(sc + j, _mm256_mul_ps(hsum8x8(v), scale));
+            }
+            for (; j < hi[r]; j++) {
+                const void *row = kt[j - t0];
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                for (int d = 0; d < D; d += 16) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), kv8(row, off + d, half), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d + 8), kv8(row, off + d + 8, half), a1);
+                }
+                sc[j] = hsum8(_mm256_add_ps(a0, a1)) * a->scale;
+            }
+        }
+    }
+}
+
+/* Rows of a run, head_dim a multiple of 64: row r's values lo[r]..hi[r]-1 of the tile into its
+ * chunks' partials part[r] (ATTN_CHUNKS of part_floats), key_values' arithmetic with 64 of a
+ * head's output sums held in registers over the keys of one chunk within the tile (a wider
+ * head a slice of 64 at a time: each sum's chain over the keys is key_values' either way). */
+static inline __attribute__((always_inline)) void tile_values(const attn_args *a, int R, int64_t L0,
                                                                const int64_t *lo, const int64_t *hi,
                                                                const void *const *vt, int64_t t0, const float *scratch,
                                                                size_t sh, size_t stride, float *const *part, int half) {
-    const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
+    const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads, D = a->head_dim;
     const size_t pf = part_floats(a);
     for (int r = 0; r < R; r++) {
         const int64_t clen = chunk_len(L0 + r);
         for (int64_t js = lo[r]; js < hi[r];) { /* [js, je): one chunk's keys within the tile */
             const int64_t c = js / clen, je = (c + 1) * clen < hi[r] ? (c + 1) * clen : hi[r];
-            for (int h = 0; h < nh; h++) {
-                float *o = part[r] + c * pf + (size_t)h * 64;
+            for (int hs = 0; hs < nh * (D / 64); hs++) { /* head h, its slice of 64: hs = h D/64 + slice */
+                const int h = hs / (D / 64), slice = hs % (D / 64);
+                float *o = part[r] + c * pf + (size_t)h * D + (size_t)slice * 64;
                 const float *sc = scratch + r * sh + (size_t)h * stride;
-                const size_t off = (size_t)(h / group) * 64;
+                const size_t off = (size_t)(h / group) * D + (size_t)slice * 64;
                 __m256 o0 = _mm256_load_ps(o), o1 = _mm256_load_ps(o + 8), o2 = _mm256_load_ps(o + 16),
                        o3 = _mm256_load_ps(o + 24), o4 = _mm256_load_ps(o + 32), o5 = _mm256_load_ps(o + 40),
                        o6 = _mm256_load_ps(o + 48), o7 = _mm256_load_ps(o + 56);
@@ -426,7 +478,12 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
         U1 = j1[r] > U1 ? j1[r] : U1;
     }
     const void *tile[ATTN_TILE];
-    const int d64 = a->head_dim == 64;
+    /* head_dim a multiple of 64 (the models here: 64, 128): a tile at a time; else key by key */
+#ifdef ATTN_PER_KEY /* tests: the key-by-key arithmetic the tiles must reproduce bit for bit */
+    const int tiled = 0, d64 = 0;
+#else
+    const int tiled = a->head_dim % 64 == 0, d64 = a->head_dim == 64;
+#endif
     /* A float16 cache's tile is read as it lies by a row alone, widened once for several */
     float *widened = a->kv_half && R > 1 ? tile_buffer(a, scratch, stride) : NULL;
     const int half = a->kv_half && !widened;
@@ -438,6 +495,11 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
         if (d64) {
             if (half) tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 1);
             else tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 0);
+            continue;
+        }
+        if (tiled) {
+            if (half) tile_scores_wide(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 1);
+            else tile_scores_wide(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 0);
             continue;
         }
         for (int r = 0; r < R; r++)
@@ -457,9 +519,9 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
         tile_rows(a, a->v_cache, table, t0, t1, U1, tile);
         if (widened) widen_tile(a, tile, (int)(t1 - t0), widened);
         for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
-        if (d64) {
-            if (half) tile_values64(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 1);
-            else tile_values64(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 0);
+        if (tiled) {
+            if (half) tile_values(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 1);
+            else tile_values(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 0);
             continue;
         }
         for (int r = 0; r < R; r++)
