@@ -22,6 +22,10 @@ The served request is streamed by `benchmarks.stream_client`, a client in a proc
 as a user's is (`--clients inline`: by this process; `--clients process,inline` measures both,
 a worker each, `served@N/inline`). Before session 20 the offline engine and the client both
 lived in this process: the client's CPU a token was ~0.45 ms there against ~0.33 ms alone.
+
+`--client-cpus 1` pins the client process (else the OS places it). On a 2-core machine the
+served worker's engine thread has CPU 0 to itself and everything else of the worker shares
+CPU 1: a client that lands on CPU 0 takes its CPU from the engine thread's serial work.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class Served:
     """An `llm-worker serve` child on a free loopback port, streamed to by a client in a
     process of its own (``client="process"``) or by this process (``"inline"``)."""
 
-    def __init__(self, serve_args: list[str], client: str = "process") -> None:
+    def __init__(self, serve_args: list[str], client: str = "process", client_cpus: set[int] | None = None) -> None:
         cmd = [sys.executable, "-m", "worker.cli", "serve", "--port", "0",
                "--no-enable-prefix-caching", *serve_args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,
@@ -105,7 +109,8 @@ class Served:
         if client == "process":  # a user's client: a process of its own (stream_client's why)
             self.streamer = subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.stream_client", address], cwd=ROOT,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None)
 
     def _loop_cpu_s(self) -> float:
         """CPU time of the worker's main thread so far: its event loop (gRPC, the bridge)."""
@@ -156,8 +161,12 @@ def main() -> None:
                    help="comma-separated: 'process' (the client in a process of its own, as a "
                         "user's is) and/or 'inline' (in this process); a worker each, results "
                         "under served@N and served@N/inline")
+    p.add_argument("--client-cpus", default="",
+                   help="CPUs the client process may run on (e.g. 1): where the OS puts it "
+                        "otherwise (the worker's engine thread has the first CPU to itself)")
     p.add_argument("--output-json", type=Path)
     a = p.parse_args()
+    client_cpus = {int(x) for x in a.client_cpus.split(",") if x.strip()} or None
     intervals = [int(x) for x in a.stream_intervals.split(",")]
     clients = a.clients.split(",")
     if not clients or not set(clients) <= {"process", "inline"}:
@@ -170,7 +179,7 @@ def main() -> None:
         for n in intervals:
             for c in clients:
                 mode = f"served@{n}" + ("" if c == "process" else "/inline")
-                served[mode] = Served([*a.serve_arg, f"--stream-interval={n}"], client=c)
+                served[mode] = Served([*a.serve_arg, f"--stream-interval={n}"], client=c, client_cpus=client_cpus)
                 rounds[mode] = []
         for worker in served.values():
             worker.round(8)  # warm-up
@@ -213,6 +222,7 @@ def main() -> None:
                   "summary": summary, "served_over_offline": ratios[first],
                   "served_over_offline_of_medians": of_medians[first],
                   "stream_intervals": intervals, "clients": clients,
+                  "client_cpus": sorted(client_cpus) if client_cpus else None,
                   "served_over_offline_by_mode": ratios,
                   "served_over_offline_of_medians_by_mode": of_medians,
                   "kernels": offline.info["kernels"],
