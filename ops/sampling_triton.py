@@ -379,19 +379,13 @@ def _launch(
     return tokens, chosen if want_lp else None, kept, work
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Plain greedy rows' tokens (no penalty, no logprobs): each row's argmax of its finite
-    logits. Torch spreads a row over many blocks, faster than one program per row. The
-    runner takes it directly for steps whose rows are all plain greedy (no SamplingTensors)."""
-    return finite_logits(logits).argmax(-1)
-
-
 def sample_triton(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """logits: [B, V] -> one token per row; drop-in for sample_ref, all on the logits' device."""
     if logits.shape[0] == 0:
         return sample_ref(logits, st)  # nothing to launch; the reference handles empty shapes
     if st.all_greedy and st.penalty_tokens is None and st.num_logprobs < 0:
-        return SamplerOutput(greedy_tokens(logits), None, None, None)
+        # Plain argmax: torch spreads a row over many blocks, faster than one program per row.
+        return SamplerOutput(finite_logits(logits).argmax(-1), None, None, None)
     tokens, chosen, _, _ = _launch(logits, st)
     if chosen is None:
         return SamplerOutput(tokens, None, None, None)

@@ -352,31 +352,6 @@ def test_gpu_llama3_vocab_against_reference():
 
 
 @requires_cuda
-def test_gpu_runner_greedy_rows_are_the_samplers_tokens():
-    """Steps whose rows are all plain greedy skip SamplingTensors on CUDA (the runner's
-    `_greedy_rows` takes `greedy_tokens` directly): the tokens ops.sample gives, non-finite
-    logits and ties included."""
-    from scheduler.request import Request, SamplingParams
-    from worker.model_runner import ModelRunner
-
-    logits, _ = _llama3_batch()
-    logits[0, 5:9] = logits[0].max() + 1  # a tie: the first index wins
-    logits[1, 3] = float("nan")  # never drawn
-    logits[2, 7] = float("inf")
-    dev_logits = logits.to(DEV)
-    b = logits.shape[0]
-    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4)) for i in range(b)]
-    rows = ModelRunner._greedy_rows(reqs, dev_logits, None)
-    assert rows is not None
-    want = sample_triton(dev_logits, make_st(b, temperature=0.0)).token_ids.tolist()
-    assert [r.token_id for r in rows] == want
-    assert want[0] == 5
-    # a row with logprobs, or a mask, leaves the step to ops.sample
-    reqs[0] = Request("lp", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, logprobs=1))
-    assert ModelRunner._greedy_rows(reqs, dev_logits, None) is None
-
-
-@requires_cuda
 def test_gpu_no_host_sync():
     logits, st = _llama3_batch()
     dev_logits, dev_st = logits.to(DEV), on_dev(st)

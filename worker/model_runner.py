@@ -367,19 +367,11 @@ class ModelRunner:
     @staticmethod
     def _greedy_rows(reqs: list[Request], logits: torch.Tensor, masks: StepMasks | None,
                      ids: list[int] | None = None) -> list[SampleResult] | None:
-        """What ops.sample gives rows that are all plain greedy (each row's argmax), without
-        building its tensors, on CPU logits or where ops.sample is the Triton sampler (its
-        own greedy_tokens: a step's SamplingTensors were two host-to-device copies and a
-        dozen small ops around one argmax); None for any other step. `ids`: those argmaxes
-        as the CPU decoder's call found them (-1: not finite), if it did."""
-        if masks is not None or not all(map(_plain_greedy, reqs)):
+        """What ops.sample gives rows that are all plain greedy on CPU logits (each row's
+        argmax), without building its tensors; None for any other step. `ids`: those
+        argmaxes as the CPU decoder's call found them (-1: not finite), if it did."""
+        if masks is not None or logits.device.type != "cpu" or not all(map(_plain_greedy, reqs)):
             return None
-        if logits.device.type != "cpu":
-            if not ops.uses_triton(logits.device):
-                return None
-            from ops.sampling_triton import greedy_tokens  # (imports triton: only on this path)
-
-            return [SampleResult(t) for t in greedy_tokens(logits).tolist()]
         if ids is None or min(ids) < 0:
             ids = greedy_ids_cpu(logits)
         return None if ids is None else [SampleResult(t) for t in ids]
