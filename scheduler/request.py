@@ -53,7 +53,9 @@ _FINISH_REASONS = {
 _LIMITS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("temperature", lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+    # Below 2**31 as the wire's int32: a larger one overflowed the sampler's int64 tensor
+    # mid-step (the request then failed there, not at the door); >= the vocabulary is off.
+    ("top_k", lambda v: 0 <= v < 2**31, ">= 0 (0 = off) and < 2**31"),
     ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("repetition_penalty", lambda v: MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
      f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)"),

@@ -502,6 +502,8 @@ def test_add_request_validation():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 10**30}, "top_k"),
         ({"min_p": 1.1}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
