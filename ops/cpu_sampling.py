@@ -137,9 +137,9 @@ def sample_plain(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequ
     None where the kernel cannot run here."""
     if not _usable(logits):
         return None
-    f32 = np.float32
-    return _sample_rows(logits, np.array(temperature, dtype=f32), np.array(top_p, dtype=f32),
-                        np.array(top_k, dtype=np.int64), np.array(min_p, dtype=f32), seeds, steps).tolist()
+    with np.errstate(over="ignore"):  # a finite temperature past float32's range is inf, as in torch
+        temp, top_p_, min_p_ = (np.array(x, dtype=np.float64).astype(np.float32) for x in (temperature, top_p, min_p))
+    return _sample_rows(logits, temp, top_p_, np.array(top_k, dtype=np.int64), min_p_, seeds, steps).tolist()
 
 
 def sample_c(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:

@@ -11,6 +11,7 @@ vocabulary costs about a microsecond here), logprobs to float tolerance.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -407,5 +408,14 @@ def test_sample_plain_draws_sample_c_tokens():
                                   seeds=seeds, steps=steps))
     torch.manual_seed(5)
     assert cpu_sampling.sample_plain(wide, temperature, top_p, top_k, min_p, seeds, steps) == want.tolist()
+    # a finite temperature past float32's range is inf on both paths, with no warning
+    hot = [1e300, *temperature[1:]]
+    torch.manual_seed(9)
+    want = tokens(logits, make_st(b, temperature=hot, top_p=top_p, top_k=top_k, min_p=min_p, seeds=seeds,
+                                  steps=steps))
+    torch.manual_seed(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_sampling.sample_plain(logits, hot, top_p, top_k, min_p, seeds, steps) == want.tolist()
     # not the kernel's: float64 logits
     assert cpu_sampling.sample_plain(logits.double(), temperature, top_p, top_k, min_p, seeds, steps) is None
