@@ -148,24 +148,29 @@ static int attention_split(const attn_args *a, int nthreads) {
     return a->n >= 2 * nthreads ? 1 : ATTN_CHUNKS;
 }
 
+/* A query head's dot product with one key's kv head (from kp in its row), as two 8-lane
+ * chains over d = 0, 16, ... and 8, 24, ... (a head_dim of 8 mod 16 ends on the first): a0 +
+ * a1 before the horizontal sum. The tiles (q64_dot, dot4) reproduce these chains. */
+static inline __attribute__((always_inline)) __m256 dot1(const float *qa, const void *row, size_t kp, int D,
+                                                        int half) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), kv8(row, kp + d, half), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d + 8), kv8(row, kp + d + 8, half), a1);
+    }
+    if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), kv8(row, kp + d, half), a0);
+    return _mm256_add_ps(a0, a1);
+}
+
 /* Row i's scores against key token j, every query head: scores[h * stride + j] = scale *
  * q_h . k_j. `kt`: the token's keys, every kv head (one contiguous run of the cache). */
 static inline void key_scores(const attn_args *a, int i, const void *kt, int64_t j, float *scores, size_t stride,
                               int half) {
     const int group = a->num_heads / a->num_kv_heads, D = a->head_dim, nh = a->num_heads;
     const float *qi = a->q + (size_t)a->rows[i] * a->q_stride;
-    for (int h = 0; h < nh; h++) {
-        const float *qa = qi + (size_t)h * D;
-        const size_t kp = (size_t)(h / group) * D; /* the kv head's values in the token's row */
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int d = 0;
-        for (; d + 16 <= D; d += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), kv8(kt, kp + d, half), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d + 8), kv8(kt, kp + d + 8, half), a1);
-        }
-        if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), kv8(kt, kp + d, half), a0);
-        scores[h * stride + j] = hsum8(_mm256_add_ps(a0, a1)) * a->scale;
-    }
+    for (int h = 0; h < nh; h++) /* the kv head's values from (h / group) D in the token's row */
+        scores[h * stride + j] = hsum8(dot1(qi + (size_t)h * D, kt, (size_t)(h / group) * D, D, half)) * a->scale;
 }
 
 /* The first of sc[0..n-1]'s largest values as `mx = sc[j] > mx ? sc[j] : mx` from sc[0] finds
@@ -326,9 +331,8 @@ static inline __attribute__((always_inline)) void tile_scores64(const attn_args 
     }
 }
 
-/* key_scores' two chains (over d = 0, 16, ... and 8, 24, ...) for four keys at once, any
- * head_dim a multiple of 16: the query's vectors are read from L1 once for the four (64
- * floats of them fit in registers, q64; 128 do not). out[u] = a0 + a1 of key u. */
+/* dot1 for four keys at once, any head_dim a multiple of 16: the query's vectors are read
+ * from L1 once for the four (64 floats of them fit in registers, q64; 128 do not). */
 static inline __attribute__((always_inline)) void dot4(const float *qa, const void *const *rows, size_t kp, int D,
                                                       int half, __m256 *out) {
     __m256 a0[4], a1[4];
@@ -363,15 +367,7 @@ static inline __attribute__((always_inline)) void tile_scores_wide(const attn_ar
                 dot4(qa, kt + (j + 4 - t0), off, D, half, v + 4);
                 _mm256_storeu_ps(sc + j, _mm256_mul_ps(hsum8x8(v), scale));
             }
-            for (; j < hi[r]; j++) {
-                const void *row = kt[j - t0];
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                for (int d = 0; d < D; d += 16) {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d), kv8(row, off + d, half), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + d + 8), kv8(row, off + d + 8, half), a1);
-                }
-                sc[j] = hsum8(_mm256_add_ps(a0, a1)) * a->scale;
-            }
+            for (; j < hi[r]; j++) sc[j] = hsum8(dot1(qa, kt[j - t0], off, D, half)) * a->scale;
         }
     }
 }
