@@ -366,6 +366,28 @@ static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float 
     }
 }
 
+/* A one-row call reads its weights from memory with little else to do: between two matmuls
+ * (a loop's end, the attention, the norms) the memory sat idle and the next matmul began
+ * cold. So each thread asks, at the end of the loop it is about to run (ws_end), for the
+ * first WARM_BYTES of its part of linear L's next loop (`items` items of `per` tiles;
+ * with `second`, each item also takes the tile `second` tiles on: gate and up), which then
+ * streams in meanwhile. Batch 1 on Zen 4, 40 alternating rounds: 1.02x the native call;
+ * a 4-row verification call, whose integer work is the bound, lost 1% with it: one row only. */
+#define WARM_BYTES 262144
+static void warm_next(ws_local *ws, const step_desc *s, const qlinear *L, int items, int per, int second) {
+    if (s->M != 1) return;
+    const size_t record = is_integer(L->qtype) ? (L->qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD)
+                                               : (size_t)qf_record(L->qtype);
+    const size_t tile_bytes = record * (size_t)(L->K / QBLOCK);
+    const int lo = (int)((int64_t)items * ws->tid / ws->nthreads), hi = (int)((int64_t)items * (ws->tid + 1) / ws->nthreads);
+    size_t n = (size_t)(hi - lo) * per * tile_bytes, cap = second ? WARM_BYTES / 2 : WARM_BYTES;
+    if (n > cap) n = cap;
+    for (int j = 0; j < 1 + (second > 0); j++) {
+        ws->warm[j] = L->w + ((size_t)lo * per + (size_t)j * second) * tile_bytes;
+        ws->warm_n[j] = n;
+    }
+}
+
 /* ---- LoRA (lora.c) ---- */
 
 static int lora_on(const model_desc *m, const step_desc *s, int group) {
@@ -416,6 +438,7 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
     const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, &L->qkv, t, ws);
     const lora_linear *lq = lora_on(m, s, LORA_QKV) ? &m->lora[l].qkv : NULL;
     if (lq) lora_shrink_team(lq, m, &in, s, t, ws);
+    warm_next(ws, s, &L->o, H / TILE, 1, 0); /* streams in during the attention */
     /* one item per head: q heads 0..Hq-1, k heads, v heads (columns in that order) */
     WS_FOR(ws, h, mine, Hq + 2 * Hkv) {
         if (!mine) prepare_mine(&in, t);
@@ -480,6 +503,7 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
     const lora_layer *ll = m->lora ? &m->lora[l] : NULL;
     const int lo = lora_on(m, s, LORA_O), lgu = lora_on(m, s, LORA_GATE_UP), ld = lora_on(m, s, LORA_DOWN);
     if (lo) lora_shrink_team(&ll->o, m, &att, s, t, ws);
+    warm_next(ws, s, &L->gate_up, I / TILE, 1, I / TILE);
     WS_FOR(ws, tile, mine, H / TILE) {
         if (!mine) prepare_mine(&att, t);
         linear_tiles(&L->o, &att, M, tmp, TILE, tile, tile + 1);
@@ -489,6 +513,7 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
     const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, &L->gate_up, t, ws);
     if (lgu) lora_shrink_team(&ll->gate_up, m, &xn, s, t, ws);
     /* gate tile g and up tile g + I/32 together, so that silu(gate) * up needs no barrier */
+    warm_next(ws, s, &L->down, H / TILE, 1, 0);
     WS_FOR(ws, g, mine, I / TILE) {
         if (!mine) prepare_mine(&xn, t);
         linear_tiles(&L->gate_up, &xn, M, tmp, 2 * TILE, g, g + 1);
@@ -503,6 +528,8 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
     }
     const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, &L->down, t, ws);
     if (ld) lora_shrink_team(&ll->down, m, &act, s, t, ws);
+    if (l + 1 < m->num_layers) warm_next(ws, s, &m->layers[l + 1].qkv, m->num_heads + 2 * m->num_kv_heads, m->head_dim / TILE, 0);
+    else if (s->logits) warm_next(ws, s, &m->head, m->head.N / TILE, 1, 0);
     WS_FOR(ws, tile, mine, H / TILE) {
         if (!mine) prepare_mine(&act, t);
         linear_tiles(&L->down, &act, M, tmp, TILE, tile, tile + 1);
@@ -590,7 +617,8 @@ int cpu_decoder_decode(const model_desc *m, const step_desc *s) {
 #pragma omp parallel num_threads(s->nthreads)
     {
         /* this thread's view of the loops */
-        ws_local ws = {t.phases, t.counters, t.num_phases, 0, omp_get_thread_num(), omp_get_num_threads()};
+        ws_local ws = {t.phases, t.counters, t.num_phases, 0, omp_get_thread_num(), omp_get_num_threads(), {0}, {0}};
+        warm_next(&ws, s, &m->layers[0].qkv, m->num_heads + 2 * m->num_kv_heads, m->head_dim / TILE, 0);
         embed_team(m, s, &ws);
         for (int i = 0; i < m->num_layers; i++) {
             attn_in_team(m, i, s, &t, &ws);

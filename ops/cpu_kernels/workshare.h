@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #include <stdatomic.h>
 
+#include "simd.h"
+
 int sched_yield(void); /* <sched.h> hides it under -std=c11 */
 
 #define WS_SPINS 2000 /* pauses before a waiting thread yields its core */
@@ -40,6 +42,8 @@ typedef struct {
     int num_phases;
     int k;        /* this thread's next phase */
     int tid, nthreads;
+    const void *warm[2]; /* bytes to ask into L2 at this loop's end (NULL: none) */
+    size_t warm_n[2];
 } ws_local;
 
 static inline int ws_begin(ws_local *w) {
@@ -65,10 +69,17 @@ static inline int ws_next(const ws_local *w, int k, int total, int *step) {
     return total;
 }
 
-/* Adds this thread's finished items, then waits for all `total` (acquire: their writes seen). */
-static inline void ws_end(const ws_local *w, int k, int mine, int total) {
+/* Adds this thread's finished items, asks for what ws_local.warm names (decoder.c's
+ * warm_next: the start of its part of the next loop's weights, which then streams in while
+ * it waits here and through the work between the loops), then waits for all `total`
+ * (acquire: their writes seen). */
+static inline void ws_end(ws_local *w, int k, int mine, int total) {
     ws_phase *p = &w->phases[k];
     if (mine) atomic_fetch_add_explicit(&p->done, mine, memory_order_release);
+    for (int j = 0; j < 2; j++) {
+        if (w->warm[j]) prefetch_bytes_l2(w->warm[j], w->warm_n[j]);
+        w->warm[j] = NULL;
+    }
     for (int spins = 0; atomic_load_explicit(&p->done, memory_order_acquire) < total;)
         if (++spins < WS_SPINS) _mm_pause();
         else sched_yield();
