@@ -366,18 +366,24 @@ static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float 
     }
 }
 
-/* A one-row call reads its weights from memory with little else to do: between two matmuls
- * (a loop's end, the attention, the norms) the memory sat idle and the next matmul began
- * cold. So each thread asks, at the end of the loop it is about to run (ws_end), for the
- * first WARM_BYTES of its part of linear L's next loop (`items` items of `per` tiles;
- * with `second`, each item also takes the tile `second` tiles on: gate and up), which then
- * streams in meanwhile. Batch 1 on Zen 4, 40 alternating rounds: 1.02x the native call;
- * a 4-row verification call, whose integer work is the bound, lost 1% with it: one row only. */
+/* A one-row call of the integer kernels reads its weights from memory with little else to
+ * do: between two matmuls (a loop's end, the attention, the norms) the memory sat idle and
+ * the next matmul began cold. So each thread asks, at the end of the loop it is about to run
+ * (ws_end), for the first WARM_BYTES of its part of linear L's next loop (`items` items of
+ * `per` tiles; with `second`, each item also takes the tile `second` tiles on: gate and up),
+ * which then streams in meanwhile. Zen 4, batch 1, 40 alternating rounds: 1.016x the native
+ * call. Where the arithmetic is the bound it costs what the thread spends issuing the
+ * fetches: a 4-row verification call lost 1% with it, and the AVX2 build's float32 kernels
+ * (the AVX2-only machines' default) 6% at batch 1: only one row, AVX-512 VNNI's integer
+ * kernels. */
+#ifdef __AVX512VNNI__
 #define WARM_BYTES 262144
+#else
+#define WARM_BYTES 0
+#endif
 static void warm_next(ws_local *ws, const step_desc *s, const qlinear *L, int items, int per, int second) {
-    if (s->M != 1) return;
-    const size_t record = is_integer(L->qtype) ? (L->qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD)
-                                               : (size_t)qf_record(L->qtype);
+    if (!WARM_BYTES || s->M != 1 || !is_integer(L->qtype)) return;
+    const size_t record = L->qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
     const size_t tile_bytes = record * (size_t)(L->K / QBLOCK);
     const int lo = (int)((int64_t)items * ws->tid / ws->nthreads), hi = (int)((int64_t)items * (ws->tid + 1) / ws->nthreads);
     size_t n = (size_t)(hi - lo) * per * tile_bytes, cap = second ? WARM_BYTES / 2 : WARM_BYTES;
