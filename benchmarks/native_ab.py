@@ -160,8 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=10, help="calls per side per round")
     ap.add_argument("--breakdown", action="store_true",
                     help="also this checkout without the LM head, and without the matmuls")
+    ap.add_argument("--isa", choices=cpu_kernels.supported_isas(),
+                    help="build every side for this ISA instead of the CPU's best (e.g. avx2: the "
+                         "AVX2-only machines' kernels on an AVX-512 one)")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
+    if args.isa:
+        cpu_kernels.force_isa(args.isa)
     reads = read_gbps()
     print(f"a plain read of 100 MB: {reads['4k']:.1f} GB/s in 4 KB pages, {reads['huge']:.1f} GB/s in 2 MB pages "
           f"({reads['huge_bytes'] >> 20} MiB of the buffer in huge pages)")
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                 same[side] = same[side] and bool((logits == first).all())
     out = {"batch": args.batch, "drafts": args.drafts, "prefill": args.prefill, "context": args.context,
            "rounds": args.rounds, "calls": args.calls, "cpu_activations": args.cpu_activations,
-           "read_gbps": reads, "sides": {}}
+           "isa": cpu_kernels.isa(), "read_gbps": reads, "sides": {}}
     print("| side | native call ms: median (p10, fastest) | logits as the first side's |")
     print("|---|---|---|")
     for side, t in times.items():
