@@ -99,6 +99,39 @@ def test_proposer_matches_the_brute_force_definition(tokens: list[int], k: int, 
     assert NgramProposer(k, lo, lo + extra).propose(tokens) == reference_propose(tokens, k, lo, lo + extra)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    # few symbols and repeated runs: long suffixes that occurred before, at every length
+    unit=st.lists(st.integers(0, 2), min_size=1, max_size=6), repeats=st.integers(1, 12),
+    tail=st.lists(st.integers(0, 2), max_size=8), k=st.integers(1, 4), lo=st.integers(1, 3),
+    extra=st.sampled_from([0, 1, 5, 17, 40, 10**9]),
+)
+def test_the_longest_suffix_found_by_bisection_is_the_definitions(unit: list[int], repeats: int,
+                                                                  tail: list[int], k: int, lo: int,
+                                                                  extra: int) -> None:
+    tokens = unit * repeats + tail
+    hi = lo + extra
+    assert NgramProposer(k, lo, hi).propose(tokens) == reference_propose(tokens, k, lo, min(hi, 200))
+
+
+def test_a_huge_prompt_lookup_max_costs_a_logarithmic_number_of_searches(monkeypatch) -> None:
+    """prompt_lookup_max is the operator's; 10**9 must not make a step search once per
+    length (one `find` over the whole request each: 0.9 s a step at 16,000 tokens)."""
+    from worker.spec_decode import ngram
+
+    calls = []
+    real = ngram._find_aligned
+    monkeypatch.setattr(ngram, "_find_aligned", lambda *a: calls.append(1) or real(*a))
+    tokens = [7, 8, 9] * 3000 + [1, 2] * 100 + [7, 8, 9] * 500  # the longest match: 1,500+ tokens
+    got = NgramProposer(4, 2, 10**9).propose(tokens)
+    assert got == [7, 8, 9, 7]  # the earliest occurrence of the longest suffix: at the start
+    assert len(calls) <= 2 + (len(tokens) - 1).bit_length(), len(calls)
+    calls.clear()
+    random_tokens = [(i * 7919) % 49999 for i in range(16000)]  # no repeated pair
+    assert NgramProposer(3, 2, 10**9).propose(random_tokens) == []
+    assert len(calls) == 1  # the shortest allowed suffix did not occur: nothing longer did
+
+
 def test_accepted_counts_the_matching_prefix() -> None:
     assert accepted([4, 5, 6], [4, 5, 6, 7]) == 3
     assert accepted([4, 5, 6], [4, 9, 6, 7]) == 1

@@ -5,9 +5,15 @@ own prompt or output, guess that what followed them then follows them now.
                      ^^^^^^^^^^^^ earlier occurrence of "cat sat on the" (n = 4)
     drafts   mat . The ...      (the k tokens after that occurrence)
 
-The longest suffix n-gram wins (n from `prompt_lookup_max` down to `prompt_lookup_min`), and
+The longest suffix n-gram wins (n between `prompt_lookup_min` and `prompt_lookup_max`), and
 among its occurrences the earliest, as vLLM's n-gram proposer chooses. Pure Python: the
 search is `bytes.find` over the token ids as 4-byte words (C speed, no copy per n).
+
+Which n: if the last n tokens occurred before, so did the last n - 1 (the same occurrence
+without its first token), so "occurred before" holds for every n up to the longest and for
+none past it, and a binary search finds the longest in O(log) finds. Trying every n from the
+largest down costs one find per n: with `prompt_lookup_max` 10**9 a 16,000-token request
+took 0.9 s a step that way, ~0.2 ms with the search.
 """
 
 from __future__ import annotations
@@ -35,12 +41,24 @@ class NgramProposer:
         if k <= 0 or total <= self.min_n:
             return []
         buf = array("I", token_ids).tobytes()
-        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            start = _find_aligned(buf, buf[(total - n) * _WORD :], (total - 1) * _WORD)
-            if start >= 0:
-                follow = start + n
-                return list(token_ids[follow : follow + k])
-        return []
+        end = (total - 1) * _WORD
+
+        def earliest(n: int) -> int:  # of the last n tokens, before the suffix itself; -1: none
+            return _find_aligned(buf, buf[(total - n) * _WORD :], end)
+
+        lo, hi = self.min_n, min(self.max_n, total - 1)
+        start = earliest(lo)
+        if start < 0:
+            return []
+        while lo < hi:  # invariant: the last lo tokens occurred before, at `start`
+            mid = (lo + hi + 1) // 2
+            at = earliest(mid)
+            if at >= 0:
+                lo, start = mid, at
+            else:
+                hi = mid - 1
+        follow = start + lo
+        return list(token_ids[follow : follow + k])
 
 
 def _find_aligned(buf: bytes, pattern: bytes, end: int) -> int:
