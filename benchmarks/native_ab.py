@@ -166,7 +166,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
     if args.isa:
-        cpu_kernels.force_isa(args.isa)
+        cpu_kernels.force_isa(args.isa)  # before the first kernel loads (a fresh process)
+    try:
+        _run(args)
+    finally:
+        if args.isa:
+            cpu_kernels.force_isa(None)
+
+
+def _run(args: argparse.Namespace) -> None:
     reads = read_gbps()
     print(f"a plain read of 100 MB: {reads['4k']:.1f} GB/s in 4 KB pages, {reads['huge']:.1f} GB/s in 2 MB pages "
           f"({reads['huge_bytes'] >> 20} MiB of the buffer in huge pages)")

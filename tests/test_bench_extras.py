@@ -202,6 +202,26 @@ def test_native_ab_captures_a_verification_step_and_a_prefill(tmp_path: Path) ->
         assert report["sides"]["this"]["same_logits"] is True and report["sides"]["this"]["min_ms"] > 0
 
 
+def test_native_ab_builds_every_side_for_the_isa_asked(tmp_path: Path) -> None:
+    """`benchmarks.native_ab --isa NAME`: the sides are built for NAME (the AVX2-only machines'
+    kernels timed on an AVX-512 one), the report says which, and the process goes back to its
+    best ISA afterwards."""
+    from benchmarks import native_ab
+    from ops import cpu_kernels, quantized_linear
+
+    if not quantized_linear.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    least = cpu_kernels.supported_isas()[-1]
+    out = tmp_path / "ab.json"
+    native_ab.main(["--isa", least, "--rounds", "1", "--calls", "2", "--context", "20",
+                    "--cpu-activations", "float32", "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["isa"] == least and report["sides"]["this"]["same_logits"] is True
+    assert cpu_kernels.isa() == cpu_kernels.supported_isas()[0]
+    with pytest.raises(SystemExit):  # not an ISA this CPU has: refused by the parser
+        native_ab.main(["--isa", "no-such-isa"])
+
+
 def test_fused_argmax_ab_times_both_ways_on_the_same_tokens(tmp_path: Path) -> None:
     """`benchmarks.fused_argmax_ab`: steps alternate between the call's greedy tokens and
     numpy's, every generation gives the reference's tokens, and both ways are timed."""
