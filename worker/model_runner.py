@@ -200,7 +200,8 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
     def _host(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def move_blocks(self, step: SchedulerOutput) -> None:
@@ -306,24 +307,27 @@ class ModelRunner:
         max_blocks = max(len(t) for t in tables)
         # Built in numpy on the host: a few microseconds an op where torch's CPU ops take
         # tens each, which a batch-1 step's Python felt.
-        table_np = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=np.int32)
+        # The CPU decoder reads int64 tables (the GPU's kernels int32).
+        index = np.int64 if self.cpu_decoder is not None else np.int32
+        table_np = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=index)
         pos_np = np.array(positions, dtype=np.int64)
         # A token's slot: its block (from its row's table) times the block size, plus its offset.
         bs = self.block_size
-        slots_np = table_np[req_index, pos_np // bs].astype(np.int64) * bs + pos_np % bs
+        slots_np = table_np[req_index, pos_np // bs].astype(np.int64, copy=False) * bs + pos_np % bs
         pos_t = self._host(pos_np)
         meta = AttentionMetadata(
             lora=self._lora_step(step),
             slot_mapping=self._host(slots_np),
             block_tables=self._host(table_np),
-            seq_lens=self._tensor(seq_lens),
-            query_start_loc=self._tensor(query_start_loc),
+            seq_lens=self._host(np.array(seq_lens, dtype=np.int64)),
+            query_start_loc=self._host(np.array(query_start_loc, dtype=np.int64)),
             max_query_len=max(1 if s.spec_token_ids else s.num_new_tokens for s in step.scheduled),
             max_seq_len=max(seq_lens),
         )
         if self.cpu_decoder is not None:  # a decode step's logits in the same native call
             wake_fd, self.wake_fd = self.wake_fd, -1  # taken by this call
-            return self.cpu_decoder.forward(self._tensor(input_ids), pos_t, meta, self.kv_caches, logits=logits,
+            return self.cpu_decoder.forward(self._host(np.array(input_ids, dtype=np.int64)), pos_t, meta,
+                                            self.kv_caches, logits=logits,
                                             argmax=argmax, wake_fd=wake_fd)
         return self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches), None
 
