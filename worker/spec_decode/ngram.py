@@ -13,7 +13,8 @@ Which n: if the last n tokens occurred before, so did the last n - 1 (the same o
 without its first token), so "occurred before" holds for every n up to the longest and for
 none past it, and a binary search finds the longest in O(log) finds. Trying every n from the
 largest down costs one find per n: with `prompt_lookup_max` 10**9 a 16,000-token request
-took 0.9 s a step that way, ~0.2 ms with the search.
+took 0.9 s a step that way; with the search 0.13 ms (1 ms where five token ids repeat, so
+that long suffixes match).
 """
 
 from __future__ import annotations
