@@ -51,6 +51,12 @@ static inline int ws_begin(ws_local *w) {
     return w->k++;
 }
 
+/* Block b of T of a loop of `total` items: [*lo, *hi), a static schedule's share. */
+static inline void ws_block(int total, int b, int T, int *lo, int *hi) {
+    *lo = (int)((int64_t)total * b / T);
+    *hi = (int)((int64_t)total * (b + 1) / T);
+}
+
 /* The next item for this thread: from its own block of the loop first (thread t's block
  * is items [t n / T, (t + 1) n / T): each thread reads its own contiguous part of a weight
  * matrix, as a static schedule would, which the prefetchers follow), then from the other
@@ -60,7 +66,8 @@ static inline int ws_next(const ws_local *w, int k, int total, int *step) {
     const int T = w->nthreads;
     while (*step < T) {
         const int b = (w->tid + *step) % T;
-        const int lo = (int)((int64_t)total * b / T), hi = (int)((int64_t)total * (b + 1) / T);
+        int lo, hi;
+        ws_block(total, b, T, &lo, &hi);
         const int i = lo + atomic_fetch_add_explicit(&w->counters[(size_t)k * T + b].next, 1,
                                                      memory_order_relaxed);
         if (i < hi) return i;
