@@ -47,7 +47,7 @@ QBLOCK = 32  # weights per quantization block (both types)
 # Bytes of one GGUF block, and of one repacked (tile, block) record.
 _GGUF_BLOCK = {"Q4_1": 20, "Q8_0": 34}
 _RECORD = {"Q4_1": 640, "Q8_0": 1088}
-_RECORD_INT8 = {"Q4_1": 640, "Q8_0": 1152}
+_RECORD_INT8 = {"Q4_1": 640, "Q8_0": 1088}
 # Activation arithmetic -> bytes per activation in the integer kernels (0: float32).
 ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2, "int24": 3}
 
@@ -161,9 +161,10 @@ def repack_int8(w: QuantizedWeight) -> torch.Tensor:
         chunks = (q[..., 0] | (q[..., 1] << 4)).astype(np.uint8)
         parts = [_bytes(d), _bytes(m), chunks]
     else:
-        sums = q.astype(np.int16).sum(-1, dtype=np.int16)  # |sum| <= 32 * 127 fits
+        # q + 128: the unsigned side of vpdpbusd (quant_matmul_int8.c's top)
+        q = (q.astype(np.int16) + 128).astype(np.uint8)
         q = q.reshape(t, nb, 2, 16, 8, 4).transpose(0, 1, 2, 4, 3, 5)  # [t, nb, h, p, n, j], k = 4p + j
-        parts = [_bytes(d), _bytes(sums), _bytes(q)]
+        parts = [_bytes(d), q]
     out = np.concatenate([np.ascontiguousarray(p).reshape(t, nb, -1) for p in parts], axis=-1)
     assert out.shape[-1] == _RECORD_INT8[w.qtype], out.shape
     return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
@@ -229,8 +230,8 @@ class QuantEmbedding(nn.Module):
 
         float32 layout:  d[32 lanes] fp16 | q[32 k][32 lanes] int8
                          row r, block b: d[t, b, n] * q[t, b, :, n]
-        integer layout:  d[32 lanes] fp16 | sums[32] int16 | q[2 h][8 p][16 n'][4 j] int8
-                         row r, block b: d[t, b, n] * q[t, b, n // 16, :, n % 16, :]  (k = 4p + j)
+        integer layout:  d[32 lanes] fp16 | u[2 h][8 p][16 n'][4 j] uint8 (u = q + 128)
+                         row r, block b: d[t, b, n] * (u[t, b, n // 16, :, n % 16, :] - 128)  (k = 4p + j)
     """
 
     def __init__(self, weight: QuantizedWeight, packed: torch.Tensor | None = None,
@@ -245,7 +246,7 @@ class QuantEmbedding(nn.Module):
         records = self.packed.view(self.num_embeddings // TILE, self.embedding_dim // QBLOCK, -1)
         self._d = records[:, :, : 2 * TILE].view(torch.float16)  # [T, nb, 32 lanes]
         if integer_layout:
-            self._q = records[:, :, 4 * TILE :].view(torch.int8).unflatten(-1, (2, 8, 16, 4))
+            self._q = records[:, :, 2 * TILE :].unflatten(-1, (2, 8, 16, 4))  # uint8: q + 128
         else:
             self._q = records[:, :, 2 * TILE :].view(torch.int8).unflatten(-1, (QBLOCK, TILE))
 
@@ -259,7 +260,7 @@ class QuantEmbedding(nn.Module):
         flat = ids.reshape(-1)
         tile, lane = flat // TILE, flat % TILE
         if self.integer_layout:
-            q = self._q[tile, :, lane // 16, :, lane % 16, :].flatten(-2)  # [R, nb, 32 k]
+            q = self._q[tile, :, lane // 16, :, lane % 16, :].flatten(-2).to(torch.int16) - 128  # [R, nb, 32 k]
         else:
             q = self._q[tile, :, :, lane]
         rows = self._d[tile, :, lane].float().unsqueeze(-1) * q.float()
@@ -304,7 +305,9 @@ def resolve_activations(activations: str) -> str:
 
 def held_bytes(qtype: str, gguf_nbytes: int, activations: str) -> int:
     """Bytes a GGUF weight of `gguf_nbytes` holds once repacked into the tile records of
-    `activations` (resolved; the integer kernels' Q8_0 records add the blocks' sums)."""
+    `activations` (resolved). Every layout holds the GGUF blocks' scales, mins and quants in
+    another order, so today this is `gguf_nbytes` (the integer kernels' Q8_0 records held each
+    block's sums too until session 25); a layout that adds bytes changes it here."""
     record = _RECORD_INT8 if ACTIVATIONS[activations] else _RECORD
     return gguf_nbytes * record[qtype] // (_GGUF_BLOCK[qtype] * TILE)
 

@@ -116,6 +116,33 @@ def test_integer_activations_compute_their_reference(qtype, activations) -> None
     assert err < {"int8": 5e-2, "int16": 2e-4, "int24": 2e-6}[activations], err
 
 
+
+@needs_kernel
+@pytest.mark.parametrize("activations", ["int8", "int16", "int24"])
+def test_q8_0_integer_records_hold_the_gguf_bytes_and_take_extreme_quants(activations) -> None:
+    """The integer layout keeps a Q8_0 weight in its GGUF size (no per-output sums: the
+    offset of vpdpbusd's unsigned side comes out through the activations' digit sums), and
+    quants and digits at their extremes, where an int16 or int32 sum would be nearest to
+    overflowing, give the integer reference's result on every row and block."""
+    n, k = 64, 192
+    qw = _q8_0_without_minus_128(n, k, seed=7)
+    assert ql.repack_int8(qw).numel() == qw.blocks.nbytes
+    assert ql.held_bytes("Q8_0", qw.blocks.nbytes, activations) == qw.blocks.nbytes
+    blocks = qw.blocks.reshape(n, k // 32, 34).copy()
+    q = blocks[..., 2:].view(np.int8)
+    q[: n // 2] = 127  # every quant of the first half of the outputs +127, then -127
+    q[n // 2 :] = -127
+    q[::3, ::2] = -q[::3, ::2]  # and mixed signs in every third output's even blocks
+    qw = ql.QuantizedWeight("Q8_0", blocks.reshape(n, -1), (n, k))
+    x = torch.full((4, k), 3.0)
+    x[1] = -3.0  # every digit at its largest, of either sign
+    x[2, ::2] = -3.0  # alternating
+    x[3] = torch.randn(k) * 1e-30  # tiny: digits at full scale all the same
+    got = ql.QuantLinear(qw, activations=activations)(x).double()
+    ref = _integer_reference(qw, x, ql.ACTIVATIONS[activations])
+    assert ((got - ref).abs() <= 1e-6 * ref.abs().amax(-1, keepdim=True)).all()
+    assert torch.equal(ql.QuantEmbedding(qw, integer_layout=True)(torch.arange(n)), ql.dequantize(qw))
+
 def test_auto_is_int16_with_avx512_vnni_else_float32(monkeypatch) -> None:
     from ops import cpu_kernels
 

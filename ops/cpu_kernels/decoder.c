@@ -106,7 +106,7 @@ typedef struct {
 typedef struct {
     float *x;       /* [M, H] */
     int8_t *xq;     /* [M, MAX_PLANES Kmax] */
-    uint8_t *xu;    /* [M, MAX_PLANES Kmax]: xq + 128 */
+    int32_t *xt;    /* [M, MAX_PLANES Kmax / 32]: the digits' block sums */
     float *xd, *xs; /* [M, Kmax / 32]: the integer rows' scales; block sums (both kernels) */
     qact *views;    /* [M] */
 } input_buf;
@@ -148,7 +148,8 @@ static inline int needs_sums(const qlinear *L) { return L->qtype == QT_Q4_1; }
 #define ALIGN64(n) (((n) + 63) & ~(size_t)63)
 
 static size_t input_bytes(size_t M, size_t H, size_t kmax) {
-    return ALIGN64(M * H * sizeof(float)) + 2 * ALIGN64(M * MAX_PLANES * kmax)
+    return ALIGN64(M * H * sizeof(float)) + ALIGN64(M * MAX_PLANES * kmax)
+           + ALIGN64(M * MAX_PLANES * (kmax / QBLOCK) * sizeof(int32_t))
            + 2 * ALIGN64(M * (kmax / QBLOCK) * sizeof(float)) + ALIGN64(M * sizeof(qact));
 }
 
@@ -158,7 +159,7 @@ static char *input_carve(char *p, size_t M, size_t H, size_t kmax, input_buf *b)
     p += ALIGN64((count) * sizeof(type));
     CARVE(x, float, M * H)
     CARVE(xq, int8_t, M * MAX_PLANES * kmax)
-    CARVE(xu, uint8_t, M * MAX_PLANES * kmax)
+    CARVE(xt, int32_t, M * MAX_PLANES * (kmax / QBLOCK))
     CARVE(xd, float, M * (kmax / QBLOCK))
     CARVE(xs, float, M * (kmax / QBLOCK))
     CARVE(views, qact, M)
@@ -289,7 +290,7 @@ static void embed_row(const model_desc *m, int64_t id, float *y) {
         for (int k = 0; k < QBLOCK; k++) {
             const int8_t q = m->embed_kind == EMBED_Q8_0
                                  ? (int8_t)rec[64 + 32 * k + n]
-                                 : (int8_t)rec[128 + ((n / 16) * 8 + k / 4) * 64 + 4 * (n % 16) + k % 4];
+                                 : (int8_t)(rec[64 + ((n / 16) * 8 + k / 4) * 64 + 4 * (n % 16) + k % 4] ^ 0x80);
             y[b * QBLOCK + k] = d * (float)q;
         }
     }
@@ -308,7 +309,7 @@ static void prepare_row(const float *src, size_t ld, int r, int K, const float *
     }
     if (sums) block_sums(x, K, b->xs + (size_t)r * (K / QBLOCK));
     if (!planes) return;
-    b->views[r] = qa_view(b->xq, qi_needs_unsigned() ? b->xu : NULL, b->xd, b->xs, r, K, planes);
+    b->views[r] = qa_view(b->xq, b->xd, b->xs, b->xt, r, K, planes);
     qa_row(x, K, planes, b->views[r]);
 }
 

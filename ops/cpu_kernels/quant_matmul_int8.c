@@ -19,11 +19,16 @@
  *
  *   Q4_1 record (640 bytes):  d[32] fp16 | m[32] fp16 | chunks c = 4h + p (h 0..1, p 0..3):
  *       byte 4n + j = q(16h + n, 8p + j) | q(16h + n, 8p + 4 + j) << 4     (n 0..15, j 0..3)
- *   Q8_0 record (1152 bytes): d[32] fp16 | s[32] int16 = sum_k q(n, k) | chunks c = 8h + p
- *       (h 0..1, p 0..7): byte 4n + j = q(16h + n, 4p + j)
+ *   Q8_0 record (1088 bytes): d[32] fp16 | chunks c = 8h + p (h 0..1, p 0..7):
+ *       byte 4n + j = q(16h + n, 4p + j) + 128
  *
- * vpdpbusd takes unsigned x signed bytes: Q4_1's quants are the unsigned side; for Q8_0 the
- * digits go unsigned as digit + 128, and 128 s takes the offset back out.
+ * vpdpbusd takes unsigned x signed bytes: the weights are the unsigned side, Q4_1's quants as
+ * they are, Q8_0's as q + 128, and 128 times the block's sum of digits (qact.t, one int per
+ * row, plane and block, shared by every output) takes that offset back out. (Until session 25
+ * the digits were the unsigned side, digit + 128, and each record carried its 32 outputs'
+ * sums of q: 64 of its 1152 bytes, 5.6% of the bytes a tied LM head reads a step.) AVX2's
+ * vpmaddubsw would saturate on (q + 128) x digit, so it takes q back (xor 0x80) and the
+ * digits' signs (`_mm256_sign_epi8`).
  */
 #ifndef LLMWORKER_QUANT_MATMUL_INT8_C
 #define LLMWORKER_QUANT_MATMUL_INT8_C
@@ -33,18 +38,18 @@
 #define I8_TILE 32
 #define I8_QBLOCK 32
 #define Q4_1_I8_RECORD 640
-#define Q8_0_I8_RECORD 1152
+#define Q8_0_I8_RECORD 1088
 
 enum { QT_Q4_1_I8 = 2, QT_Q8_0_I8 = 3 };
 
 /* One row's activations as integers: planes q[P][K] (most significant first), per block
- * the scale d and float sum s, and (where the build's Q8_0 kernel needs it) u = q ^ 0x80,
- * the digits + 128 as unsigned bytes. */
+ * the scale d and float sum s, and per plane and block the digits' sum t[P][K / 32] (the Q8_0
+ * kernels' offset, see the top). */
 typedef struct {
     int8_t *q;
     float *d;
     float *s;
-    uint8_t *u; /* NULL where not needed */
+    int32_t *t;
 } qact;
 
 /* Bytes of one row's planes (q, and u where needed). */
@@ -57,6 +62,15 @@ static inline void store_bytes(int8_t *p, __m256i i0, __m256i i1, __m256i i2, __
     const __m256i p16 = _mm256_packs_epi32(i0, i1), q16 = _mm256_packs_epi32(i2, i3);
     const __m256i p8 = _mm256_packs_epi16(p16, q16); /* packs interleave 128-bit lanes */
     _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* The sum of 32 int32 (four vectors). */
+static inline int32_t hsum_i32x32(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
 }
 
 /* Row x[K] (K a multiple of 32) into a, in P planes: AVX2 code in every build, one rounding. */
@@ -88,10 +102,7 @@ static void qa_row(const float *x, int K, int P, qact a) {
             }
             int8_t *dst = a.q + (size_t)p * K + (size_t)b * I8_QBLOCK;
             store_bytes(dst, dgt[0], dgt[1], dgt[2], dgt[3]);
-            if (a.u) {
-                const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)dst), _mm256_set1_epi8((char)0x80));
-                _mm256_storeu_si256((__m256i *)(a.u + (size_t)p * K + (size_t)b * I8_QBLOCK), u);
-            }
+            a.t[(size_t)p * (K / I8_QBLOCK) + b] = hsum_i32x32(dgt[0], dgt[1], dgt[2], dgt[3]);
         }
         a.s[b] = block_sum32(xb);
     }
@@ -168,12 +179,13 @@ INLINE void q4_1_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     }
 }
 
-/* Q8_0: the digits + 128 (a[r].u) are vpdpbusd's unsigned side; 128 sum q comes back out. */
+/* Q8_0: the quants + 128 are vpdpbusd's unsigned side; 128 t (the digits' sum) comes back out. */
 INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int R, int P, float *y, size_t ldy,
                          int pf, int acc_y) {
     __m512 acc[4][2];
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) acc[r][h] = acc_y ? _mm512_loadu_ps(y + r * ldy + 16 * h) : _mm512_setzero_ps();
+    const size_t nt = (size_t)K / I8_QBLOCK; /* t's plane stride */
     for (int b = 0; b < nb; b++) {
         const uint8_t *rec = rec0 + (size_t)b * Q8_0_I8_RECORD;
         if (pf) prefetch_bytes_l2(rec + Q8_0_AHEAD_L2, Q8_0_I8_RECORD);
@@ -181,23 +193,24 @@ INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
         for (int c = 0; c < 8; c++) {
-            const __m512i q0 = _mm512_loadu_si512(rec + 128 + c * 64), q1 = _mm512_loadu_si512(rec + 128 + (8 + c) * 64);
+            const __m512i q0 = _mm512_loadu_si512(rec + 64 + c * 64), q1 = _mm512_loadu_si512(rec + 64 + (8 + c) * 64);
             for (int r = 0; r < R; r++)
                 for (int p = 0; p < P; p++) {
-                    const __m512i xu = _mm512_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
-                    s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], xu, q0);
-                    s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], xu, q1);
+                    const __m512i x4 = _mm512_set1_epi32(load_i32(a[r].q + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+                    s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], q0, x4);
+                    s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], q1, x4);
                 }
         }
+        __m512i off[4][3];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) off[r][p] = _mm512_set1_epi32(128 * a[r].t[(size_t)p * nt + b]);
         for (int h = 0; h < 2; h++) {
-            const __m512i off = _mm512_slli_epi32(
-                _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 64 + 32 * h))), 7);
             const __m512 d = load_half16(rec + 32 * h);
             for (int r = 0; r < R; r++) {
                 const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
-                const __m512 tot = combine16(_mm512_sub_epi32(s[r][0][h], off),
-                                             _mm512_sub_epi32(s[r][P > 1 ? 1 : 0][h], off),
-                                             _mm512_sub_epi32(s[r][P > 2 ? 2 : 0][h], off), P);
+                const __m512 tot = combine16(_mm512_sub_epi32(s[r][0][h], off[r][0]),
+                                             _mm512_sub_epi32(s[r][P > 1 ? 1 : 0][h], off[r][P > 1 ? 1 : 0]),
+                                             _mm512_sub_epi32(s[r][P > 2 ? 2 : 0][h], off[r][P > 2 ? 2 : 0]), P);
                 acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
             }
         }
@@ -279,23 +292,25 @@ INLINE void q8_0_i8_group(const uint8_t *rec0, int nb, int K, const qact *a, int
             for (int r = 0; r < R; r++)
                 for (int p = 0; p < P; p++) s[r][p] = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 8 + c) * 64 + 32 * (e % 2)));
+                const __m256i qu = _mm256_loadu_si256((const __m256i *)(rec + 64 + ((e / 2) * 8 + c) * 64 + 32 * (e % 2)));
+#if !defined(__AVXVNNI__)
+                const __m256i q = _mm256_xor_si256(qu, _mm256_set1_epi8((char)0x80));
+#endif
                 for (int r = 0; r < R; r++)
                     for (int p = 0; p < P; p++) {
-#if defined(__AVXVNNI__)
-                        const __m256i u4 = _mm256_set1_epi32(load_i32(a[r].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
-                        s[r][p] = _mm256_dpbusd_avx_epi32(s[r][p], u4, q);
-#else
                         const __m256i x4 = _mm256_set1_epi32(load_i32(a[r].q + (size_t)p * K + b * I8_QBLOCK + 4 * c));
+#if defined(__AVXVNNI__)
+                        s[r][p] = _mm256_dpbusd_avx_epi32(s[r][p], qu, x4);
+#else
                         s[r][p] = _mm256_add_epi32(s[r][p], _mm256_madd_epi16(
                             _mm256_maddubs_epi16(_mm256_sign_epi8(x4, x4), _mm256_sign_epi8(q, x4)), _mm256_set1_epi16(1)));
 #endif
                     }
             }
 #if defined(__AVXVNNI__)
-            const __m256i off = _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(rec + 64 + 16 * e))), 7);
             for (int r = 0; r < R; r++)
-                for (int p = 0; p < P; p++) s[r][p] = _mm256_sub_epi32(s[r][p], off);
+                for (int p = 0; p < P; p++)
+                    s[r][p] = _mm256_sub_epi32(s[r][p], _mm256_set1_epi32(128 * a[r].t[(size_t)p * (K / I8_QBLOCK) + b]));
 #endif
             const __m256 d8 = load_half8(rec + 16 * e);
             for (int r = 0; r < R; r++)
@@ -354,23 +369,25 @@ INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
             __m256i s[3];
             for (int p = 0; p < P; p++) s[p] = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(rec + 128 + ((e / 2) * 8 + c) * 64 + 32 * (e % 2)));
+                const __m256i qu = _mm256_loadu_si256((const __m256i *)(rec + 64 + ((e / 2) * 8 + c) * 64 + 32 * (e % 2)));
+#if !defined(__AVXVNNI__)
+                const __m256i q = _mm256_xor_si256(qu, _mm256_set1_epi8((char)0x80));
+#endif
                 for (int p = 0; p < P; p++) {
+                    const __m256i x4 = _mm256_set1_epi32(load_i32(a[0].q + (size_t)p * K + b * I8_QBLOCK + 4 * c));
 #if defined(__AVXVNNI__)
-                    const __m256i u4 = _mm256_set1_epi32(load_i32(a[0].u + (size_t)p * K + b * I8_QBLOCK + 4 * c));
-                    s[p] = _mm256_dpbusd_avx_epi32(s[p], u4, q);
+                    s[p] = _mm256_dpbusd_avx_epi32(s[p], qu, x4);
 #else
                     /* |digit| (unsigned) times q with the digit's sign: pair sums below 2^15
                      * as long as no q is -128 (repack_int8 refuses those) */
-                    const __m256i x4 = _mm256_set1_epi32(load_i32(a[0].q + (size_t)p * K + b * I8_QBLOCK + 4 * c));
                     s[p] = _mm256_add_epi32(s[p], _mm256_madd_epi16(
                         _mm256_maddubs_epi16(_mm256_sign_epi8(x4, x4), _mm256_sign_epi8(q, x4)), _mm256_set1_epi16(1)));
 #endif
                 }
             }
 #if defined(__AVXVNNI__)
-            const __m256i off = _mm256_slli_epi32(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(rec + 64 + 16 * e))), 7);
-            for (int p = 0; p < P; p++) s[p] = _mm256_sub_epi32(s[p], off);
+            for (int p = 0; p < P; p++)
+                s[p] = _mm256_sub_epi32(s[p], _mm256_set1_epi32(128 * a[0].t[(size_t)p * (K / I8_QBLOCK) + b]));
 #endif
             const __m256 dd = _mm256_mul_ps(load_half8(rec + 16 * e), dx);
             acc[e] = _mm256_fmadd_ps(combine8(s, P), dd, acc[e]);
@@ -379,15 +396,6 @@ INLINE void q8_0_i8_rows(const uint8_t *rec0, int nb, int K, const qact *a, int 
     for (int e = 0; e < 4; e++) _mm256_storeu_ps(y + 8 * e, acc[e]);
 }
 #endif
-
-/* Whether this build's Q8_0 kernel reads the digits + 128 (qact.u). */
-static inline int qi_needs_unsigned(void) {
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 /* R rows (a constant after inlining: the loops over rows and planes unroll) of one tile;
  * `pf`: fetch ahead (the first rows only: the later ones find the tile in the caches);
@@ -412,7 +420,7 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
     qact v[FEW_ROWS];
     for (int b = 0; b < nb; b++) {
         for (int r = 0; r < M; r++) /* the rows from block b on: the kernel's block 0 */
-            v[r] = (qact){a[r].q + b * I8_QBLOCK, a[r].d + b, a[r].s + b, a[r].u ? a[r].u + b * I8_QBLOCK : NULL};
+            v[r] = (qact){a[r].q + b * I8_QBLOCK, a[r].d + b, a[r].s + b, a[r].t + b};
         const uint8_t *rec = rec0 + b * record;
         int r = 0;
         for (; r + I8_R(P) <= M; r += I8_R(P))
@@ -449,31 +457,30 @@ static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, in
 #undef ROWS
 }
 
-/* Row r's view into buffers for M rows: planes q [M][P K], u likewise, d and s [M][K / 32]. */
-static inline qact qa_view(int8_t *q, uint8_t *u, float *d, float *s, int r, int K, int P) {
+/* Row r's view into buffers for M rows: planes q [M][P K], d and s [M][K / 32], t [M][P K / 32]. */
+static inline qact qa_view(int8_t *q, float *d, float *s, int32_t *t, int r, int K, int P) {
     const size_t nb = (size_t)K / I8_QBLOCK;
     const qact v = {q + (size_t)r * qa_bytes(K, P), d + (size_t)r * nb, s + (size_t)r * nb,
-                    u ? u + (size_t)r * qa_bytes(K, P) : NULL};
+                    t + (size_t)r * (size_t)P * nb};
     return v;
 }
 
 static int qi_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype, int P) {
     if (K % I8_QBLOCK || N % I8_TILE || M < 1 || P < 1 || P > 3) return -1;
     const int nb = K / I8_QBLOCK;
-    const int unsigned_x = qtype == QT_Q8_0_I8 && qi_needs_unsigned();
     int8_t *q = malloc((size_t)M * qa_bytes(K, P));
-    uint8_t *u = unsigned_x ? malloc((size_t)M * qa_bytes(K, P)) : NULL;
     float *ds = malloc(sizeof(float) * 2 * (size_t)M * nb);
+    int32_t *t = malloc(sizeof(int32_t) * (size_t)M * (size_t)P * nb);
     qact *views = malloc(sizeof(qact) * (size_t)M);
     int rc = 0;
-    if (!q || !ds || !views || (unsigned_x && !u)) {
+    if (!q || !ds || !t || !views) {
         rc = -3;
     } else {
 #pragma omp parallel num_threads(nthreads)
         {
 #pragma omp for schedule(static)
             for (int r = 0; r < M; r++) {
-                views[r] = qa_view(q, u, ds, ds + (size_t)M * nb, r, K, P);
+                views[r] = qa_view(q, ds, ds + (size_t)M * nb, t, r, K, P);
                 qa_row(x + (size_t)r * K, K, P, views[r]);
             }
 #pragma omp for schedule(static)
@@ -481,7 +488,7 @@ static int qi_matmul(const float *x, int M, int K, const uint8_t *w, int N, floa
         }
     }
     free(q);
-    free(u);
+    free(t);
     free(ds);
     free(views);
     return rc;
