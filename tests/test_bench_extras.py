@@ -222,6 +222,37 @@ def test_native_ab_builds_every_side_for_the_isa_asked(tmp_path: Path) -> None:
         native_ab.main(["--isa", "no-such-isa"])
 
 
+
+def test_linear_ab_repacks_with_each_checkouts_own_code(tmp_path: Path) -> None:
+    """`benchmarks.linear_ab`: each side packs the weight with its own checkout's
+    quantized_linear.py and multiplies with its own build of the kernel (here a copy of this
+    checkout whose integer records end in 64 bytes more, which its kernel never reads: a
+    layout of another size), for integer and float activations; the outputs are compared."""
+    import shutil
+
+    from benchmarks import linear_ab
+    from ops import quantized_linear
+
+    if not quantized_linear.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "ops", other / "ops", ignore=shutil.ignore_patterns("__pycache__"))
+    py = other / "ops" / "quantized_linear.py"
+    py.write_text(py.read_text().replace(
+        "    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))\n\n\nclass QuantLinear",
+        "    return torch.cat([torch.from_numpy(np.ascontiguousarray(out).reshape(-1)), torch.zeros(64, dtype=torch.uint8)])"
+        "\n\n\nclass QuantLinear"))
+    for activations in ("int8", "float32"):
+        out = tmp_path / f"ab-{activations}.json"
+        linear_ab.main(["--against", str(other), "--weight", "blk.0.attn_output.weight", "--rows", "3",
+                        "--activations", activations, "--rounds", "4", "--output-json", str(out)])
+        report = json.loads(out.read_text())
+        this, them = report["sides"]["this"], report["sides"]["other"]
+        assert report["qtype"] == "Q4_1" and report["shape"] == [576, 576] and report["activations"] == activations
+        assert this["same_output"] and them["same_output"]
+        assert them["packed_bytes"] == this["packed_bytes"] + (64 if activations == "int8" else 0)
+        assert this["min_ms"] > 0 and them["min_ms"] > 0
+
 def test_fused_argmax_ab_times_both_ways_on_the_same_tokens(tmp_path: Path) -> None:
     """`benchmarks.fused_argmax_ab`: steps alternate between the call's greedy tokens and
     numpy's, every generation gives the reference's tokens, and both ways are timed."""
