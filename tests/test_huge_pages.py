@@ -45,8 +45,12 @@ def test_every_tensor_keeps_its_values_and_its_ties() -> None:
     assert m.rows.data_ptr() == m.weight.data_ptr() + 100 * 256 * 4
     m.weight[150, 0] = 7.0
     assert m.rows[50, 0] == 7.0
-    # A second move finds everything in place.
-    assert huge_pages.move_to_huge_pages(m) == (0, 0)
+    # A second move finds everything in place: nothing moves, and it reports the same arena
+    # (a second engine on the same load says where its weights are, not "0 of 0 MiB").
+    ptrs = [t.data_ptr() for t in (m.weight, m.table, m.packed)]
+    again, huge_again = huge_pages.move_to_huge_pages(m)
+    assert [t.data_ptr() for t in (m.weight, m.table, m.packed)] == ptrs
+    assert again == moved and 0 <= huge_again <= again + huge_pages.HUGE
 
 
 def test_the_arena_is_2mb_aligned_and_zeroed() -> None:
