@@ -52,7 +52,7 @@ typedef struct {
     int32_t *t;
 } qact;
 
-/* Bytes of one row's planes (q, and u where needed). */
+/* Bytes of one row's planes (q). */
 static inline size_t qa_bytes(int K, int P) { return (size_t)K * (size_t)P; }
 
 static inline __m256i low_digit(__m256i m) { return _mm256_srai_epi32(_mm256_slli_epi32(m, 24), 24); }
