@@ -308,11 +308,15 @@ static inline __attribute__((always_inline)) __m256 q64_dot(const q64 *q, const 
 
 /* Rows of a run, head_dim 64: row r's scores against keys lo[r]..hi[r]-1 of the tile (from
  * t0), key_scores' arithmetic with the query head held in registers and eight keys' sums
- * reduced together (hsum8x8). */
+ * reduced together (hsum8x8). With pf_len (> 0), the first row's first head of each kv head
+ * also fetches that kv head's keys a tile on (below pf_len) into L2, eight keys a step: the
+ * fetches spread over the tile's work instead of tile_rows' burst (tile_rows' note). */
 static inline __attribute__((always_inline)) void tile_scores64(const attn_args *a, int i0, int R, const int64_t *lo,
                                                                const int64_t *hi, const void *const *kt, int64_t t0,
-                                                               float *scratch, size_t sh, size_t stride, int half) {
+                                                               float *scratch, size_t sh, size_t stride, int half,
+                                                               const int64_t *table, int64_t pf_len) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
+    const size_t esz = half ? 2 : 4;
     const __m256 scale = _mm256_set1_ps(a->scale);
     for (int r = 0; r < R; r++) {
         const float *qi = a->q + (size_t)a->rows[i0 + r] * a->q_stride;
@@ -321,7 +325,10 @@ static inline __attribute__((always_inline)) void tile_scores64(const attn_args 
             float *sc = scratch + r * sh + (size_t)h * stride;
             const size_t off = (size_t)(h / group) * 64;
             int64_t j = lo[r];
+            const int fetch = r == 0 && h % group == 0;
             for (; j + 8 <= hi[r]; j += 8) {
+                for (int64_t f = j + ATTN_TILE; fetch && f < j + ATTN_TILE + 8 && f < pf_len; f++)
+                    prefetch_bytes_l2((const char *)cached_row(a, a->k_cache, table, f) + off * esz, 64 * esz);
                 __m256 v[8];
                 for (int u = 0; u < 8; u++) v[u] = q64_dot(&q, kt[j + u - t0], off, half);
                 _mm256_storeu_ps(sc + j, _mm256_mul_ps(hsum8x8(v), scale));
@@ -375,12 +382,16 @@ static inline __attribute__((always_inline)) void tile_scores_wide(const attn_ar
 /* Rows of a run, head_dim a multiple of 64: row r's values lo[r]..hi[r]-1 of the tile into its
  * chunks' partials part[r] (ATTN_CHUNKS of part_floats), key_values' arithmetic with 64 of a
  * head's output sums held in registers over the keys of one chunk within the tile (a wider
- * head a slice of 64 at a time: each sum's chain over the keys is key_values' either way). */
+ * head a slice of 64 at a time: each sum's chain over the keys is key_values' either way).
+ * With pf_len (> 0), the first row's first head of each kv head fetches that slice's values a
+ * tile on (below pf_len) into L2 before its keys, as tile_scores64 does. */
 static inline __attribute__((always_inline)) void tile_values(const attn_args *a, int R, int64_t L0,
                                                                const int64_t *lo, const int64_t *hi,
                                                                const void *const *vt, int64_t t0, const float *scratch,
-                                                               size_t sh, size_t stride, float *const *part, int half) {
+                                                               size_t sh, size_t stride, float *const *part, int half,
+                                                               const int64_t *table, int64_t pf_len) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads, D = a->head_dim;
+    const size_t esz = half ? 2 : 4;
     const size_t pf = part_floats(a);
     for (int r = 0; r < R; r++) {
         const int64_t clen = chunk_len(L0 + r);
@@ -394,6 +405,8 @@ static inline __attribute__((always_inline)) void tile_values(const attn_args *a
                 __m256 o0 = _mm256_load_ps(o), o1 = _mm256_load_ps(o + 8), o2 = _mm256_load_ps(o + 16),
                        o3 = _mm256_load_ps(o + 24), o4 = _mm256_load_ps(o + 32), o5 = _mm256_load_ps(o + 40),
                        o6 = _mm256_load_ps(o + 48), o7 = _mm256_load_ps(o + 56);
+                for (int64_t f = js + ATTN_TILE; r == 0 && h % group == 0 && f < je + ATTN_TILE && f < pf_len; f++)
+                    prefetch_bytes_l2((const char *)cached_row(a, a->v_cache, table, f) + off * esz, 64 * esz);
                 for (int64_t j = js; j < je; j++) {
                     const __m256 p = _mm256_set1_ps(sc[j]);
                     const void *vp = vt[j - t0];
@@ -415,17 +428,22 @@ static inline __attribute__((always_inline)) void tile_values(const attn_args *a
     }
 }
 
-/* tile[j - t0] = token j's row of `cache` for j in t0..t1-1; the next tile's rows (below
- * Lmax) fetched into L2 meanwhile (simd.h's T1 hint). The cache is read from memory every
- * step (the weights streamed since evict it), and unaided the loops waited on memory for
- * most of their time (session 7: at 400 tokens of context, 1.4x the whole step); into L2
- * rather than L1, as L1's miss buffers hold fewer lines than are in flight. */
+/* tile[j - t0] = token j's row of `cache` for j in t0..t1-1; with `fetch`, the next tile's
+ * rows (below Lmax) fetched into L2 meanwhile (simd.h's T1 hint). The cache is read from
+ * memory every step (the weights streamed since evict it), and unaided the loops waited on
+ * memory for most of their time (session 7: at 400 tokens of context, 1.4x the whole step);
+ * into L2 rather than L1, as L1's miss buffers hold fewer lines than are in flight. But a
+ * tile's 32 rows of fetches at once (384 lines with 3 kv heads of 64 floats) wait on those
+ * buffers in turn, so the fetch and the tile's work took turns: where tile_scores64 and
+ * tile_values read the rows as they lie in the cache, they fetch them instead, a kv head and
+ * a few keys at a time between their loops (Zen 4, 1,650 tokens, one layer's attention from
+ * memory: 1.15x, BENCHMARKS session 25). */
 static inline void tile_rows(const attn_args *a, const void *cache, const int64_t *table, int64_t t0, int64_t t1,
-                             int64_t Lmax, const void **tile) {
+                             int64_t Lmax, const void **tile, int fetch) {
     const size_t bytes = token_bytes(a);
     for (int64_t j = t0; j < t1; j++) {
         tile[j - t0] = cached_row(a, cache, table, j);
-        if (j + ATTN_TILE < Lmax) prefetch_bytes_l2(cached_row(a, cache, table, j + ATTN_TILE), bytes);
+        if (fetch && j + ATTN_TILE < Lmax) prefetch_bytes_l2(cached_row(a, cache, table, j + ATTN_TILE), bytes);
     }
 }
 
@@ -483,14 +501,16 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
     /* A float16 cache's tile is read as it lies by a row alone, widened once for several */
     float *widened = a->kv_half && R > 1 ? tile_buffer(a, scratch, stride) : NULL;
     const int half = a->kv_half && !widened;
+    /* the tile kernels fetch the next tile themselves where they read the cache's own rows */
+    const int64_t pf_len = widened ? 0 : U1;
     for (int64_t t0 = U0; t0 < U1; t0 += ATTN_TILE) {
         const int64_t t1 = t0 + ATTN_TILE < U1 ? t0 + ATTN_TILE : U1;
-        tile_rows(a, a->k_cache, table, t0, t1, U1, tile);
+        tile_rows(a, a->k_cache, table, t0, t1, U1, tile, !(d64 && pf_len));
         if (widened) widen_tile(a, tile, (int)(t1 - t0), widened);
         for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
         if (d64) {
-            if (half) tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 1);
-            else tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 0);
+            if (half) tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 1, table, pf_len);
+            else tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 0, table, pf_len);
             continue;
         }
         if (tiled) {
@@ -512,12 +532,12 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
     }
     for (int64_t t0 = U0; t0 < U1; t0 += ATTN_TILE) {
         const int64_t t1 = t0 + ATTN_TILE < U1 ? t0 + ATTN_TILE : U1;
-        tile_rows(a, a->v_cache, table, t0, t1, U1, tile);
+        tile_rows(a, a->v_cache, table, t0, t1, U1, tile, !(tiled && pf_len));
         if (widened) widen_tile(a, tile, (int)(t1 - t0), widened);
         for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
         if (tiled) {
-            if (half) tile_values(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 1);
-            else tile_values(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 0);
+            if (half) tile_values(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 1, table, pf_len);
+            else tile_values(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 0, table, pf_len);
             continue;
         }
         for (int r = 0; r < R; r++)
