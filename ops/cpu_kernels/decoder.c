@@ -384,8 +384,7 @@ static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float 
 #endif
 static void warm_next(ws_local *ws, const step_desc *s, const qlinear *L, int items, int per, int second) {
     if (!WARM_BYTES || s->M != 1 || !is_integer(L->qtype)) return;
-    const size_t record = L->qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
-    const size_t tile_bytes = record * (size_t)(L->K / QBLOCK);
+    const size_t tile_bytes = qi_record_bytes(L->qtype) * (size_t)(L->K / QBLOCK);
     int lo, hi; /* the thread's own block, which it takes first (workshare.h) */
     ws_block(items, ws->tid, ws->nthreads, &lo, &hi);
     size_t n = (size_t)(hi - lo) * per * tile_bytes, cap = second ? WARM_BYTES / 2 : WARM_BYTES;

@@ -42,6 +42,9 @@
 
 enum { QT_Q4_1_I8 = 2, QT_Q8_0_I8 = 3 };
 
+/* Bytes of one (tile, block) record of an integer-kernel weight. */
+static inline size_t qi_record_bytes(int qtype) { return qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD; }
+
 /* One row's activations as integers: planes q[P][K] (most significant first), per block
  * the scale d and float sum s, and per plane and block the digits' sum t[P][K / 32] (the Q8_0
  * kernels' offset, see the top). */
@@ -416,7 +419,7 @@ INLINE void qi_rows(const uint8_t *rec, int qtype, int nb, int K, const qact *a,
 #define FEW_ROWS 16
 INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qact *a, int M, int P, float *y,
                         size_t ldy) {
-    const size_t record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
+    const size_t record = qi_record_bytes(qtype);
     qact v[FEW_ROWS];
     for (int b = 0; b < nb; b++) {
         for (int r = 0; r < M; r++) /* the rows from block b on: the kernel's block 0 */
@@ -433,8 +436,7 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
 /* Tile t for rows 0..M-1 into yt[r * ldy + n] from their activations a in P planes. */
 static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, int M, float *yt, size_t ldy, int t) {
     const int nb = K / I8_QBLOCK;
-    const int record = qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD;
-    const uint8_t *rec = w + (size_t)t * nb * record;
+    const uint8_t *rec = w + (size_t)t * nb * qi_record_bytes(qtype);
     /* groups of I8_R(P) rows, then one at a time; every count a constant after inlining */
 #define ROWS(P)                                                                              \
     {                                                                                        \
