@@ -22,7 +22,6 @@ import argparse
 import ctypes
 import importlib.util
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from benchmarks.native_ab import timing_ms
 from clients.bench.environment import environment
 from ops import cpu_kernels
 from ops.quantized_linear import ACTIVATIONS, QuantizedWeight, resolve_activations
@@ -137,10 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|")
     first = ys[order[0]]
     for name, t in times.items():
-        t = sorted(t)
         packed = sides[name].packed.numel()
-        row = {"median_ms": statistics.median(t), "p10_ms": t[len(t) // 10], "min_ms": t[0],
-               "packed_bytes": packed, "same_output": bool(torch.equal(ys[name], first))}
+        row = {**timing_ms(t), "packed_bytes": packed, "same_output": bool(torch.equal(ys[name], first))}
         out["sides"][name] = row
         print(f"| {name} | {packed:,} | {row['median_ms']:.3f} ({row['p10_ms']:.3f}, {row['min_ms']:.3f}) | "
               f"{packed / row['median_ms'] / 1e6:.1f} | {'yes' if row['same_output'] else 'no'} |")

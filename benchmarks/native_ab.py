@@ -57,6 +57,12 @@ from worker.config import (
 from worker.engine import Engine
 
 
+def timing_ms(t: list[float]) -> dict[str, float]:
+    """Call times (ms) as the A/B tables give them: the median, the tenth percentile, the fastest."""
+    ts = sorted(t)
+    return {"median_ms": statistics.median(ts), "p10_ms": ts[len(ts) // 10], "min_ms": ts[0]}
+
+
 def _build(folder: Path, out: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     if not cpu_kernels.build(folder / "decoder.c", out, extra_flags):
         raise SystemExit(f"cannot build {folder / 'decoder.c'}")
@@ -227,8 +233,7 @@ def _run(args: argparse.Namespace) -> None:
     print("|---|---|---|")
     for side, t in times.items():
         t = t[args.calls:]  # without the warm-up round
-        row = {"median_ms": statistics.median(t), "p10_ms": sorted(t)[len(t) // 10], "min_ms": min(t),
-               "same_logits": same[side]}
+        row = {**timing_ms(t), "same_logits": same[side]}
         out["sides"][side] = row
         print(f"| {side} | {row['median_ms']:.2f} ({row['p10_ms']:.2f}, {row['min_ms']:.2f}) | "
               f"{'-' if same[side] is None else 'yes' if same[side] else 'no'} |")
