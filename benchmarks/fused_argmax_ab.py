@@ -1,5 +1,5 @@
 """The batch-1 engine step with the greedy token found inside the fused decoder's call
-(`CpuDecoder.forward(argmax=...)`) against numpy's argmax after the call, in one process
+(`CpuDecoder.decode(argmax=...)`) against numpy's argmax after the call, in one process
 (issue 21). This project's 2-core machines drift 10-30% within a minute, more than the
 change, so one engine generates one greedy stream and its steps alternate between the two
 ways in blocks of 8: the decoder as it is, and a stand-in that writes -1 for every row
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks.spec_decode import _engine, task_prompt
@@ -33,10 +34,10 @@ class _NumpyArgmax:
     def __init__(self, decoder: Any) -> None:
         self._decoder = decoder
 
-    def forward(self, *args: Any, argmax: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    def decode(self, *args: Any, argmax: np.ndarray | None = None, **kwargs: Any) -> Any:
         if argmax is not None:
-            argmax.fill_(-1)
-        return self._decoder.forward(*args, **kwargs)
+            argmax.fill(-1)
+        return self._decoder.decode(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._decoder, name)

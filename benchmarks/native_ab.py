@@ -115,15 +115,15 @@ def _engine(batch: int, context: int, huge_pages: bool, activations: str = "auto
         engine.step()
         engine.step()
     decoder, captured = engine.runner.cpu_decoder, {}
-    forward = decoder.forward
+    decode = decoder.decode
 
     def capture(*a, **k):
         captured["args"] = (a, k)
-        return forward(*a, **k)
+        return decode(*a, **k)
 
-    decoder.forward = capture
+    decoder.decode = capture
     engine.step()
-    decoder.forward = forward
+    decoder.decode = decode
     rows, want = len(captured["args"][0][0]), batch * (context if prefill else drafts + 1)
     if rows != want:
         raise SystemExit(f"the captured step has {rows} rows, not {want}")
@@ -217,7 +217,7 @@ def _run(args: argparse.Namespace) -> None:
                 decoder._lib = _Timed(lib, times[side], no_head)
                 try:
                     for _ in range(args.calls):
-                        hidden, logits = decoder.forward(*a, **k)
+                        hidden, logits = decoder.decode(*a, **k)
                     if logits is None:  # a prefill step: its hidden states are compared
                         logits = hidden
                 finally:

@@ -80,7 +80,9 @@ if args["breakdown"]:
         return wrapper
 
     decoder = getattr(runner, "cpu_decoder", None)
-    if decoder is not None and hasattr(decoder, "forward"):  # the head inside its call: counted here
+    if decoder is not None and hasattr(decoder, "decode"):  # the head inside its call: counted here
+        decoder.decode = timed("forward (layers)", decoder.decode)
+    elif decoder is not None and hasattr(decoder, "forward"):  # (an older checkout's runner)
         decoder.forward = timed("forward (layers)", decoder.forward)
     elif decoder is not None:
         runner.cpu_decoder = timed("forward (layers)", decoder)

@@ -27,8 +27,9 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -75,6 +76,10 @@ class _Step(ctypes.Structure):
                 ("out", _p), ("nthreads", _i32), ("lora_slots", _p), ("lora_pairs", _p), ("n_lora", _i32),
                 ("lora_groups", _i32), ("logits", _p), ("argmax", _p), ("wake_fd", _i32), ("kv_half", _i32)]
 
+
+# Steps of up to this many rows (decode steps, a few requests' verification rows) run on
+# buffers kept from call to call (`CpuDecoder.decode`); the logits' are REUSE_ROWS x vocab.
+REUSE_ROWS = 64
 
 # The linears of a layer as decoder.c's lora_layer holds them, and their LORA_* bits.
 LORA_GROUPS = {"qkv_proj": 1, "o_proj": 2, "gate_up_proj": 4, "down_proj": 8}
@@ -184,6 +189,10 @@ class CpuDecoder:
                              _qlinear(self.head) if self.head is not None else _QLinear())
         self.has_lora = lora is not None
         self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
+        self._kv_half = False
+        self._base: _Buffers | None = None
+        self._base_logits: torch.Tensor | None = None
+        self._views: dict[int, _Buffers] = {}
 
     def describe(self) -> str:
         lora = ", LoRA in the layers" if self.has_lora else ""
@@ -199,6 +208,7 @@ class CpuDecoder:
             ks = (ctypes.c_void_p * n)(*[k.data_ptr() for k, _ in kv_caches])
             vs = (ctypes.c_void_p * n)(*[v.data_ptr() for _, v in kv_caches])
             self._caches = (kv_caches, ks, vs)
+            self._kv_half = kv_caches[0][0].dtype == torch.float16  # --kv-cache-dtype float16
         return self._caches[1], self._caches[2]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list) -> torch.Tensor:
@@ -208,68 +218,117 @@ class CpuDecoder:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list,
                 logits: bool = False, argmax: torch.Tensor | None = None,
                 wake_fd: int = -1) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden [T, hidden], logits [T, vocab] or None). `logits`: have the call compute
-        every row's logits too, which it does when every row is a decode and the head is
-        quantized (the runner's `compute_logits`, bit for bit); else None. `argmax` (int64
-        [T]): where the logits come back, the call has also written each row's greedy token
-        there, the first maximum as `ops.sampling.finite_argmax` finds it, or -1 where that
-        gives None (a maximum that is not finite). It reads each tile of logits while it is
-        in L1, where numpy's argmax after the call read them cold (a batch-1 step 1.002-1.014x
-        faster, BENCHMARKS.md). `wake_fd` >= 0: the call writes one byte to it as it begins,
-        with the GIL released (a served worker's event loop: worker/engine.py)."""
-        cfg = self.config
-        t = input_ids.shape[0]
-        ids = input_ids.long().contiguous()
-        pos = positions.long().contiguous()
-        slots = meta.slot_mapping.long().contiguous()
-        tables = meta.block_tables.long().contiguous()
-        lens = meta.seq_lens.long().contiguous()
-        starts = meta.query_start_loc.long()
-        if meta.max_query_len == 1:
-            dec_rows, dec_tables, dec_lens = starts[:-1].contiguous(), tables, lens
+        """`decode` on a step given as the torch model takes it (`meta`: an AttentionMetadata),
+        its outputs its own. `argmax` (int64 [T]), where given, is written in place."""
+        def host(x: torch.Tensor) -> np.ndarray:
+            return x.long().contiguous().numpy()
+
+        if argmax is not None:
+            assert argmax.dtype == torch.int64 and argmax.shape == input_ids.shape and argmax.is_contiguous()
+        return self.decode(host(input_ids), host(positions), host(meta.slot_mapping), host(meta.block_tables),
+                           host(meta.seq_lens), host(meta.query_start_loc), meta.max_query_len, kv_caches,
+                           lora=getattr(meta, "lora", None), logits=logits,
+                           argmax=None if argmax is None else argmax.numpy(), wake_fd=wake_fd, reuse=False)
+
+    def decode(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
+               seq_lens: np.ndarray, query_start_loc: np.ndarray, max_query_len: int, kv_caches: list,
+               lora: Any = None, logits: bool = False, argmax: np.ndarray | None = None,
+               wake_fd: int = -1, reuse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [T, hidden], logits [T, vocab] or None) of a step given as the runner builds
+        it: int64 host arrays `ids`, `positions`, `slots` [T], `tables` [R, max_blocks],
+        `seq_lens` [R] and `query_start_loc` [R + 1] of its R requests. `logits`: have the
+        call compute every row's logits too, which it does when every row is a decode and the
+        head is quantized (the runner's `compute_logits`, bit for bit); else None. `argmax`
+        (int64 [T]): where the logits come back, the call has also written each row's greedy
+        token there, the first maximum as `ops.sampling.finite_argmax` finds it, or -1 where
+        that gives None (a maximum that is not finite). It reads each tile of logits while it
+        is in L1, where numpy's argmax after the call read them cold (a batch-1 step
+        1.002-1.014x faster, BENCHMARKS.md). `wake_fd` >= 0: the call writes one byte to it as
+        it begins, with the GIL released (a served worker's event loop: worker/engine.py).
+
+        With `reuse`, a step of up to REUSE_ROWS rows makes no torch op: its outputs and
+        scratch are views of buffers kept from earlier calls, which the next call overwrites
+        (the runner is done with them within its step). Between two calls the batch-1 step's
+        Python runs in caches that the call's ~92 MB of weights have just swept, where each
+        kind of torch op's first dispatch costs tens of microseconds; it took ~0.4 ms a step,
+        ~10% of the step, where the same Python in warm caches takes 0.07 ms (BENCHMARKS.md)."""
+        t = ids.shape[0]
+        for a in (ids, positions, slots, tables, seq_lens, query_start_loc):
+            assert a.dtype == np.int64, "the decoder takes int64 host arrays"
+        assert positions.shape[0] == slots.shape[0] == t and query_start_loc[-1] == t
+        if max_query_len == 1:
+            dec_rows, dec_tables, dec_lens = query_start_loc[:-1], tables, seq_lens
         else:
             # Every row attends as a decode row of its own (paged_attention.c): a prefill
             # row at position p is a query over the request's first p + 1 cached tokens.
             # Its arithmetic then depends on p alone, not on how the prompt was chunked
             # (torch's SDPA rounds differently with the chunk's length).
-            per_request = starts[1:] - starts[:-1]
-            assert int(starts[-1]) == t, "rows outside every request"
-            request = torch.repeat_interleave(torch.arange(per_request.shape[0]), per_request)
-            dec_rows = torch.arange(t, dtype=torch.long)
-            dec_tables = tables.index_select(0, request).contiguous()
-            dec_lens = (lens.index_select(0, request) - starts[1:].index_select(0, request) + 1 + dec_rows).contiguous()
-        qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        residual = torch.empty(t, cfg.hidden_size)
-        qkv = torch.empty(t, qkv_width)
-        att = torch.empty(t, cfg.num_heads * cfg.head_dim)
-        out = torch.empty(t, cfg.hidden_size)
+            request = np.repeat(np.arange(seq_lens.shape[0]), np.diff(query_start_loc))
+            dec_rows = np.arange(t, dtype=np.int64)
+            dec_tables = tables[request]
+            dec_lens = seq_lens[request] - query_start_loc[1:][request] + 1 + dec_rows
+        with_logits = logits and max_query_len == 1 and self.head is not None
+        buf = self._reused(t) if reuse and t <= REUSE_ROWS else self._fresh(t)
         ks, vs = self._cache_pointers(kv_caches)
-        step = _Step(t, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), dec_rows.shape[0], dec_rows.data_ptr(),
-                     dec_tables.data_ptr(), dec_lens.data_ptr(), tables.shape[1], ctypes.addressof(ks),
-                     ctypes.addressof(vs), residual.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr(),
-                     torch.get_num_threads())
+        at = cpu_kernels.address
+        step = _Step(t, at(ids), at(positions), at(slots), dec_rows.shape[0], at(dec_rows),
+                     at(dec_tables), at(dec_lens), tables.shape[1], ctypes.addressof(ks),
+                     ctypes.addressof(vs), *buf.pointers, torch.get_num_threads())
         step.wake_fd = wake_fd  # (ctypes zeroes it: fd 0 is stdin)
-        step.kv_half = kv_caches[0][0].dtype == torch.float16  # --kv-cache-dtype float16
-        step_lora = getattr(meta, "lora", None)
-        if step_lora is not None:
+        step.kv_half = self._kv_half
+        keep = None
+        if lora is not None:
             assert self.has_lora, "a step with LoRA rows on a decoder built without LoRA slots"
-            token_slots = step_lora.token_slots
+            token_slots = lora.token_slots
             assert len(token_slots) == t
-            lora_slots = torch.tensor(token_slots, dtype=torch.int32)
-            lora_pairs = torch.tensor(_pairs_by_slot(token_slots), dtype=torch.int32)
-            step.lora_slots, step.lora_pairs = lora_slots.data_ptr(), lora_pairs.data_ptr()
-            step.n_lora = lora_pairs.shape[0]
-            step.lora_groups = sum(LORA_GROUPS[g] for g in step_lora.layers[0])
-        m, s, lib = ctypes.byref(self._model), ctypes.byref(step), self._lib
+            keep = (np.array(token_slots, dtype=np.int32),
+                    np.array(_pairs_by_slot(token_slots), dtype=np.int32).reshape(-1, 2))
+            step.lora_slots, step.lora_pairs = at(keep[0]), at(keep[1])
+            step.n_lora = keep[1].shape[0]
+            step.lora_groups = sum(LORA_GROUPS[g] for g in lora.layers[0])
         all_logits = None
-        if logits and meta.max_query_len == 1 and self.head is not None:
-            all_logits = torch.empty(t, self.head.out_features)
-            step.logits = all_logits.data_ptr()
+        if with_logits:
+            all_logits = buf.logits if buf.logits is not None else torch.empty(t, self.head.out_features)
+            step.logits = buf.logits_pointer if buf.logits is not None else all_logits.data_ptr()
             if argmax is not None:
-                assert argmax.dtype == torch.int64 and argmax.shape == (t,) and argmax.is_contiguous()
-                step.argmax = argmax.data_ptr()
-        _check(lib.cpu_decoder_decode(m, s))
-        return out, all_logits
+                assert argmax.dtype == np.int64 and argmax.shape == (t,)
+                step.argmax = at(argmax)
+        _check(self._lib.cpu_decoder_decode(ctypes.byref(self._model), ctypes.byref(step)))
+        del keep  # (the LoRA arrays lived through the call)
+        return buf.out, all_logits
+
+    def _fresh(self, t: int) -> _Buffers:
+        cfg = self.config
+        residual, out = torch.empty(t, cfg.hidden_size), torch.empty(t, cfg.hidden_size)
+        qkv = torch.empty(t, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+        att = torch.empty(t, cfg.num_heads * cfg.head_dim)
+        return _Buffers(out, None, 0, (residual.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr()),
+                        (residual, qkv, att))
+
+    def _reused(self, t: int) -> _Buffers:
+        """Views of REUSE_ROWS rows' buffers for a step of t rows (made once per t)."""
+        buf = self._views.get(t)
+        if buf is None:
+            if self._base is None:
+                self._base = self._fresh(REUSE_ROWS)
+                if self.head is not None:
+                    self._base_logits = torch.empty(REUSE_ROWS, self.head.out_features)
+            base = self._base
+            logits = self._base_logits[:t] if self._base_logits is not None else None
+            buf = self._views[t] = _Buffers(base.out[:t], logits, 0 if logits is None else logits.data_ptr(),
+                                            base.pointers, base.keep)
+        return buf
+
+
+class _Buffers(NamedTuple):
+    """A call's outputs (the hidden states; the logits when reused, else made per call) and
+    the C pointers of its residual, qkv, att and out buffers (rows from 0: `_Step`'s order)."""
+
+    out: torch.Tensor
+    logits: torch.Tensor | None
+    logits_pointer: int
+    pointers: tuple[int, int, int, int]
+    keep: tuple[torch.Tensor, ...]  # the scratch the pointers name
 
 
 def _pairs_by_slot(token_slots: Sequence[int]) -> list[list[int]]:

@@ -240,7 +240,8 @@ def test_the_calls_greedy_tokens_are_the_first_finite_maximum_as_numpy_finds_it(
     lens = [rng.randint(1, 20) for _ in range(17)]
     reqs = _Requests(model, lens, seed=12)
     dec(*reqs.step([(r, 0, n) for r, n in enumerate(lens)]))
-    keep_model, keep_head = dec._model.head, dec.head
+    # a copy: a ctypes struct's field is a view into the struct, which the swaps below overwrite
+    keep_model, keep_head = cpu_decoder._QLinear.from_buffer_copy(dec._model.head), dec.head
     threads = torch.get_num_threads()
     try:
         for b in (1, 3, 17):
@@ -284,3 +285,98 @@ def test_the_calls_greedy_tokens_are_the_first_finite_maximum_as_numpy_finds_it(
     finally:
         torch.set_num_threads(threads)
         dec._model.head, dec.head = keep_model, keep_head
+
+
+def _host_arrays(step: tuple) -> tuple:
+    """A `_Requests.step` as the runner hands it to `CpuDecoder.decode`: int64 host arrays."""
+    ids, pos, meta, kv = step
+
+    def host(x: torch.Tensor) -> np.ndarray:
+        return x.long().numpy().copy()
+
+    return (host(ids), host(pos), host(meta.slot_mapping), host(meta.block_tables), host(meta.seq_lens),
+            host(meta.query_start_loc), meta.max_query_len, kv)
+
+
+def test_decode_reuses_its_buffers_and_forward_returns_outputs_of_its_own(decoder) -> None:
+    """The runner's `decode` of a step of up to REUSE_ROWS rows returns views of buffers that
+    the next call overwrites (no torch op a step); `forward` returns outputs of its own; the
+    bits and the greedy tokens are the same. A step of more rows gets buffers of its own."""
+    dec, model = decoder
+    lens = [9, 14, 3]
+    reqs = _Requests(model, lens, seed=21)
+    dec(*reqs.step([(r, 0, n) for r, n in enumerate(lens)]))
+    one, three = reqs.step([(0, lens[0], 1)]), reqs.step([(r, lens[r], 1) for r in range(3)])
+    h1, l1 = dec.forward(*one, logits=True)
+    h3, l3 = dec.forward(*three, logits=True)
+    assert l1 is not None and l3 is not None
+    kept = h3.clone(), l3.clone()
+    greedy = np.full(3, -7, dtype=np.int64)
+    d3, dl3 = dec.decode(*_host_arrays(three), logits=True, argmax=greedy)
+    assert dl3 is not None and torch.equal(d3, h3) and torch.equal(dl3, l3)
+    assert greedy.tolist() == l3.argmax(-1).tolist()
+    d1, dl1 = dec.decode(*_host_arrays(one), logits=True)
+    assert dl1 is not None and torch.equal(d1, h1) and torch.equal(dl1, l1)
+    assert d1.data_ptr() == d3.data_ptr() and dl1.data_ptr() == dl3.data_ptr()
+    assert torch.equal(d3[0], h1[0]) and torch.equal(dl3[0], l1[0])  # the batch-1 call's rows
+    assert torch.equal(h3, kept[0]) and torch.equal(l3, kept[1])  # forward's stayed as they were
+    n = cpu_decoder.REUSE_ROWS + 6
+    big = _Requests(model, [n], seed=22).step([(0, 0, n)])
+    a, _ = dec.decode(*_host_arrays(big))
+    b, _ = dec.decode(*_host_arrays(big))
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+
+
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    """Records every torch function and tensor method called from Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_1_greedy_decode_step_makes_no_torch_op() -> None:
+    """Between two native calls a batch-1 step's Python runs in caches that the call's weights
+    have just swept, where each kind of torch op's first dispatch costs tens of microseconds
+    (BENCHMARKS.md, session 26): the runner's plain greedy decode steps make none, and still
+    give a token a step. A sampled step's torch ops are the sampler's base draw and reads of
+    the logits' shape."""
+    from scheduler.request import SamplingParams
+
+    engine = Engine(WorkerConfig(), loaded=load_model("default"))
+    assert engine.runner.cpu_decoder is not None
+    for params, most in ((SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 0),
+                         (SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True), 16)):
+        engine.submit(engine.make_request(list(range(100, 140)), params))
+        engine.step()
+        engine.step()
+        tokens = []
+        with _TorchCalls() as seen:
+            for _ in range(6):
+                tokens += [t for out in engine.step().outputs for t in out.new_token_ids]
+        assert len(tokens) == 6
+        assert len(seen.calls) <= 6 * most, seen.calls[:20]
+        while engine.has_work():
+            engine.step()
+
+
+def test_kernel_pointers_are_the_buffers_own() -> None:
+    """`cpu_kernels.address`: where a numpy array's or an array.array's data starts; a
+    buffer a kernel could not take as it is (not C-contiguous, read-only) is refused."""
+    import array
+
+    from ops import cpu_kernels
+
+    a = np.arange(12, dtype=np.int64).reshape(3, 4)
+    assert cpu_kernels.address(a) == a.ctypes.data and cpu_kernels.address(a[1:]) == a[1:].ctypes.data
+    f = array.array("f", [1.0, 2.0])
+    assert cpu_kernels.address(f) == f.buffer_info()[0]
+    frozen = np.arange(3)
+    frozen.flags.writeable = False
+    for bad in (a[:, ::2], a.T, frozen):
+        with pytest.raises(TypeError):
+            cpu_kernels.address(bad)

@@ -220,10 +220,18 @@ class ModelRunner:
                 if src:
                     ops.copy_blocks(g, src, dst)
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> dict[str, list[SampleResult]]:
         """Run one step; return the tokens of every request that samples: one, or with
         drafts the accepted drafts and then the model's own token."""
+        if self.cpu_decoder is None:
+            with torch.inference_mode():
+                return self._execute(step)
+        # The C decoder's steps skip the switch: no weight requires grad (worker/weights), so
+        # no torch op here records any, and in the caches its call has just swept, entering
+        # the mode cost a batch-1 step ~50 us, more than a percent (BENCHMARKS.md).
+        return self._execute(step)
+
+    def _execute(self, step: SchedulerOutput) -> dict[str, list[SampleResult]]:
         if step.blocks_to_swap_out or step.blocks_to_swap_in or step.blocks_to_copy:
             self.move_blocks(step)
         input_ids: list[int] = []
@@ -266,7 +274,7 @@ class ModelRunner:
         # every position.
         masks = self.logits_masks.start(row_reqs)
         # Rows all plain greedy: the CPU decoder's call finds their tokens too (`greedy`).
-        greedy = (torch.empty(len(input_ids), dtype=torch.int64)
+        greedy = (np.empty(len(input_ids), dtype=np.int64)
                   if self.cpu_decoder is not None and sampling and masks is None
                   and all(map(_plain_greedy, row_reqs)) else None)
         if self.graphs is not None and not prompt_rows and len(tables) == len(input_ids) and (
@@ -287,7 +295,7 @@ class ModelRunner:
         if all_logits is not None:  # every row's: forks repeat a row, prompt chunks skip theirs
             every = len(sample_rows) == len(input_ids) and sample_rows == list(range(len(input_ids)))
             logits = all_logits if every else all_logits.index_select(0, self._tensor(sample_rows))
-            if greedy is not None:  # the call wrote it with the logits (CpuDecoder.forward)
+            if greedy is not None:  # the call wrote it with the logits (CpuDecoder.decode)
                 found = greedy.tolist()
                 ids = found if every else [found[i] for i in sample_rows]
         else:
@@ -300,10 +308,11 @@ class ModelRunner:
     def _forward(self, step: SchedulerOutput, input_ids: list[int], positions: list[int],
                  req_index: list[int], tables: list[list[int]], seq_lens: list[int],
                  query_start_loc: list[int], logits: bool,
-                 argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 argmax: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step run eagerly: hidden states of every row, and with the CPU decoder (when
         `logits`) every row's logits from the same native call (else None), and where they
-        come back, each row's greedy token in `argmax` (CpuDecoder.forward)."""
+        come back, each row's greedy token in `argmax` (CpuDecoder.decode: its outputs last
+        until the next step's call)."""
         max_blocks = max(len(t) for t in tables)
         # Built in numpy on the host: a few microseconds an op where torch's CPU ops take
         # tens each, which a batch-1 step's Python felt.
@@ -312,23 +321,33 @@ class ModelRunner:
         table_np = np.array([t + [0] * (max_blocks - len(t)) for t in tables], dtype=index)
         pos_np = np.array(positions, dtype=np.int64)
         # A token's slot: its block (from its row's table) times the block size, plus its offset.
+        # A few rows' in Python: numpy's indexing and four ufuncs, each dispatched for the
+        # first time since the last call swept the caches, took a batch-1 step ~25 us.
         bs = self.block_size
-        slots_np = table_np[req_index, pos_np // bs].astype(np.int64, copy=False) * bs + pos_np % bs
+        if len(positions) <= 64:
+            slots_np = np.array([tables[r][p // bs] * bs + p % bs for r, p in zip(req_index, positions, strict=True)],
+                                dtype=np.int64)
+        else:
+            slots_np = table_np[req_index, pos_np // bs].astype(np.int64, copy=False) * bs + pos_np % bs
+        seq_lens_np = np.array(seq_lens, dtype=np.int64)
+        query_start_np = np.array(query_start_loc, dtype=np.int64)
+        max_query_len = max(1 if s.spec_token_ids else s.num_new_tokens for s in step.scheduled)
+        if self.cpu_decoder is not None:  # the host arrays as they are; logits from the same call
+            wake_fd, self.wake_fd = self.wake_fd, -1  # taken by this call
+            return self.cpu_decoder.decode(np.array(input_ids, dtype=np.int64), pos_np, slots_np, table_np,
+                                           seq_lens_np, query_start_np, max_query_len, self.kv_caches,
+                                           lora=self._lora_step(step), logits=logits, argmax=argmax,
+                                           wake_fd=wake_fd)
         pos_t = self._host(pos_np)
         meta = AttentionMetadata(
             lora=self._lora_step(step),
             slot_mapping=self._host(slots_np),
             block_tables=self._host(table_np),
-            seq_lens=self._host(np.array(seq_lens, dtype=np.int64)),
-            query_start_loc=self._host(np.array(query_start_loc, dtype=np.int64)),
-            max_query_len=max(1 if s.spec_token_ids else s.num_new_tokens for s in step.scheduled),
+            seq_lens=self._host(seq_lens_np),
+            query_start_loc=self._host(query_start_np),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
-        if self.cpu_decoder is not None:  # a decode step's logits in the same native call
-            wake_fd, self.wake_fd = self.wake_fd, -1  # taken by this call
-            return self.cpu_decoder.forward(self._host(np.array(input_ids, dtype=np.int64)), pos_t, meta,
-                                            self.kv_caches, logits=logits,
-                                            argmax=argmax, wake_fd=wake_fd)
         return self.model(self._tensor(input_ids), pos_t, meta, self.kv_caches), None
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
@@ -374,9 +393,11 @@ class ModelRunner:
         """What ops.sample gives rows that are all plain greedy on CPU logits (each row's
         argmax), without building its tensors; None for any other step. `ids`: those
         argmaxes as the CPU decoder's call found them (-1: not finite), if it did."""
-        if masks is not None or logits.device.type != "cpu" or not all(map(_plain_greedy, reqs)):
+        if masks is not None or not all(map(_plain_greedy, reqs)):
             return None
-        if ids is None or min(ids) < 0:
+        if ids is None or min(ids) < 0:  # (ids come from the CPU decoder's call alone)
+            if logits.device.type != "cpu":
+                return None
             ids = greedy_ids_cpu(logits)
         return None if ids is None else [SampleResult(t) for t in ids]
 

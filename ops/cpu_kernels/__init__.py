@@ -99,6 +99,14 @@ def load(name: str) -> ctypes.CDLL | None:
     return None
 
 
+def address(buf) -> int:
+    """Where a C-contiguous, writable buffer's data starts (a numpy array, an array.array; it
+    raises TypeError for any other): what a kernel's pointer argument takes. Cheaper than
+    numpy's `a.ctypes.data`, which builds a Python-level helper object each time, a cost
+    that a batch-1 step's Python pays several times in caches its native call has swept."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
 def build_flags() -> list[str]:
     """gcc's flags for a kernel built for `isa()` (which must not be None)."""
     return [*_COMMON, *ISAS[isa()][0]]
