@@ -17,9 +17,11 @@ is the kept tokens' renormalized softmax (tests/test_sampling_c.py).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +34,8 @@ from ops.sampling import (
     sample_ref,
     seed_key,
 )
+
+Buffer = Any  # a C-contiguous, writable buffer: a numpy array or an array.array
 
 
 @functools.cache
@@ -96,34 +100,45 @@ def _draw(logits: torch.Tensor, st: SamplingTensors, kept: torch.Tensor | None =
     b = z.shape[0]
     # all_greedy rows take their argmax whatever their temperature (e.g. top_k 1).
     temp = np.zeros(b, dtype=np.float32) if st.all_greedy else st.temperature.float().numpy()
-    return torch.from_numpy(_sample_rows(z, temp, st.top_p.float().numpy(), st.top_k.to(torch.int64).numpy(),
-                                         st.min_p.float().numpy(), st.seeds, st.steps, kept))
+
+    def host(x: torch.Tensor | np.ndarray, dtype: type) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=dtype)
+
+    return torch.from_numpy(_sample_rows(z, host(temp, np.float32), host(st.top_p.float().numpy(), np.float32),
+                                         host(st.top_k.to(torch.int64).numpy(), np.int64),
+                                         host(st.min_p.float().numpy(), np.float32), st.seeds, st.steps, kept))
 
 
-def _sample_rows(z: torch.Tensor, temp: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, min_p: np.ndarray,
+def _sample_rows(z: torch.Tensor, temp: Buffer, top_p: Buffer, top_k: Buffer, min_p: Buffer,
                  seeds: Sequence[int | None], steps: Sequence[int], kept: torch.Tensor | None = None) -> np.ndarray:
     """The kernel's draw of one token per row of float32 CPU logits z (penalized already), the
-    rows' controls as float32 / int64 arrays: what `_draw` and `sample_plain` share."""
+    rows' controls as float32 (temp, top_p, min_p) and int64 (top_k) buffers, numpy arrays or
+    array.array: what `_draw` and `sample_plain` share."""
     lib = _library()
     assert lib is not None
     if z.stride(-1) != 1:
         z = z.contiguous()
     b, v = z.shape
-    temp, top_p, min_p = (np.ascontiguousarray(a, dtype=np.float32) for a in (temp, top_p, min_p))
-    top_k = np.ascontiguousarray(top_k, dtype=np.int64)
-    assert temp.shape == top_p.shape == top_k.shape == min_p.shape == (b,) and len(seeds) == len(steps) == b
-    seeded = np.array([s is not None for s in seeds], dtype=np.uint8)
-    keys = np.array([0 if s is None else seed_key(s, n) for s, n in zip(seeds, steps, strict=True)],
-                    dtype=np.uint64)
+    assert len(temp) == len(top_p) == len(top_k) == len(min_p) == len(seeds) == len(steps) == b
+    for x, kind in ((temp, "f"), (top_p, "f"), (min_p, "f"), (top_k, "q")):
+        assert _kind(memoryview(x)) == kind, "float32 or int64 controls"
+    seeded = array.array("B", [s is not None for s in seeds])
+    keys = array.array("Q", [0 if s is None else seed_key(s, n) for s, n in zip(seeds, steps, strict=True)])
     base = int(torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64)) & ((1 << 64) - 1)
     out = np.empty(b, dtype=np.int64)
-    rc = lib.sample_rows(z.data_ptr(), z.stride(0), b, v, temp.ctypes.data, top_p.ctypes.data,
-                         top_k.ctypes.data, min_p.ctypes.data, keys.ctypes.data, seeded.ctypes.data,
-                         base, out.ctypes.data, None if kept is None else kept.data_ptr(),
+    at = cpu_kernels.address
+    rc = lib.sample_rows(z.data_ptr(), z.stride(0), b, v, at(temp), at(top_p), at(top_k), at(min_p),
+                         at(keys), at(seeded), base, at(out), None if kept is None else kept.data_ptr(),
                          torch.get_num_threads())
     if rc:
         raise MemoryError("the C sampler could not allocate its scratch")
     return out
+
+
+def _kind(m: memoryview) -> str:
+    """"f" for float32 items, "q" for int64 ones (numpy's int64 says "l" on LP64), else the
+    format."""
+    return "q" if m.format in ("q", "l") and m.itemsize == 8 else m.format
 
 
 def sample_plain(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
@@ -132,14 +147,15 @@ def sample_plain(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequ
     """`sample_c`'s tokens for rows with no penalties and no logprobs, not all greedy, from
     the rows' controls as lists (row i's seeded generator at output index steps[i]), without
     building SamplingTensors: a one-request step's sampling was ~0.2 ms of Python around
-    the kernel's ~0.07 ms. The same kernel call with the same arrays (float32 as
-    torch.tensor rounds them) and the same base from torch's generator: the same tokens.
-    None where the kernel cannot run here."""
+    the kernel's ~0.07 ms. The same kernel call with the same values (float32 as torch.tensor
+    rounds them: to nearest, inf past float32's range) and the same base from torch's
+    generator: the same tokens. Its arrays are the standard library's: numpy's conversions,
+    each dispatched for the first time since the decode call swept the caches, took a
+    sampled batch-1 step ~0.1 ms more (BENCHMARKS.md). None where the kernel cannot run here."""
     if not _usable(logits):
         return None
-    with np.errstate(over="ignore"):  # a finite temperature past float32's range is inf, as in torch
-        temp, top_p_, min_p_ = (np.array(x, dtype=np.float64).astype(np.float32) for x in (temperature, top_p, min_p))
-    return _sample_rows(logits, temp, top_p_, np.array(top_k, dtype=np.int64), min_p_, seeds, steps).tolist()
+    return _sample_rows(logits, array.array("f", temperature), array.array("f", top_p), array.array("q", top_k),
+                        array.array("f", min_p), seeds, steps).tolist()
 
 
 def sample_c(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
