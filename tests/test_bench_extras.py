@@ -286,3 +286,22 @@ def test_sampler_ops_times_both_sides_of_each_part(tmp_path: Path) -> None:
         assert set(parts) == {"penalties", "logprobs", "sample"}
         assert all(r["reference_ms"] > 0 and r["c_ms"] > 0 for r in parts.values())
     assert results["4"]["penalties"]["ratio"] > 1
+
+
+def test_step_python_times_the_python_around_the_call_three_ways(tmp_path: Path) -> None:
+    """`benchmarks.step_python`: the real call, a stand-in in warm caches and one after a
+    sweep each run their steps; a stand-in's step is far shorter than the real call's, and
+    each way's Python a step is positive."""
+    from benchmarks import step_python
+    from ops import quantized_linear
+
+    if not quantized_linear.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    for sampling in ([], ["--sampling", "temperature=0.8,top_p=0.9,seed=2"]):
+        out = tmp_path / "py.json"
+        step_python.main(["--steps", "12", "--rounds", "1", "--context", "20", "--sweep-mb", "8", *sampling,
+                          "--output-json", str(out)])
+        ways = json.loads(out.read_text())["ways"]
+        assert list(ways) == ["call", "warm", "swept"]
+        assert all(w["steps"] == 8 and w["python_us"] > 0 for w in ways.values())
+        assert ways["warm"]["call_ms"] < ways["call"]["call_ms"] / 5
