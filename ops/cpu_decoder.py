@@ -250,8 +250,9 @@ class CpuDecoder:
         scratch are views of buffers kept from earlier calls, which the next call overwrites
         (the runner is done with them within its step). Between two calls the batch-1 step's
         Python runs in caches that the call's ~92 MB of weights have just swept, where each
-        kind of torch op's first dispatch costs tens of microseconds; it took ~0.4 ms a step,
-        ~10% of the step, where the same Python in warm caches takes 0.07 ms (BENCHMARKS.md)."""
+        kind of torch op's first dispatch costs far more than its warm microsecond: that
+        Python took ~0.4 ms, ~11% of the step, and ~0.1 ms in warm caches; now ~0.2 ms
+        (benchmarks/step_python.py, BENCHMARKS.md session 26)."""
         t = ids.shape[0]
         for a in (ids, positions, slots, tables, seq_lens, query_start_loc):
             assert a.dtype == np.int64, "the decoder takes int64 host arrays"

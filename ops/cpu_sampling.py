@@ -150,8 +150,9 @@ def sample_plain(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequ
     the kernel's ~0.07 ms. The same kernel call with the same values (float32 as torch.tensor
     rounds them: to nearest, inf past float32's range) and the same base from torch's
     generator: the same tokens. Its arrays are the standard library's: numpy's conversions,
-    each dispatched for the first time since the decode call swept the caches, took a
-    sampled batch-1 step ~0.1 ms more (BENCHMARKS.md). None where the kernel cannot run here."""
+    each dispatched for the first time since the decode call swept the caches, were a large
+    part of a sampled step's Python (BENCHMARKS.md, session 26). None where the kernel cannot
+    run here."""
     if not _usable(logits):
         return None
     return _sample_rows(logits, array.array("f", temperature), array.array("f", top_p), array.array("q", top_k),

@@ -228,7 +228,7 @@ class ModelRunner:
                 return self._execute(step)
         # The C decoder's steps skip the switch: no weight requires grad (worker/weights), so
         # no torch op here records any, and in the caches its call has just swept, entering
-        # the mode cost a batch-1 step ~50 us, more than a percent (BENCHMARKS.md).
+        # the mode is one more cold dispatch (BENCHMARKS.md, session 26).
         return self._execute(step)
 
     def _execute(self, step: SchedulerOutput) -> dict[str, list[SampleResult]]:
@@ -322,7 +322,8 @@ class ModelRunner:
         pos_np = np.array(positions, dtype=np.int64)
         # A token's slot: its block (from its row's table) times the block size, plus its offset.
         # A few rows' in Python: numpy's indexing and four ufuncs, each dispatched for the
-        # first time since the last call swept the caches, took a batch-1 step ~25 us.
+        # first time since the last call swept the caches, took ~25 us of a batch-1 step
+        # (a scratch timing).
         bs = self.block_size
         if len(positions) <= 64:
             slots_np = np.array([tables[r][p // bs] * bs + p % bs for r, p in zip(req_index, positions, strict=True)],
