@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks.step import step_config
 from clients.bench.environment import environment, recorded
+from ops import cpu_kernels
 from scheduler.request import SamplingParams
 from worker.engine import Engine
 
@@ -87,8 +88,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=100, help="prompt tokens")
     ap.add_argument("--sampling", default="", help="SamplingParams fields, e.g. temperature=0.8,top_p=0.95")
     ap.add_argument("--sweep-mb", type=int, default=96, help="what the swept way reads first")
+    ap.add_argument("--isa", choices=cpu_kernels.supported_isas(),
+                    help="the kernels built for this ISA instead of the CPU's best (e.g. avx2: the "
+                         "AVX2-only machines' path, with its default activations)")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
+    if args.isa:
+        cpu_kernels.force_isa(args.isa)  # before the first kernel loads
+    try:
+        _run(args)
+    finally:
+        if args.isa:
+            cpu_kernels.force_isa(None)
+
+
+def _run(args: argparse.Namespace) -> None:
     engine = Engine(step_config(1))
     decoder = engine.runner.cpu_decoder
     if decoder is None:
@@ -131,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {way} | {r['step_ms']:.3f} | {r['call_ms']:.3f} | {r['python_us']:.0f} |")
     print(f"swept / warm Python: **{rows['swept']['python_us'] / rows['warm']['python_us']:.1f}x**")
     if args.output_json:
-        out = {"info": {**environment(), "args": recorded(vars(args))}, "ways": rows}
+        out = {"info": {**environment(), "args": recorded(vars(args)), "kernels": engine.runner.describe_kernels()},
+               "ways": rows}
         Path(args.output_json).write_text(json.dumps(out, indent=1))
 
 

@@ -297,11 +297,14 @@ def test_step_python_times_the_python_around_the_call_three_ways(tmp_path: Path)
 
     if not quantized_linear.available():
         pytest.skip("no gcc or no AVX2/FMA/F16C here")
-    for sampling in ([], ["--sampling", "temperature=0.8,top_p=0.9,seed=2"]):
+    # the sampled run also on the AVX2 build, the AVX2-only machines' path
+    for extra in ([], ["--sampling", "temperature=0.8,top_p=0.9,seed=2", "--isa", "avx2"]):
         out = tmp_path / "py.json"
-        step_python.main(["--steps", "12", "--rounds", "1", "--context", "20", "--sweep-mb", "8", *sampling,
+        step_python.main(["--steps", "12", "--rounds", "1", "--context", "20", "--sweep-mb", "8", *extra,
                           "--output-json", str(out)])
-        ways = json.loads(out.read_text())["ways"]
+        report = json.loads(out.read_text())
+        assert ("(avx2," in report["info"]["kernels"]) == ("--isa" in extra)
+        ways = report["ways"]
         assert list(ways) == ["call", "warm", "swept"]
         assert all(w["steps"] == 8 and w["python_us"] > 0 for w in ways.values())
         assert ways["warm"]["call_ms"] < ways["call"]["call_ms"] / 5
