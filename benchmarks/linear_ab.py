@@ -100,13 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if cpu_kernels.isa() is None:
         raise SystemExit("no C kernels here (no gcc, or no AVX2)")
-    if a.isa:
-        cpu_kernels.force_isa(a.isa)
-    activations = resolve_activations(a.activations)
-    planes = ACTIVATIONS[activations]
-    threads = a.threads or torch.get_num_threads()
-    weight = gguf_weight(a.weight)
-    try:
+    with cpu_kernels.forced_isa(a.isa):
+        activations = resolve_activations(a.activations)
+        planes = ACTIVATIONS[activations]
+        threads = a.threads or torch.get_num_threads()
+        weight = gguf_weight(a.weight)
         with tempfile.TemporaryDirectory() as tmp:
             sides = {"this": Side(ROOT, "this", weight, planes, Path(tmp))}
             for i, other in enumerate(a.against):
@@ -125,9 +123,6 @@ def main(argv: list[str] | None = None) -> None:
                     sides[name](x, ys[name], threads)
                     if r >= 10:
                         times[name].append((time.perf_counter() - t0) * 1e3)
-    finally:
-        if a.isa:
-            cpu_kernels.force_isa(None)
     out = {"weight": a.weight, "qtype": weight.qtype, "shape": list(weight.shape), "rows": a.rows,
            "activations": activations, "threads": threads, "rounds": a.rounds,
            "isa": a.isa or cpu_kernels.isa(), "sides": {}}

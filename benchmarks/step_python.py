@@ -93,13 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                          "AVX2-only machines' path, with its default activations)")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
-    if args.isa:
-        cpu_kernels.force_isa(args.isa)  # before the first kernel loads
-    try:
+    with cpu_kernels.forced_isa(args.isa):  # before the first kernel loads (a fresh process)
         _run(args)
-    finally:
-        if args.isa:
-            cpu_kernels.force_isa(None)
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -289,8 +289,11 @@ class CpuDecoder:
             step.lora_groups = sum(LORA_GROUPS[g] for g in lora.layers[0])
         all_logits = None
         if with_logits:
-            all_logits = buf.logits if buf.logits is not None else torch.empty(t, self.head.out_features)
-            step.logits = buf.logits_pointer if buf.logits is not None else all_logits.data_ptr()
+            if buf.logits is not None:
+                all_logits, step.logits = buf.logits, buf.logits_pointer
+            else:
+                all_logits = torch.empty(t, self.head.out_features)
+                step.logits = all_logits.data_ptr()
             if argmax is not None:
                 assert argmax.dtype == np.int64 and argmax.shape == (t,)
                 step.argmax = at(argmax)

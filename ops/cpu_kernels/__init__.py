@@ -19,13 +19,14 @@ The kernels use OpenMP; torch has loaded its libgomp first, so they share torch'
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 # -ffp-contract=off: no FMA the source does not write, so every ISA's build of a kernel
@@ -76,6 +77,20 @@ def force_isa(name: str | None) -> None:
         raise ValueError(f"ISA {name!r} is not one this CPU supports ({', '.join(supported_isas()) or 'none'})")
     _forced = name
     load.cache_clear()
+
+
+@contextlib.contextmanager
+def forced_isa(name: str | None) -> Iterator[None]:
+    """`force_isa(name)` for the block, then back to the best (None: nothing forced). For a
+    benchmark run in a fresh process, whose kernels first load inside the block."""
+    if name is None:
+        yield
+        return
+    force_isa(name)
+    try:
+        yield
+    finally:
+        force_isa(None)
 
 
 @functools.cache
