@@ -308,3 +308,30 @@ def test_step_python_times_the_python_around_the_call_three_ways(tmp_path: Path)
         assert list(ways) == ["call", "warm", "swept"]
         assert all(w["steps"] == 8 and w["python_us"] > 0 for w in ways.values())
         assert ways["warm"]["call_ms"] < ways["call"]["call_ms"] / 5
+
+
+def test_head_screen_bounds_hold_and_leave_no_fewer_candidates_than_the_actual_error(tmp_path: Path) -> None:
+    """`benchmarks.head_screen`: on captured greedy decode steps every rigorous bound is at
+    least the screen's actual error (the script asserts it), so it leaves at least the rows
+    the actual error leaves; exact logits leave one row; the engine's logits are float64's."""
+    from benchmarks import head_screen
+    from ops import quantized_linear
+
+    if not quantized_linear.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    out = tmp_path / "screen.json"
+    head_screen.main(["--prompts", "1", "--max-tokens", "3", "--bits", "4,2", "--outliers", "0,16",
+                      "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["steps"] == 2 and report["engine_max_diff"] < 1e-2
+    assert report["oracle_exact"]["max"] == 1
+    rows = {(r["bits"], r["exact_dims"], r["bound"]): r for r in report["rows"]}
+    assert set(rows) == {(b, k, n) for b in (4, 2) for k in (0, 16) for n in ("oracle", "cs")} | {
+        (4, 0, "l1"), (2, 0, "l1")}
+    for (b, k, n), r in rows.items():
+        if n != "oracle":
+            oracle = rows[b, k, "oracle"]
+            assert r["mean_bound"] > oracle["mean_bound"]
+            assert r["candidates"]["median"] >= oracle["candidates"]["median"]
+    # fewer bits, a larger error
+    assert rows[2, 0, "oracle"]["mean_error"] > rows[4, 0, "oracle"]["mean_error"]
