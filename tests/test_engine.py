@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvcache.manager import cdiv
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, SamplingParamsError
 from tests.helpers import hf_greedy
 from worker.config import CacheConfig, SchedulerConfig, WorkerConfig
 from worker.engine import Engine
@@ -246,6 +246,10 @@ def test_bad_requests_are_refused_at_the_door(default_model) -> None:
         engine.make_request([], SamplingParams())
     with pytest.raises(ValueError, match="out of the vocabulary"):
         engine.make_request([1, 49152], SamplingParams())
+    for params in (SamplingParams(stop_token_ids=(2, 49152), min_tokens=1), SamplingParams(logit_bias={49152: 1.0})):
+        with pytest.raises(SamplingParamsError, match="out of the vocabulary") as e:
+            engine.make_request([1, 2], params)
+        assert e.value.field in ("stop_token_ids", "logit_bias")
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         engine.make_request([1, 2, 3], SamplingParams(max_tokens=engine.max_model_len))
     with pytest.raises(ValueError, match="temperature"):

@@ -80,6 +80,13 @@ def _tamper(path: Path, drop: str | None = None, reshape: str | None = None) -> 
     ("unknown module", r"target_modules lm_head not supported"),
     ("not safetensors", r"not a valid safetensors file"),
     ("extra layer", r"layer 7, the base model has 2"),
+    # each of these escaped as its own exception before (UNKNOWN, with a traceback, session 27)
+    ("name too long", r"cannot be read: File name too long"),
+    ("path too long", r"the path is 5005 characters; at most 4096"),
+    ("config nested too deep", r"adapter_config\.json is not JSON \(maximum recursion depth"),
+    ("bad regex", r"target_modules '\(q_proj' is not a regex"),
+    ("alpha past float", r"lora_alpha must be a finite number"),
+    ("nan weights", r"layers\.1\.mlp\.up_proj\.lora_B\.weight holds NaN or infinite values"),
 ])
 def test_bad_adapters_are_clear_errors(tmp_path, case: str, message: str) -> None:
     path = write_adapter(tmp_path / "a", rank=32 if case == "rank too high" else 4)
@@ -103,6 +110,22 @@ def test_bad_adapters_are_clear_errors(tmp_path, case: str, message: str) -> Non
         from safetensors.torch import load_file
         t = load_file(str(path / "adapter_model.safetensors"))
         t[f"{PREFIX}.7.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 32)
+        save_file(t, str(path / "adapter_model.safetensors"))
+    elif case == "name too long":
+        path = path / ("x" * 300)
+    elif case == "path too long":
+        path = Path("/" + "a" * 5004)
+    elif case == "config nested too deep":
+        (path / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif case in ("bad regex", "alpha past float"):
+        cfg = json.loads((path / "adapter_config.json").read_text())
+        change = {"target_modules": "(q_proj"} if case == "bad regex" else {"lora_alpha": 10**400}
+        (path / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+    elif case == "nan weights":
+        write_adapter(path, targets=("q_proj", "up_proj"))
+        from safetensors.torch import load_file
+        t = load_file(str(path / "adapter_model.safetensors"))
+        t[f"{PREFIX}.1.mlp.up_proj.lora_B.weight"][3, 1] = float("nan")
         save_file(t, str(path / "adapter_model.safetensors"))
     with pytest.raises(LoraAdapterError, match=message) as e:
         load_adapter("a", path, CFG, max_rank=16)

@@ -191,6 +191,22 @@ def test_health_is_serving(worker: Worker) -> None:
         assert resp.status == SERVING
 
 
+def test_health_refuses_bytes_that_do_not_parse_and_still_watches(worker: Worker) -> None:
+    """grpc.health.v1 through the same registration as our services: bytes that do not
+    parse are INVALID_ARGUMENT (UNKNOWN with a traceback before), Watch (a writer-style
+    stream) still streams, and List, which the servicer does not implement, is UNIMPLEMENTED."""
+    raw = worker.channel.unary_unary("/grpc.health.v1.Health/Check")
+    with pytest.raises(grpc.RpcError) as e:
+        raw(b"\x0a\xff\xff", timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid grpc.health.v1.HealthCheckRequest" in (e.value.details() or "")
+    watch = worker.health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+    assert next(watch).status == SERVING
+    watch.cancel()
+    assert code_of(lambda: worker.health.List(health_pb2.HealthListRequest(), timeout=10)) == (
+        grpc.StatusCode.UNIMPLEMENTED)
+
+
 def test_32_concurrent_streams_all_complete(worker: Worker) -> None:
     prompts = ["The capital of France is", "1, 2, 3, 4,", "def add(a, b):", "Roses are red,"]
 
@@ -296,6 +312,9 @@ INVALID = {
     "empty stop string": ({"stopping": pb.StoppingCriteria(stop=[""])}, "stopping.stop"),
     "too many logprobs": ({"top_logprobs": 21}, "top_logprobs"),
     "request_id too long": ({"request_id": "r" * 257}, "request_id"),
+    "cache_salt too long": ({"cache_salt": "s" * 257}, "cache_salt is 257 characters; at most 256"),
+    "stop id out of the vocabulary": ({"stopping": pb.StoppingCriteria(min_tokens=1, stop_token_ids=[49152])},
+                                      "stopping.stop_token_ids"),
 }
 
 

@@ -106,6 +106,18 @@ def test_bad_tags_are_refused_naming_where(compiler, text, what) -> None:
         compiler.compile(Constraint("structural_tag", text))
 
 
+@pytest.mark.parametrize("tag", [
+    {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": "[" * 20000 + "]" * 20000}},
+    {"type": "structural_tag", "triggers": ["<f"],  # the older shape, its schema a string
+     "structures": [{"begin": "<f>", "schema": "[" * 20000 + "]" * 20000, "end": "</f>"}]},
+])
+def test_a_schema_string_nested_past_pythons_stack_is_refused(tag) -> None:
+    """A JSON string inside the tag nested past the interpreter's recursion limit: an
+    UNKNOWN status with a traceback before (json.loads' RecursionError escaped the door)."""
+    with pytest.raises(StructuralTagError, match="json_schema: is not valid JSON: maximum recursion"):
+        to_lark(json.dumps(tag))
+
+
 def test_depth_is_bounded() -> None:
     fmt: dict = {"type": "const_string", "value": "x"}
     for _ in range(40):

@@ -219,6 +219,32 @@ def test_grammar_rows_beside_bias_rows(tok, compiler) -> None:
     assert got[2, eos] == float("-inf") and torch.isfinite(got[2]).sum() == vocab - 1
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_stop_ids(tok, compiler) -> None:
+    """A row whose grammar allows nothing but the stop ids min_tokens bans keeps the
+    grammar's tokens (before: every logit -inf, a token the grammar refused, and the request
+    failed as a server error); where the grammar allows more, the ban holds."""
+    def allowed(grammar) -> list[int]:
+        bits = np.unpackbits(np.frombuffer(grammar.matcher().matcher.compute_bitmask(), np.uint8),
+                             bitorder="little")
+        return np.flatnonzero(bits[: tok.vocab_size]).tolist()
+
+    only_digits = compiler.compile(Constraint("regex", "[0-9]"))
+    words = compiler.compile(Constraint("regex", "[0-9a-z]+"))
+    digits = allowed(only_digits)
+    assert len(digits) == 10 and all(tok.decode([t]).isdigit() for t in digits)
+    assert len(allowed(words)) > 100
+    reqs = []
+    for name, grammar in (("digits", only_digits), ("words", words)):
+        r = Request(name, [1], SamplingParams(min_tokens=2, stop_token_ids=digits),
+                    eos_token_ids=tok.eos_token_ids)
+        r.grammar = grammar.matcher()
+        reqs.append(r)
+    masks = LogitsMasks(tok.vocab_size, torch.device("cpu"))
+    got = masks.apply(torch.randn(2, tok.vocab_size), masks.start(reqs))
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == digits
+    assert torch.isfinite(got[1]).nonzero().flatten().tolist() == sorted(set(allowed(words)) - set(digits))
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
 def test_padding_ids_are_never_allowed(tok, overlap) -> None:
     """A model vocabulary wider than the tokenizer's (padded, as many GGUFs are): a row's
@@ -455,6 +481,11 @@ BAD = [
      "undefined_rule"),
     ({"grammar": pb.GrammarConstraint(text="start: a", syntax=7)}, "grammar.syntax", "unknown"),
     ({"choice": pb.ChoiceConstraint()}, "choice.choices", "empty"),
+    ({"regex": r"[^\s\S]"}, "regex", "allows no output: no token can begin it"),
+    ({"json_schema": '{"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}'}, "json_schema",
+     "allows no output"),
+    ({"json_schema": '{"type": "object", "x-guidance": "zzz"}'}, "json_schema",
+     "x-guidance must be an object"),
     ({"regex": "a" * (64 * 1024 + 1)}, "regex", "--max-structured-bytes"),
     ({"json_schema": json.dumps({"enum": ["x" * 1000] * 70})}, "json_schema",
      "--max-structured-bytes"),
@@ -462,10 +493,15 @@ BAD = [
      "[-100, 100]"),
     ({"sampling": pb.SamplingParams(logit_bias={t: 1.0 for t in range(1025)})},
      "sampling_params.logit_bias", "at most 1024"),
-    ({"sampling": pb.SamplingParams(logit_bias={10**6: 1.0})}, "logit_bias token id",
+    ({"sampling": pb.SamplingParams(logit_bias={10**6: 1.0})}, "sampling_params.logit_bias",
      "vocabulary"),
     ({"stopping": pb.StoppingCriteria(max_tokens=4, min_tokens=5)}, "stopping.min_tokens",
      "max_tokens"),
+    # banned while min_tokens holds, such an id failed the whole model step (session 27)
+    ({"stopping": pb.StoppingCriteria(max_tokens=4, min_tokens=1, stop_token_ids=[49152])},
+     "stopping.stop_token_ids", "has token id 49152, out of the vocabulary [0, 49152)"),
+    ({"stopping": pb.StoppingCriteria(max_tokens=4, stop_token_ids=[5, 2**32 - 1])},
+     "stopping.stop_token_ids", "out of the vocabulary"),
 ]
 
 
@@ -477,6 +513,35 @@ def test_bad_constraints_are_invalid_argument(worker, fields, field, says) -> No
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
     assert field in details and says in details, details
     assert len(details) <= MAX_STATUS_CHARS
+
+
+@pytest.mark.parametrize("fields", [
+    {"regex": "((a{100}){100}){100}"},
+    {"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "repeat", "min": 100000, "max": 100000, "content": {"type": "const_string", "value": "x"}}})},
+], ids=["regex", "structural_tag"])
+def test_a_constraint_past_the_grammar_engines_limits_is_the_clients_error(worker, fields) -> None:
+    """A constraint that compiles and masks its first token but takes llguidance past one
+    of its limits as it advances: INVALID_ARGUMENT saying so (INTERNAL before, a server
+    fault), and the worker free after."""
+    with pytest.raises(grpc.RpcError) as e:
+        run(worker.stub, timeout=60, text="Output: ", sampling=pb.SamplingParams(temperature=0),
+            stopping=pb.StoppingCriteria(max_tokens=8), **fields)
+    details = e.value.details() or ""
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "the grammar refused token" in details and re.search(r"(?i)too many", details), details
+    assert len(details) <= MAX_STATUS_CHARS
+    healthy_and_free(worker)
+
+
+def test_grammar_limits_are_told_from_refused_tokens() -> None:
+    from worker.engine import _grammar_limit
+
+    assert _grammar_limit("lexer error: too many expressions constructed <state> Tokens: ⟦aaaa⟧")
+    assert _grammar_limit("Too many items (limit 50000; ff_tokens) <state> ...")
+    # a token the grammar does not allow, whatever it spells, is not a limit
+    assert not _grammar_limit('Parser Error: token " limit" doesn\'t satisfy the grammar; too many')
+    assert not _grammar_limit("Parser Error: something <state> too many rows, limit 3")
 
 
 def test_worker_healthy_and_free_after_bad_constraints(worker) -> None:

@@ -152,6 +152,35 @@ def test_rpc_span_without_traceparent_starts_a_trace(exporter):
     assert exported.attributes["rpc.method"] == "GetLoad"
 
 
+def test_rpc_span_around_yield_closed_from_another_context_logs_no_error(exporter, caplog):
+    """A streaming servicer's async generator, its span current across the yield, closed
+    in a task of its own (as grpc.aio finalizes an abandoned stream): the span ends, and
+    nothing is logged (OpenTelemetry logged "Failed to detach context" with a traceback)."""
+    from opentelemetry import trace
+
+    async def stream():
+        with rpc_span("llmworker.v1.WorkerService/Generate", ()):
+            yield 1
+            yield 2
+
+    async def main() -> None:
+        agen = stream()
+        await agen.__anext__()
+        await asyncio.get_running_loop().create_task(agen.aclose())  # another Context
+
+    async def same() -> bool:
+        agen = stream()
+        await agen.__anext__()
+        await agen.aclose()  # the Context that attached it: detached
+        return trace.get_current_span().get_span_context().is_valid
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(main())
+        assert not asyncio.run(same())
+    assert "Failed to detach" not in caplog.text and "Traceback" not in caplog.text
+    assert len(exporter.get_finished_spans()) == 2
+
+
 def test_generation_trace_is_a_child_with_genai_attributes_and_ordered_events(exporter):
     queued_at = time.time() - 0.25
     with rpc_span(METHOD, [("traceparent", TRACEPARENT)]) as rpc:

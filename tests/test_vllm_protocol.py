@@ -205,6 +205,10 @@ REFUSED = [
     ("truncate_prompt_tokens", _set("sampling_params.truncate_prompt_tokens", 0)),
     ("request_id", _set("request_id", "r" * 300)),
     ("vocabulary", _set("tokenized", lambda t: t.input_ids.append(10**6))),
+    # banned while min_tokens holds, such an id failed the whole model step (session 27)
+    ("sampling_params.stop_token_ids", lambda r: (r.sampling_params.stop_token_ids.append(49152),
+                                                  setattr(r.sampling_params, "min_tokens", 1))),
+    ("sampling_params.logit_bias", _set("sampling_params.logit_bias", {49152: 1.0})),
 ]
 
 
@@ -230,6 +234,10 @@ def test_missing_input_and_malformed_bytes(worker) -> None:
 def test_truncate_prompt_tokens_keeps_the_tail(worker, prompt_ids) -> None:
     _, c = generate(worker, prompt_ids, temperature=0.0, max_tokens=1, truncate_prompt_tokens=3)
     assert c.prompt_tokens == 3
+    # -1: as many as leave room for max_tokens (it kept max_model_len, and was then refused)
+    long = (prompt_ids * (MAX_MODEL_LEN // len(prompt_ids) + 2))[: MAX_MODEL_LEN + 50]
+    _, c = generate(worker, long, temperature=0.0, max_tokens=4, truncate_prompt_tokens=-1)
+    assert c.prompt_tokens == MAX_MODEL_LEN - 4
 
 
 def _long_stream(w: Worker, prompt_ids: list[int], rid: str):

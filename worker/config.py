@@ -415,6 +415,8 @@ class ServerConfig:
     max_stop_strings: int = opt(16, "most stop strings one request may send")
     max_stop_len: int = opt(256, "longest stop string, in characters")
     max_request_id_len: int = opt(256, "longest request_id, in characters")
+    max_cache_salt_len: int = opt(256, "longest cache_salt, in characters (each prefix-cache "
+                                  "block event carries it to --kv-events subscribers)")
     max_message_bytes: int = opt(4 << 20, "largest gRPC message accepted, in bytes")
     max_prompt_tokens: int = opt(0, "most prompt tokens one request may send; 0 = --max-model-len")
     max_chat_messages: int = opt(256, "most chat messages in one request")
@@ -470,7 +472,8 @@ class ServerConfig:
         if self.cpu_threads_bind not in CPU_THREADS_BIND:  # the variable skips argparse
             raise ValueError(f"--cpu-threads-bind must be auto or nobind, got "
                              f"{self.cpu_threads_bind[:40]!r}")
-        for name in ("max_waiting", "default_max_tokens", "max_stop_len", "max_request_id_len"):
+        for name in ("max_waiting", "default_max_tokens", "max_stop_len", "max_request_id_len",
+                     "max_cache_salt_len"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")

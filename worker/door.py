@@ -102,6 +102,7 @@ class FieldNames:
     max_tokens: str = "stopping.max_tokens"
     truncate_prompt_tokens: str = "truncate_prompt_tokens"
     lora: str = "lora_name"
+    cache_salt: str = "cache_salt"
     # SamplingParams' field -> the wire's name for it, where they differ.
     sampling: Mapping[str, str] = field(default_factory=dict)
     # Constraint kind (worker.structured.KINDS) -> the wire's field that carries it.
@@ -122,7 +123,7 @@ class Submission:
     token_ids: Sequence[int] | None = None
     parse_special_tokens: bool = False  # special strings typed in text/content are tokens
     max_tokens: int = 0  # 0 = --default-max-tokens, clipped to what fits
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1 = max
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1 = all that fit
     priority: int = 0
     cache_salt: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
@@ -331,8 +332,8 @@ class Door:
         max_prompt = self.max_prompt_tokens(engine.max_model_len)
         if sub.truncate_prompt_tokens is not None:
             k = sub.truncate_prompt_tokens
-            if k == -1:
-                k = max_prompt
+            if k == -1:  # as many as leave room for max_tokens (for the default, one token)
+                k = max(1, min(max_prompt, engine.max_model_len - max(sub.max_tokens, 1)))
             elif k < 1:
                 raise InvalidArgument(f"{n.truncate_prompt_tokens} must be >= 1 or -1, got {k}")
             ids = ids[-k:]
@@ -357,9 +358,12 @@ class Door:
                                   f"{seats} are allowed (--max-num-seqs)")
         if sub.lora_name:
             await self._warm_lora(sub, engine.loras)
-        req = engine.make_request(ids, params, request_id=sub.request_id or uuid.uuid4().hex,
-                                  priority=sub.priority, cache_salt=sub.cache_salt or None,
-                                  lora_name=sub.lora_name or None)
+        try:
+            req = engine.make_request(ids, params, request_id=sub.request_id or uuid.uuid4().hex,
+                                      priority=sub.priority, cache_salt=sub.cache_salt or None,
+                                      lora_name=sub.lora_name or None)
+        except SamplingParamsError as e:  # a token id out of the vocabulary
+            raise InvalidArgument(f"{n.sampling.get(e.field, e.field)} {e.problem}") from None
         if sub.constraint is not None:  # last: the cheap checks came first
             req.grammar = (await self._grammar(sub, sub.constraint, engine.model_name)).matcher()
         return req
@@ -437,6 +441,11 @@ class Door:
         if len(sub.request_id) > sc.max_request_id_len:
             raise InvalidArgument(f"{n.request_id} is {len(sub.request_id)} characters; at "
                                   f"most {sc.max_request_id_len} are allowed")
+        # Unbounded, a salt was kept in every block event of the KV-event history (1024
+        # steps' batches, subscribers or none) and sent in each: megabytes a request.
+        if sub.cache_salt and len(sub.cache_salt) > sc.max_cache_salt_len:
+            raise InvalidArgument(f"{n.cache_salt} is {len(sub.cache_salt)} characters; at "
+                                  f"most {sc.max_cache_salt_len} are allowed (--max-cache-salt-len)")
         stops = sub.stop
         if len(stops) > sc.max_stop_strings:
             raise InvalidArgument(f"{n.stop} has {len(stops)} strings; at most "
@@ -655,10 +664,12 @@ class Generation:
     async def _fail(self, out: RequestOutput) -> NoReturn:
         """INTERNAL for a fault (a model step raised, the engine thread died), UNAVAILABLE
         when the worker shut down under the request (another replica can serve it),
-        INVALID_ARGUMENT when the engine refused it on arrival (`RequestOutput.refused`)."""
+        INVALID_ARGUMENT when what it asked for failed it (`RequestOutput.refused`)."""
         if out.refused:
+            what = (f"failed after {out.completion_tokens} tokens" if out.completion_tokens
+                    else "refused")
             await abort(self.context, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"request {quote(self.request_id)} refused: {out.error}")
+                        f"request {quote(self.request_id)} {what}: {out.error}")
         bridge = self.bridge
         shut_down = bridge.closed and not bridge.dead
         code = grpc.StatusCode.UNAVAILABLE if shut_down else grpc.StatusCode.INTERNAL

@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ import ops
 from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
-from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.request import Request, RequestStatus, SamplingParams, SamplingParamsError
 from scheduler.sample_group import SampleGroup, make_group
 from scheduler.scheduler import PrefixCacheReset, Scheduler
 from worker import memory
@@ -49,6 +50,17 @@ log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
+
+# llguidance's words when consuming a token its mask allowed takes it past one of its limits.
+_GRAMMAR_LIMIT = re.compile(r"(?i)\btoo many\b|\blimit\b")
+
+
+def _grammar_limit(error: str) -> bool:
+    """Whether a grammar's refusal is one of its engine's limits: not a token it does not
+    allow ("Parser Error: token ..." quotes the token, which may spell anything), and said
+    before the matcher's state dump."""
+    head = error.split("<state>", 1)[0]
+    return not head.startswith("Parser Error: token") and bool(_GRAMMAR_LIMIT.search(head))
 
 @dataclass
 class StepOutput:
@@ -269,9 +281,13 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is out of the vocabulary [0, {vocab})")
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is out of the vocabulary [0, {vocab})")
+        # Ids the logits are indexed by: one past the vocabulary would fail the whole step,
+        # every request in it (a stop id is indexed while min_tokens bans it).
+        for name, listed in (("logit_bias", [t for t, _ in params.logit_bias]),
+                             ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in listed if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise SamplingParamsError(name, f"has token id {bad}, out of the vocabulary [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -464,6 +480,7 @@ class Engine:
             sched, {k: [r.token_id for r in v] for k, v in sampled.items()})
         stopped: list[str] = []
         failed: dict[str, str] = {}
+        client_faults: set[str] = set()  # of `failed`: what the request asked for failed
         new_ids: dict[str, list[int]] = {}
         for req in updated:
             state = req.output_state
@@ -494,8 +511,13 @@ class Engine:
                 if req.grammar is not None and not req.is_finished:
                     assert len(ids) == 1, "a constrained request got drafts"
                     if not req.grammar.accept(ids[0]):
-                        failed[req.request_id] = (f"the grammar refused token {ids[0]}: "
-                                                  f"{req.grammar.error}")
+                        error = req.grammar.error
+                        failed[req.request_id] = f"the grammar refused token {ids[0]}: {error}"
+                        # The mask allowed the token, but advancing past it took the grammar
+                        # engine over one of its limits ("too many expressions constructed",
+                        # "Too many items (limit ...)"): the constraint's doing, not ours.
+                        if _grammar_limit(error):
+                            client_faults.add(req.request_id)
                     elif req.grammar.done:
                         stopped.append(req.request_id)
         if stopped:
@@ -504,14 +526,16 @@ class Engine:
             self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
         for req in updated:
             outputs.append(self._output(req, new_ids[req.request_id], finished=req.is_finished,
-                                        error=failed.get(req.request_id)))
+                                        error=failed.get(req.request_id),
+                                        refused=req.request_id in client_faults))
 
     def _release_lora(self, req: Request) -> None:
         if req.lora is not None and self.loras is not None:
             self.loras.release(req.lora)
             req.lora = None
 
-    def _output(self, req: Request, new_ids: list[int], finished: bool, error: str | None = None) -> RequestOutput:
+    def _output(self, req: Request, new_ids: list[int], finished: bool, error: str | None = None,
+                refused: bool = False) -> RequestOutput:
         if finished:
             self._release_lora(req)
         state: OutputState = req.output_state
@@ -538,6 +562,7 @@ class Engine:
             out.finish_reason = "error" if error else req.finish_reason
             out.stop_reason = req.stop_reason
             out.error = error
+            out.refused = refused
             out.total_time_s = now - req.arrival_time
             if req.first_scheduled_time is not None:
                 out.queue_time_s = req.first_scheduled_time - req.arrival_time

@@ -14,6 +14,7 @@ One step::
       ops.sample                  every core, and a fill beside it would stall torch's
                                   threads); bitmask rows -> -inf where not allowed;
                                   + logit_bias; -inf on EOS/stop ids below min_tokens
+                                  (unless the grammar allows nothing else)
 
 Logprobs are then of this distribution (the one the token is drawn from, before penalties
 and temperature), as vLLM reports them under a grammar.
@@ -190,9 +191,19 @@ class LogitsMasks:
                 (torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
                 torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
         if ban_rows:
-            logits.index_put_(
-                (torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)),
-                torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+            where = (torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev))
+            # A grammar may allow nothing but a stop token (regex [0-9] with the digits as
+            # stop ids): then min_tokens yields to it. Banned anyway, the row had no token
+            # left, drew one the grammar refuses, and failed as a server error.
+            grammar = sorted({i for i in ban_rows if reqs[i].grammar is not None})
+            before = logits[where] if grammar else None
+            logits.index_put_(where, torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+            if grammar:
+                dead = [i for i, m in zip(grammar, logits[grammar].amax(dim=1).tolist(), strict=True)
+                        if m == float("-inf")]
+                if dead:
+                    back = torch.isin(where[0], torch.tensor(dead, device=dev))
+                    logits[where[0][back], where[1][back]] = before[back]
 
 
 @functools.cache

@@ -27,9 +27,10 @@ class RequestOutput:
     ttft_s: float | None = None  # arrival -> first token
     total_time_s: float | None = None
     error: str | None = None
-    # The engine refused the request as it arrived (finish_reason "error"): what it asked
-    # for was not there any more, e.g. its LoRA adapter unloaded after the door checked it.
-    # A client error (INVALID_ARGUMENT), not a fault of the worker (INTERNAL).
+    # The request failed through what it asked for (finish_reason "error"): refused as it
+    # arrived, what it asked for not there any more (e.g. its LoRA adapter unloaded after the
+    # door checked it), or its constraint taken past the grammar engine's limits while it
+    # generated. A client error (INVALID_ARGUMENT), not a fault of the worker (INTERNAL).
     refused: bool = False
     # The request this output belongs to: the bridge routes by it rather than by id, so a
     # request id is free for reuse the moment its stream ends (an abort), even while the

@@ -25,7 +25,7 @@ import uuid
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from llmworker.v1 import worker_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2
@@ -109,7 +109,7 @@ async def serve(config: WorkerConfig) -> int:
     vllm = VllmEngineServicer(door, hub) if sc.vllm_protocol else None
     if vllm is not None:
         wire.add_servicer(vllm, vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"], server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    wire.add_servicer(health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"], server)
     if sc.reflection:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -221,7 +221,7 @@ def _health_server(health_servicer: health.aio.HealthServicer, port: int) -> grp
     """Only grpc.health.v1, plaintext, on 127.0.0.1:`port`, sharing the main server's
     health servicer (so SERVING/NOT_SERVING change on both at once)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    wire.add_servicer(health_servicer, health_pb2.DESCRIPTOR.services_by_name["Health"], server)
     address = _address("127.0.0.1", port)
     try:
         server.add_insecure_port(address)

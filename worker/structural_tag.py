@@ -100,7 +100,7 @@ class _Builder:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
                 raise StructuralTagError(f"{path}.json_schema: is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise StructuralTagError(f"{path}.json_schema: must be a JSON schema object")

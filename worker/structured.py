@@ -89,8 +89,13 @@ class Constraint:
         return json.dumps(list(self.choices)) if self.kind == "choice" else self.text
 
 
+def _head(message: str) -> str:
+    """An llguidance error without the matcher's state dump it may end with."""
+    return message.split("<state>", 1)[0].strip()
+
+
 def _bounded(message: str) -> str:
-    message = " ".join(message.split())  # llguidance's messages span lines with carets
+    message = " ".join(_head(message).split())  # llguidance's messages span lines with carets
     return message if len(message) <= ERROR_CHARS else message[:ERROR_CHARS] + "..."
 
 
@@ -198,9 +203,12 @@ class GrammarCompiler:
             raise ConstraintError("is empty")
         if constraint.kind in ("json_schema", "json_object"):
             try:
-                json.loads(constraint.text)
+                schema = json.loads(constraint.text)
             except (ValueError, RecursionError) as e:  # nested past Python's stack
                 raise ConstraintError(f"is not valid JSON: {_bounded(str(e))}") from None
+            # llguidance ignores options it cannot read (a structural tag's schema refuses them)
+            if isinstance(schema, dict) and not isinstance(schema.get("x-guidance", {}), dict):
+                raise ConstraintError("x-guidance must be an object of llguidance's JSON options")
         try:
             if constraint.kind in ("json_schema", "json_object"):
                 spec = llg.LLMatcher.grammar_from_json_schema(constraint.text,
@@ -221,5 +229,7 @@ class GrammarCompiler:
         # here, off the engine thread.
         matcher.compute_bitmask()
         if matcher.is_error():
+            if _head(matcher.get_error()) == "NoExtensionBias":  # no token may begin it
+                raise ConstraintError("allows no output: no token can begin it")
             raise ConstraintError(f"does not compile: {_bounded(matcher.get_error())}")
         return Grammar(constraint, matcher, time.perf_counter() - start)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import json
 import logging
 import os
@@ -63,6 +64,7 @@ from typing import IO, Any
 from urllib.parse import unquote
 
 import structlog
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
@@ -429,7 +431,8 @@ def rpc_span(
     the server-fault codes (UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE,
     DATA_LOSS) and unset otherwise; unexpected exceptions are recorded as span events.
 
-    Safe around ``yield`` in an async-generator servicer: grpc.aio iterates it in one task.
+    Safe around ``yield`` in an async-generator servicer: grpc.aio iterates it in one task,
+    and one it closes from another task detaches nothing there (`_current`).
     Health and reflection are not traced: their servicers never call this.
     """
     full = method.lstrip("/")
@@ -447,15 +450,40 @@ def rpc_span(
         if server_port is not None:
             attributes["server.port"] = server_port
     span = _start_span(full, parent, SpanKind.SERVER, attributes)
-    with trace.use_span(
-        span, end_on_exit=True, record_exception=False, set_status_on_exception=False
-    ):
+    try:
+        with _current(span):
+            try:
+                yield span
+            except BaseException as exc:
+                _finish_rpc_span(span, context, exc)
+                raise
+            _finish_rpc_span(span, context, None)
+    finally:
+        span.end()
+
+
+_ATTACHED: contextvars.ContextVar[bool] = contextvars.ContextVar("llmworker_rpc_span", default=False)
+
+
+@contextmanager
+def _current(span: Span) -> Iterator[None]:
+    """`span` current for the body (trace.use_span's attach and detach). An abandoned
+    stream's async generator may be closed by grpc.aio from another task, whose Context
+    never held the attachment: detaching there fails, and OpenTelemetry logs an error with a
+    traceback ("Failed to detach context", a few per hundred cancelled streams). Only the
+    Context that made the attachment detaches; the other is discarded with its task anyway."""
+    token = otel_context.attach(trace.set_span_in_context(span))
+    mark = _ATTACHED.set(True)  # its reset fails exactly where the detach would
+    try:
+        yield
+    finally:
         try:
-            yield span
-        except BaseException as exc:
-            _finish_rpc_span(span, context, exc)
-            raise
-        _finish_rpc_span(span, context, None)
+            _ATTACHED.reset(mark)
+            here = True
+        except ValueError:  # "created in a different Context"
+            here = False
+        if here:
+            otel_context.detach(token)
 
 
 def monotonic_to_wall(t_monotonic: float) -> float:

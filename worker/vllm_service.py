@@ -34,11 +34,11 @@ frequency penalties as given; max_tokens unset = --default-max-tokens clipped to
 (an explicit 0 is refused); stop, stop_token_ids, ignore_eos, skip_special_tokens as
 given; seed: the int32's bits read as a uint32 (so -1 and 4294967295 are one seed);
 logprobs 0..20; truncate_prompt_tokens k keeps the prompt's last k tokens (-1: as many as
-allowed); min_tokens and logit_bias (bounded by the door: 1024 tokens, [-100, 100]); the
-structured-output constraints json_schema, regex, grammar (Lark or EBNF/GBNF), choice,
-json_object and structural_tag (xgrammar's `format` tree or the older structures/triggers,
-worker.structural_tag) (worker.structured; compiled at the door, INVALID_ARGUMENT when they
-do not).
+leave room for max_tokens); min_tokens and logit_bias (bounded by the door: 1024 tokens,
+[-100, 100]); the structured-output constraints json_schema, regex, grammar (Lark or
+EBNF/GBNF), choice, json_object and structural_tag (xgrammar's `format` tree or the older
+structures/triggers, worker.structural_tag) (worker.structured; compiled at the door,
+INVALID_ARGUMENT when they do not).
 Accepted with no effect, since we return token ids and no text:
 ``include_stop_str_in_output`` (the ids always include the tokens that completed a stop
 string; the stop string is matched in our detokenized text) and

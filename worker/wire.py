@@ -8,6 +8,7 @@ nothing. Here the deserializer catches the parse error and hands the method a
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,18 +57,45 @@ def _guard_stream(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., As
     return handler
 
 
+def _guard_writer(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A streaming method that writes with `context.write` (grpc.aio's other style, e.g. the
+    health servicer's Watch): a coroutine, as grpc.aio tells the two styles apart."""
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail())
+        await method(request, context)
+
+    return handler
+
+
+def _unimplemented(name: str) -> Callable[..., Any]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not implemented")
+
+    return handler
+
+
+def _guard(impl: Any, name: str, streaming: bool) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(impl):
+        return _guard_stream(impl)
+    if not inspect.iscoroutinefunction(impl):  # none, or the generated base's sync stub
+        return _unimplemented(name)
+    return _guard_writer(impl) if streaming else _guard_unary(impl)
+
+
 def add_servicer(servicer: object, service: ServiceDescriptor, server: grpc.aio.Server) -> None:
-    """Register every method of `service` (unary-unary or unary-stream) on `servicer`."""
+    """Register every method of `service` (unary-unary or unary-stream) on `servicer`: its
+    async methods (for a stream, an async generator or a coroutine that writes); any other
+    answers UNIMPLEMENTED."""
     handlers = {}
     for m in service.methods:
         assert not m.client_streaming, f"{m.name}: client streaming is not handled here"
         request_cls = message_factory.GetMessageClass(m.input_type)
         response_cls = message_factory.GetMessageClass(m.output_type)
-        impl = getattr(servicer, m.name)
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else (
             grpc.unary_unary_rpc_method_handler)
-        guard = _guard_stream if m.server_streaming else _guard_unary
-        handlers[m.name] = make(guard(impl), request_deserializer=_deserializer(request_cls),
+        impl = _guard(getattr(servicer, m.name, None), m.name, m.server_streaming)
+        handlers[m.name] = make(impl, request_deserializer=_deserializer(request_cls),
                                 response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))

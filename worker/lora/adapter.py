@@ -33,6 +33,7 @@ _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])\.weight$")
 # Config keys of PEFT features this worker does not run; set to anything but their
@@ -93,6 +94,14 @@ class LoraAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
+def _finite(x: float) -> bool:
+    """math.isfinite, False for an int too large for a float (where it raises)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def _fail(path: Path, problem: str) -> LoraAdapterError:
     return LoraAdapterError(f"LoRA adapter {str(path)[-200:]!r}: {problem}")
 
@@ -100,15 +109,21 @@ def _fail(path: Path, problem: str) -> LoraAdapterError:
 def read_config(path: Path, max_rank: int) -> AdapterConfig:
     """adapter_config.json of the folder `path`, checked: a LoRA of rank <= `max_rank`
     targeting only projections this worker runs, with no PEFT feature it does not."""
-    if not path.is_dir():
-        raise _fail(path, "not a folder (a PEFT adapter is a folder with "
-                          f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    if len(str(path)) > MAX_PATH_CHARS:
+        raise _fail(path, f"the path is {len(str(path))} characters; at most {MAX_PATH_CHARS}")
     cfg_file = path / CONFIG_FILE
-    if not cfg_file.is_file():
-        raise _fail(path, f"no {CONFIG_FILE}")
     try:
-        raw: Any = json.loads(cfg_file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
+        if not path.is_dir():
+            raise _fail(path, "not a folder (a PEFT adapter is a folder with "
+                              f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+        if not cfg_file.is_file():
+            raise _fail(path, f"no {CONFIG_FILE}")
+        text = cfg_file.read_text()
+    except OSError as e:  # a name too long for the file system, no permission, ...
+        raise _fail(path, f"cannot be read: {e.strerror or type(e).__name__}") from None
+    try:
+        raw: Any = json.loads(text)
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
         raise _fail(path, f"{CONFIG_FILE} is not JSON ({str(e)[:80]})") from None
     if not isinstance(raw, dict):
         raise _fail(path, f"{CONFIG_FILE} is not a JSON object")
@@ -124,12 +139,15 @@ def read_config(path: Path, max_rank: int) -> AdapterConfig:
         raise _fail(path, f"r must be an integer >= 1, got {str(rank)[:40]!r}")
     if rank > max_rank:
         raise _fail(path, f"rank {rank} exceeds --max-lora-rank {max_rank}")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not _finite(alpha):
         raise _fail(path, f"lora_alpha must be a finite number, got {str(alpha)[:40]!r}")
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         # PEFT's regex form (or "all-linear"): the tensors present say what is targeted.
-        names = tuple(t for t in TARGETS if targets == "all-linear" or re.search(targets, t))
+        try:
+            names = tuple(t for t in TARGETS if targets == "all-linear" or re.search(targets, t))
+        except re.error as e:
+            raise _fail(path, f"target_modules {targets[:60]!r} is not a regex ({e})") from None
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
         names = tuple(dict.fromkeys(targets))
     else:
@@ -178,6 +196,8 @@ def load_adapter(name: str, path: str | Path, model: LlamaConfig, max_rank: int)
     except SafetensorError as e:
         raise _fail(folder, f"{WEIGHTS_FILE} is not a valid safetensors file "
                             f"({str(e)[:120]})") from None
+    except OSError as e:
+        raise _fail(folder, f"{WEIGHTS_FILE} cannot be read: {e.strerror or type(e).__name__}") from None
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     prefix = "base_model.model.model.layers"
     for layer in range(model.num_layers):
@@ -194,6 +214,9 @@ def load_adapter(name: str, path: str | Path, model: LlamaConfig, max_rank: int)
                                         f"{cfg.rank} on this base model needs {want}")
                 if not t.is_floating_point():
                     raise _fail(folder, f"tensor {key} is {t.dtype}, not floating point")
-                pair.append(t.to(torch.float32).contiguous())
+                t = t.to(torch.float32).contiguous()
+                if not bool(torch.isfinite(t).all()):  # else its requests' logits: all NaN
+                    raise _fail(folder, f"tensor {key} holds NaN or infinite values")
+                pair.append(t)
             weights[layer, proj] = (pair[0], pair[1])
     return LoraAdapter(name, str(folder), cfg, weights)
