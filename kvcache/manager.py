@@ -75,6 +75,9 @@ class KVCacheManager:
         # Forked requests (`fork`) -> the index of the half-full block they share, copied
         # before their first write into it while another request still holds it.
         self._cow: dict[str, int] = {}
+        # This step's copies into a request's table: request -> (index in its table, source,
+        # destination). A request preempted in the step it copied has its copy undone.
+        self._copies: dict[str, tuple[int, int, int]] = {}
 
     # -- figures ---------------------------------------------------------------------------
 
@@ -228,6 +231,7 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, GPU or CPU; a no-op for an unknown id."""
+        self._undo_copy(request_id)
         self._cow.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
@@ -251,6 +255,7 @@ class KVCacheManager:
         its GPU blocks (like `free`; blocks past the computed ones hold nothing yet)."""
         assert self.can_swap_out(request_id, num_computed_tokens), f"{request_id}: no room"
         n = cdiv(num_computed_tokens, self.block_size)
+        self._undo_copy(request_id)  # its copy is not written yet: step 1 reads the source
         self._cow.pop(request_id, None)  # shared blocks are read like any other; back private
         table = self.block_tables.pop(request_id)
         assert not self._written.intersection(table[:n]), (
@@ -325,6 +330,26 @@ class KVCacheManager:
         self._moves.copy.append((src, dst))
         self._written.add(dst)
         self.block_tables[request_id][i] = dst
+        self._copies[request_id] = (i, src, dst)
+
+    def _undo_copy(self, request_id: str) -> None:
+        """Take back this step's copy into the request's table, before the request is
+        preempted in the same step (a forked sample that copied its shared block, then was
+        displaced by a more urgent arrival): the copy would be written after step 1 read
+        the table (swap) or into a block freed and handed out again (recompute). The table
+        holds the source again, with the reference the pin held; the destination is freed
+        unwritten."""
+        undo = self._copies.pop(request_id, None)
+        if undo is None:
+            return
+        i, src, dst = undo
+        table = self.block_tables[request_id]
+        assert table[i] == dst, f"{request_id}: its copy left its table"
+        table[i] = src
+        self._pins.remove(src)  # that reference is the table's again
+        self._moves.copy.remove((src, dst))
+        self._written.discard(dst)
+        self.pool.free([dst])
 
     def take_events(self) -> list[KVEvent]:
         """The prefix-cache events since the last call (`kvcache.events`); the engine takes
@@ -338,6 +363,7 @@ class KVCacheManager:
         moves, self._moves = self._moves, KVMoves()
         moves.check()
         self._written.clear()
+        self._copies.clear()
         return moves
 
     def moves_done(self) -> None:
@@ -437,5 +463,6 @@ class KVCacheManager:
             (dst,) = self.pool.allocate(1)
             self._moves.copy.append((hit.cow_src, dst))
             self._written.add(dst)
+            self._copies[request_id] = (len(table), hit.cow_src, dst)
             table.append(dst)
         self.block_tables[request_id] = table

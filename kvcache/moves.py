@@ -23,6 +23,10 @@ although the scheduler frees and reallocates blocks freely within one step:
 - No block is written by steps 2-3 and then swapped out in the same step (step 1 would
   read it before it was written): a request admitted or resumed in a step ranks ahead of
   everything preempted after it in that step. `KVCacheManager.swap_out` asserts it.
+- A running request may copy its shared half-full block (a forked sample's copy-on-write)
+  and then be displaced in the same step by a more urgent arrival. Its copy is undone
+  first (`KVCacheManager._undo_copy`): its table holds the source again, which step 1
+  reads for a swap, and the unwritten destination is freed, never a second move's target.
 """
 
 from dataclasses import dataclass, field

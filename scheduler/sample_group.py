@@ -49,7 +49,8 @@ class SampleGroup:
 
 def follower_id(leader_id: str, index: int) -> str:
     """A follower's own request id (the engine's, never on a wire): the leader's id, a NUL
-    and the index, so that no id a client sends alongside is likely to collide."""
+    and the index. No other request's id can be one: `Engine.make_request` refuses a NUL
+    (and the door every control character)."""
     return f"{leader_id}\x00{index}"
 
 

@@ -246,6 +246,8 @@ def test_bad_requests_are_refused_at_the_door(default_model) -> None:
         engine.make_request([], SamplingParams())
     with pytest.raises(ValueError, match="out of the vocabulary"):
         engine.make_request([1, 49152], SamplingParams())
+    with pytest.raises(ValueError, match="holds a NUL"):  # sample 1 of "x" is "x\x001"
+        engine.make_request([1, 2], SamplingParams(), request_id="x\x001")
     for params in (SamplingParams(stop_token_ids=(2, 49152), min_tokens=1), SamplingParams(logit_bias={49152: 1.0})):
         with pytest.raises(SamplingParamsError, match="out of the vocabulary") as e:
             engine.make_request([1, 2], params)

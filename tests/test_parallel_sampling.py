@@ -145,6 +145,48 @@ def test_random_groups_under_preemption_keep_tokens_and_blocks(seed: int) -> Non
     assert sum(s.num_preemptions for s in samples) > 0
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_urgent_arrivals_preempt_samples_in_the_step_they_copy(seed: int) -> None:
+    """Groups arriving over time with mixed priorities in a small cache with swap space: a
+    more urgent arrival displaces running samples, among them samples that copied their
+    shared half-full block in the same step (the copy is then undone). Before, that swap
+    (or a recompute whose freed copy went to a swap-in) failed an assertion and killed the
+    engine thread (session 27's second probe). Tokens as if alone, no block leaked."""
+    rng = random.Random(1000 + seed)
+    kv = KVCacheManager(rng.choice([14, 18, 24]), 8, enable_prefix_caching=seed % 2 == 0,
+                        num_cpu_blocks=rng.choice([4, 16]))
+    sched = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=rng.choice([24, 64]),
+                      max_model_len=256, preemption_mode=rng.choice(["auto", "swap"]))
+    runner = ForkRunner(8)
+    pending = []
+    for i in range(14):
+        n = rng.choice([1, 2, 2, 3])
+        length = rng.choice([5, 12, 20, 29, rng.randint(1, 40)])  # mostly a half-full last block
+        max_tokens = rng.randint(4, 24)
+        r = (_group(f"r{i}", length, n, max_tokens) if n > 1 else
+             Request(f"r{i}", [rng.randrange(1000) for _ in range(length)],
+                     SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        r.priority = rng.choice([0, 0, -1, -5])
+        pending.append((rng.randint(0, 12), r))
+    reqs = [r for _, r in pending]
+    steps = 0
+    while pending or sched.has_unfinished_requests():
+        for at, r in [x for x in pending if x[0] <= steps]:
+            r.arrival_time = float(steps)
+            sched.add_request(r)
+            pending.remove((at, r))
+        out = sched.schedule(now=float(steps))
+        sched.update_from_output(out, runner.execute(out), now=float(steps))
+        kv.check_integrity()
+        steps += 1
+        assert steps < 100_000
+    for r in reqs:
+        for smp in (r.group.samples if r.group else [r]):
+            assert smp.output_token_ids == [runner.token_for(smp.request_id, smp.num_prompt_tokens + k)
+                                            for k in range(smp.sampling_params.max_tokens)]
+    assert kv.num_free_blocks == kv.num_blocks and not kv.cpu_tables
+
+
 # -- the engine on the default model -----------------------------------------------------------
 
 PROMPT = "The three most surprising facts about octopuses are"

@@ -313,6 +313,11 @@ INVALID = {
     "too many logprobs": ({"top_logprobs": 21}, "top_logprobs"),
     "request_id too long": ({"request_id": "r" * 257}, "request_id"),
     "cache_salt too long": ({"cache_salt": "s" * 257}, "cache_salt is 257 characters; at most 256"),
+    # "victim\x001" is the id of sample 1 of "victim" with n = 2: sent beside it, it killed
+    # the engine thread (session 27's second probe)
+    "request_id with a NUL": ({"request_id": "victim\x001"},
+                              "request_id holds a control character (U+0000) at index 6"),
+    "request_id with a newline": ({"request_id": "a\nb"}, "(U+000A) at index 1"),
     "stop id out of the vocabulary": ({"stopping": pb.StoppingCriteria(min_tokens=1, stop_token_ids=[49152])},
                                       "stopping.stop_token_ids"),
 }

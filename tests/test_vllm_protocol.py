@@ -204,6 +204,7 @@ REFUSED = [
     ("max_model_len", _set("sampling_params.max_tokens", MAX_MODEL_LEN)),
     ("truncate_prompt_tokens", _set("sampling_params.truncate_prompt_tokens", 0)),
     ("request_id", _set("request_id", "r" * 300)),
+    ("request_id holds a control character (U+0000)", _set("request_id", "r\x001")),
     ("vocabulary", _set("tokenized", lambda t: t.input_ids.append(10**6))),
     # banned while min_tokens holds, such an id failed the whole model step (session 27)
     ("sampling_params.stop_token_ids", lambda r: (r.sampling_params.stop_token_ids.append(49152),

@@ -441,6 +441,13 @@ class Door:
         if len(sub.request_id) > sc.max_request_id_len:
             raise InvalidArgument(f"{n.request_id} is {len(sub.request_id)} characters; at "
                                   f"most {sc.max_request_id_len} are allowed")
+        # A parallel sample's id is its leader's, a NUL and its index (scheduler.sample_group):
+        # "x\x001" sent beside "x" with n > 1 was one id for two requests, and killed the
+        # engine thread. Control characters have no place in an id that logs carry anyway.
+        bad = next((i for i, c in enumerate(sub.request_id) if c < " " or c == "\x7f"), None)
+        if bad is not None:
+            raise InvalidArgument(f"{n.request_id} holds a control character "
+                                  f"(U+{ord(sub.request_id[bad]):04X}) at index {bad}")
         # Unbounded, a salt was kept in every block event of the KV-event history (1024
         # steps' batches, subscribers or none) and sent in each: megabytes a request.
         if sub.cache_salt and len(sub.cache_salt) > sc.max_cache_salt_len:

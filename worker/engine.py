@@ -276,6 +276,8 @@ class Engine:
         max_model_len, stop strings needing a tokenizer), the scheduler's by
         `Scheduler.check_request` (called here, so that the error comes before queueing),
         the sampling values' by `SamplingParams`."""
+        if request_id is not None and "\x00" in request_id:  # the samples' ids hold one
+            raise ValueError(f"request_id {request_id[:64]!r} holds a NUL (U+0000)")
         ids = list(prompt_token_ids)
         vocab = self.loaded.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
