@@ -277,12 +277,23 @@ def test_mtls_plaintext_client_fails(workers: dict[str, Worker]) -> None:
 
 
 def test_bad_tls_flags_are_one_clear_line(certs: Path, tmp_path: Path) -> None:
+    not_pem = tmp_path / "bad.pem"
+    not_pem.write_text("-----BEGIN CERTIFICATE-----\nnot base64 at all\n-----END CERTIFICATE-----\n")
     cases = {
         "only --tls-cert": (("--tls-cert", str(certs / "server.pem")), "without --tls-key"),
         "only --tls-key": (("--tls-key", str(certs / "server.key")), "without --tls-cert"),
         "client CA alone": (("--tls-client-ca", str(certs / "ca.pem")), "without --tls-cert"),
         "missing file": (("--tls-cert", str(tmp_path / "nope.pem"),
                           "--tls-key", str(certs / "server.key")), "nope.pem: no such file"),
+        # read by gRPC only at bind time, these said "cannot listen ... Failed to bind"
+        "not a certificate": (("--tls-cert", str(not_pem), "--tls-key", str(certs / "server.key")),
+                              "--tls-cert/--tls-key: not a certificate and its private key"),
+        "key of another cert": (("--tls-cert", str(certs / "server.pem"),
+                                 "--tls-key", str(certs / "ca.key")),
+                                "--tls-cert/--tls-key: not a certificate and its private key"),
+        "CA not a certificate": (("--tls-cert", str(certs / "server.pem"),
+                                  "--tls-key", str(certs / "server.key"), "--tls-client-ca", str(not_pem)),
+                                 "--tls-client-ca: not a CA certificate"),
     }
     cmd = [sys.executable, "-m", "worker.cli", "serve", "--port", "0", *DUMMY]
     procs = {name: subprocess.Popen([*cmd, *flags], cwd=ROOT, stdout=subprocess.DEVNULL,

@@ -319,3 +319,31 @@ def test_metrics_are_off_by_default() -> None:
         assert not any("Prometheus metrics" in line for line in w.lines)
     finally:
         w.close()
+
+
+def test_the_metrics_http_server_bounds_its_connections_and_their_time(monkeypatch) -> None:
+    """Requests that never finish their headers (slowloris) hold at most METRICS_CONNECTIONS
+    threads, each for at most the handler's timeout; one more is closed at once, and once the
+    held ones time out /metrics answers again (prometheus_client's server gave each a thread
+    of its own, forever: 1,500 held 1,500 threads)."""
+    from worker import metrics as m
+
+    monkeypatch.setattr(m._QuietHandler, "timeout", 0.5)
+    srv = m._metrics_server("127.0.0.1", 0, lambda env, start: (start("200 OK", []), [b"ok"])[1])
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(m.METRICS_CONNECTIONS)]
+        for s in held:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=2)
+        extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b""  # closed unanswered: every slot is held
+        time.sleep(1.0)  # the held ones time out
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            assert r.read() == b"ok"
+        assert threading.active_count() < 10
+    finally:
+        srv.shutdown()
+        srv.server_close()

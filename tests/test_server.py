@@ -523,6 +523,43 @@ def test_sigterm_drains(small_worker: Worker) -> None:
     small_worker.wait_for(r"stopped", timeout=1)
 
 
+def test_sighup_drains_as_sigterm_does() -> None:
+    """SIGHUP (a terminal closing under a foreground worker) killed the worker with its
+    streams in flight; it drains now: the request in flight finishes, the worker exits 0."""
+    w = Worker("--model", "dummy:smollm2-135m", "--max-num-seqs", "1", "--no-reflection")
+    try:
+        w.wait_ready()
+        pool = ThreadPoolExecutor(1)
+        a = pool.submit(run, w.stub, token_ids=_ids(), sampling=GREEDY,
+                        stopping=pb.StoppingCriteria(max_tokens=24))
+        wait_until(lambda: w.stub.GetLoad(pb.GetLoadRequest()).num_running == 1, what="running")
+        w.proc.send_signal(signal.SIGHUP)
+        _, done = a.result(60)
+        assert done.finish_reason == pb.FINISH_REASON_LENGTH and done.usage.completion_tokens == 24
+        assert w.proc.wait(30) == 0
+        w.wait_for(r"SIGHUP: draining", timeout=1)
+    finally:
+        w.close()
+
+
+def test_generate_interrupted_says_so_and_exits_130() -> None:
+    """Ctrl-C in `llm-worker generate` printed a KeyboardInterrupt traceback and died by
+    the signal; it now ends as llm-worker-cli does: "interrupted", exit 130."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", "generate", "--raw", "--max-tokens", "4000",
+         "--temperature", "1.0", "--sampling-seed", "3", "Once upon a time, in a long, long story,"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)  # generating
+    if not first or proc.poll() is not None:
+        proc.wait(30)
+        pytest.skip("the generation ended before it could be interrupted")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-400:]
+    assert "interrupted" in err and "Traceback" not in err, err[-400:]
+
+
 # ----- the bridge alone, over a fake engine (no model, no process) -------------------------
 
 

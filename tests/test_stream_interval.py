@@ -49,6 +49,44 @@ def test_messages_carry_the_interval_the_first_and_last_go_at_once() -> None:
     asyncio.run(main())
 
 
+def test_an_observer_that_raises_drops_no_output(caplog) -> None:
+    """A step observer (the KV-event hub) and a request observer (metrics) that raise: the
+    failure is logged, and every token still reaches its stream (before, the step's outputs
+    were dropped for every client: 23 tokens of 24, usage saying 24)."""
+    class Broken:
+        def step(self, step, t):
+            raise ValueError("Value out of range: 99999999999999999999")
+
+        def output(self, stream, out, t):
+            raise ValueError("a request observer")
+
+        def finished(self, stream, out):
+            raise ValueError("a request observer")
+
+    async def main() -> list:
+        eng = FakeEngine()
+        bridge = EngineBridge(eng)  # type: ignore[arg-type]
+        bridge.step_observers.append(Broken())
+        bridge.observers.append(Broken())
+        bridge.start()
+        stream = bridge.open(Request("a", [1, 2]))
+        got = []
+        for tok in range(10, 14):
+            last = tok == 13
+            await asyncio.to_thread(eng.sink, [_out("a", [tok], "x", finished=last,
+                                                   finish_reason="length" if last else None)])
+            await asyncio.sleep(0.01)
+            while stream._due:
+                got.append(await stream.next())
+        assert bridge.num_in_flight == 0
+        await bridge.close()
+        return got
+
+    got = asyncio.run(main())
+    assert [t for o in got for t in o.new_token_ids] == [10, 11, 12, 13] and got[-1].finished
+    assert "Value out of range" in caplog.text
+
+
 def test_each_sample_counts_for_itself_and_an_end_flushes_what_waits() -> None:
     """n = 2: each sample's first tokens go at once and each counts its own interval; an
     output still waiting (not due) is flushed with its sample's finished output; a step the

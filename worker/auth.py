@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -198,5 +199,17 @@ def server_credentials(sc: ServerConfig) -> grpc.ServerCredentials | None:
     cert = _read_pem("--tls-cert", sc.tls_cert)
     key = _read_pem("--tls-key", sc.tls_key)
     ca = _read_pem("--tls-client-ca", sc.tls_client_ca) if sc.tls_client_ca else None
+    # gRPC reads them only when the port is bound, and says "Failed to bind" of a bad one.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(sc.tls_cert, sc.tls_key)
+    except ssl.SSLError as e:
+        raise ValueError(f"--tls-cert/--tls-key: not a certificate and its private key "
+                         f"({e.reason or e})") from None
+    if sc.tls_client_ca:
+        try:
+            ctx.load_verify_locations(sc.tls_client_ca)
+        except ssl.SSLError as e:
+            raise ValueError(f"--tls-client-ca: not a CA certificate ({e.reason or e})") from None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                        require_client_auth=ca is not None)

@@ -41,7 +41,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from scheduler.request import Request
 from worker.engine import Engine, StepOutput
@@ -326,10 +326,20 @@ class EngineBridge:
         while self._inbox:
             self._dispatch(*self._inbox.popleft())
 
+    @staticmethod
+    def _observe(call: Any, *args: Any) -> None:
+        """One observer's call. Its failure is logged and goes no further: raised here, it
+        dropped the step's outputs for every stream (a KV-event hub that could not encode a
+        figure did so each step)."""
+        try:
+            call(*args)
+        except Exception:
+            log.exception("observer %s failed", getattr(call, "__qualname__", repr(call))[:80])
+
     def _dispatch(self, step: StepOutput, t: float, due: set[int] | None) -> None:
         tokens = 0
         for obs in self.step_observers:
-            obs.step(step, t)
+            self._observe(obs.step, step, t)
         for k, out in enumerate(step.outputs):
             tokens += len(out.new_token_ids)
             key = out.stream_key
@@ -339,7 +349,7 @@ class EngineBridge:
                 continue
             if stream.tracked:
                 for obs in self.observers:
-                    obs.output(stream, out, t)
+                    self._observe(obs.output, stream, out, t)
             if out.finished:
                 self._finish(stream, out)
             else:
@@ -362,7 +372,7 @@ class EngineBridge:
             self.finish_counts[out.finish_reason or "error"] += 1
             self.num_preemptions += stream.request.num_preemptions
             for obs in self.observers:
-                obs.finished(stream, out)
+                self._observe(obs.finished, stream, out)
 
     def _trim(self, now: float) -> None:
         while self._rate and self._rate[0][0] < now - self.rate_window_s:

@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input or a model that cannot load: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # generate, or serve before its own handlers: as llm-worker-cli
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

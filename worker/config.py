@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -81,6 +82,24 @@ def human_readable_int(text: str) -> int:
     except ValueError:
         raise BadValue(f"{text[:40]!r} is not an integer (suffixes: 1k = 1000, 1K = 1024, "
                        "m/M, g/G, t/T)") from None
+
+
+def _finite_float(text: str) -> float:
+    """A float flag's value: NaN and infinities refused (--drain-grace-s nan compared false
+    with everything, so SIGTERM aborted every request at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadValue(f"{text[:40]!r} is not a number") from None
+    if not math.isfinite(value):
+        raise BadValue(f"{text[:40]!r} is not a finite number")
+    return value
+
+
+# Values past these reach fields of the wire (uint32 counts of EngineLoad, gRPC's int options)
+# or torch (a seed) that cannot hold them; far past anything a worker serves.
+INT32_MAX = 2**31 - 1
+_PARSE: dict[type, Callable[[str], Any]] = {float: _finite_float}
 
 
 def _max_model_len(text: str) -> int:
@@ -158,8 +177,13 @@ class ModelConfig:
         if _dtype(self.dtype) not in DTYPES:  # torch reads half and float too (resolve_dtype)
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (or half, float), "
                              f"got {self.dtype[:40]!r}")
-        if self.max_model_len < 0:
-            raise ValueError(f"--max-model-len must be >= 0, got {self.max_model_len}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {self.device[:40]!r}")
+        if self.max_model_len == 1 or self.max_model_len < 0:
+            raise ValueError(f"--max-model-len must be 0 (the model's own) or >= 2, "
+                             f"got {self.max_model_len}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be in [0, 2^63), got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -258,8 +282,8 @@ class SchedulerConfig:
                                   "seconds, so low-priority work cannot starve; 0 = no aging")
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if not 1 <= self.max_num_seqs <= INT32_MAX:  # counts of it go out as uint32s
+            raise ValueError(f"--max-num-seqs must be in [1, {INT32_MAX}], got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -406,7 +430,8 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 or :: for every interface)")
     port: int = opt(50051, "gRPC port; 0 = pick a free one (printed when ready)")
     reflection: bool = opt(True, "gRPC server reflection, so grpcurl works without the .proto")
-    drain_grace_s: float = opt(30.0, "on SIGTERM/SIGINT: seconds in-flight requests get to finish")
+    drain_grace_s: float = opt(30.0, "on SIGTERM/SIGINT/SIGHUP: seconds in-flight requests get "
+                               "to finish")
     max_waiting: int = opt(256, "requests waiting for the engine before new ones get "
                            "RESOURCE_EXHAUSTED")
     retry_after_ms: int = opt(1000, "the retry-after-ms hint sent with RESOURCE_EXHAUSTED")
@@ -477,10 +502,20 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        for name in ("auth_token", "admin_token"):
+            # A client sends the token as gRPC metadata, printable ASCII, and the worker
+            # strips what surrounds it; a Kubernetes Secret made --from-file ends in a newline.
+            # Kept as given, such a token served "SERVING" and refused every call.
+            token = getattr(self, name).strip()
+            object.__setattr__(self, name, token)
+            if any(not " " <= c <= "~" for c in token):
+                raise ValueError(f"--{name.replace('_', '-')} holds a character a client "
+                                 "cannot send in gRPC metadata (printable ASCII only)")
         if self.max_stop_strings < 0 or self.retry_after_ms < 0:
             raise ValueError("--max-stop-strings and --retry-after-ms must be >= 0")
-        if self.max_message_bytes < 1024 or self.max_chat_messages < 1:
-            raise ValueError("--max-message-bytes must be >= 1024 and --max-chat-messages >= 1")
+        if not 1024 <= self.max_message_bytes <= INT32_MAX or self.max_chat_messages < 1:
+            raise ValueError(f"--max-message-bytes must be in [1024, {INT32_MAX}] and "
+                             "--max-chat-messages >= 1")
         if self.max_prompt_tokens < 0 or self.max_generation_time_s < 0:
             raise ValueError("--max-prompt-tokens and --max-generation-time-s must be >= 0")
         if self.max_structured_bytes < 1:
@@ -551,7 +586,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
             env = ENV_PREFIX + f.name.upper()
             typ = hints[f.name]
             meta = f.metadata
-            conv = _parse_bool if typ is bool else (meta["parse"] or typ)
+            conv = _parse_bool if typ is bool else (meta["parse"] or _PARSE.get(typ, typ))
             if meta["many"]:
                 one = conv
                 conv = lambda text, one=one: tuple(one(t) for t in text.split())  # noqa: E731

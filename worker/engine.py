@@ -86,7 +86,14 @@ StepSink = Callable[[StepOutput], bool | None]
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)  # (ModelConfig checked the spelling)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device here (this torch: "
+                             f"{torch.__version__}, CUDA available: no)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -258,6 +265,8 @@ class Engine:
         activations = memory.activation_reserve(m, self.config.scheduler, self.max_model_len,
                                                 self.loaded.dtype.itemsize)
         budget = memory.kv_cache_bytes(cc, memory.device_memory(dev), activations)
+        if dev.type == "cpu":
+            memory.check_host_room(budget)
         return fit_budget(budget, cc.block_size, per_token, self.max_model_len)
 
     # ----- requests in -----

@@ -127,6 +127,29 @@ def kv_cache_bytes(cache: CacheConfig, mem: DeviceMemory | None, activations: in
     return kv
 
 
+def host_available_bytes() -> int | None:
+    """The host's MemAvailable (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_room(kv_bytes: int) -> None:
+    """A CPU KV cache larger than the host's available memory: a clear error before it is
+    allocated (40 GB on a 23 GiB host was killed by the OOM killer, without a word; 100 TB
+    ended in the allocator's traceback)."""
+    available = host_available_bytes()
+    if available is not None and kv_bytes > available:
+        raise ValueError(f"the KV cache size asked for ({_gib(kv_bytes)}) is more than this "
+                         f"host has available ({_gib(available)}); lower "
+                         "--kv-cache-memory-bytes / --kv-cache-memory")
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 

@@ -122,11 +122,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -433,10 +435,12 @@ class MetricsServer:
         self._httpd: WSGIServer
         self._thread: threading.Thread
         try:
-            self._httpd, self._thread = prometheus_client.start_http_server(
-                port, addr=host, registry=self.registry)
+            self._httpd = _metrics_server(host, port, prometheus_client.make_wsgi_app(self.registry))
         except OSError as e:
             raise ValueError(f"--metrics-port: cannot listen on {host}:{port}: {e}") from e
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http",
+                                        daemon=True)
+        self._thread.start()
         self.port: int = self._httpd.server_address[1]
         bridge.observers.append(self.requests)
 
@@ -445,3 +449,53 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5.0)
+
+
+# prometheus_client's start_http_server gives each connection a thread with no timeout and no
+# limit: 1,500 half-sent requests held 1,500 threads, then /metrics timed out (a probe, session
+# 27). A scraper sends its request at once and reads a few kilobytes.
+METRICS_TIMEOUT_S = 10.0
+METRICS_CONNECTIONS = 16
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_TIMEOUT_S  # a connection that sends nothing for this long is closed
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most METRICS_CONNECTIONS at once (more are closed at
+    once: a scraper retries at its next interval)."""
+
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _metrics_server(host: str, port: int, app: Any) -> WSGIServer:
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsServer", (_MetricsServer,), {"address_family": family})
+    server = server_class((host, port), _QuietHandler)
+    server.set_app(app)
+    return server

@@ -5,7 +5,7 @@ loop keeps answering, run one warm-up generation, then health SERVING and the re
 
     llm-worker: serving SmolLM2-135M-Instruct on 127.0.0.1:50051
 
-SIGTERM or SIGINT drains: health NOT_SERVING at once, new Generate calls get UNAVAILABLE,
+SIGTERM, SIGINT or SIGHUP drains: health NOT_SERVING at once, new Generate calls get UNAVAILABLE,
 in-flight requests get --drain-grace-s to finish (a second signal cuts the grace short),
 the rest are aborted; then the server and the engine stop and `serve` returns 0.
 
@@ -48,6 +48,10 @@ log = telemetry.get_logger("worker.server")
 HEALTH_SERVICES = ("", SERVICE_NAME)  # "" = the whole server
 _STOP_GRACE_S = 5.0  # for the last messages of finished streams to flush
 
+
+# SIGHUP too: a terminal that closes under a foreground worker sends it, and its default
+# action killed the worker with its streams in flight.
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 def _say(line: str, **fields: object) -> None:
     log.info(f"llm-worker: {line}", **fields)
@@ -152,7 +156,7 @@ async def serve(config: WorkerConfig) -> int:
             _say(f"{sig.name}: draining")
         begin_drain()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in DRAIN_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
 
     exit_code = 0
@@ -201,7 +205,7 @@ async def serve(config: WorkerConfig) -> int:
         await stop.wait()
         await _drain(bridge, sc.drain_grace_s, force)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in DRAIN_SIGNALS:
             loop.remove_signal_handler(sig)
         await server.stop(_STOP_GRACE_S)
         if health_server is not None:
