@@ -535,7 +535,7 @@ def test_a_constraint_past_the_grammar_engines_limits_is_the_clients_error(worke
 
 
 def test_grammar_limits_are_told_from_refused_tokens() -> None:
-    from worker.engine import _grammar_limit
+    from worker.structured import grammar_limit as _grammar_limit
 
     assert _grammar_limit("lexer error: too many expressions constructed <state> Tokens: ⟦aaaa⟧")
     assert _grammar_limit("Too many items (limit 50000; ff_tokens) <state> ...")

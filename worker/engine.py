@@ -20,7 +20,6 @@ import itertools
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,17 +49,6 @@ log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
-
-# llguidance's words when consuming a token its mask allowed takes it past one of its limits.
-_GRAMMAR_LIMIT = re.compile(r"(?i)\btoo many\b|\blimit\b")
-
-
-def _grammar_limit(error: str) -> bool:
-    """Whether a grammar's refusal is one of its engine's limits: not a token it does not
-    allow ("Parser Error: token ..." quotes the token, which may spell anything), and said
-    before the matcher's state dump."""
-    head = error.split("<state>", 1)[0]
-    return not head.startswith("Parser Error: token") and bool(_GRAMMAR_LIMIT.search(head))
 
 @dataclass
 class StepOutput:
@@ -522,12 +510,9 @@ class Engine:
                 if req.grammar is not None and not req.is_finished:
                     assert len(ids) == 1, "a constrained request got drafts"
                     if not req.grammar.accept(ids[0]):
-                        error = req.grammar.error
-                        failed[req.request_id] = f"the grammar refused token {ids[0]}: {error}"
-                        # The mask allowed the token, but advancing past it took the grammar
-                        # engine over one of its limits ("too many expressions constructed",
-                        # "Too many items (limit ...)"): the constraint's doing, not ours.
-                        if _grammar_limit(error):
+                        failed[req.request_id] = (f"the grammar refused token {ids[0]}: "
+                                                  f"{req.grammar.error}")
+                        if req.grammar.over_limit:  # the constraint's doing, not ours
                             client_faults.add(req.request_id)
                     elif req.grammar.done:
                         stopped.append(req.request_id)

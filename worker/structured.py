@@ -21,6 +21,7 @@ failure mid-stream.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -136,6 +137,24 @@ class GrammarMatcher:
     @property
     def error(self) -> str:
         return _bounded(self.matcher.get_error())
+
+    @property
+    def over_limit(self) -> bool:
+        """Whether the refusal was one of llguidance's limits (the mask allowed the token,
+        but advancing past it was too much): the constraint's doing, not the worker's."""
+        return grammar_limit(self.matcher.get_error())
+
+
+# llguidance's words when consuming a token its mask allowed takes it past one of its limits.
+_LIMIT = re.compile(r"(?i)\btoo many\b|\blimit\b")
+
+
+def grammar_limit(error: str) -> bool:
+    """Whether an llguidance error is one of its limits: not a token it does not allow
+    ("Parser Error: token ..." quotes the token, which may spell anything), and said before
+    the matcher's state dump."""
+    head = _head(error)
+    return not head.startswith("Parser Error: token") and bool(_LIMIT.search(head))
 
 
 class GrammarCompiler:
