@@ -36,7 +36,7 @@ import yaml
 from llmworker.v1 import worker_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_metrics import MODEL, free_port
+from tests.test_metrics import MODEL, free_port, worker_with_metrics
 from tests.test_server import GREEDY, Worker, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,15 +158,9 @@ class Traffic:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, int]]:
     lora = tmp_path_factory.mktemp("lora") / "ci"
     _make_lora(lora)
-    port = free_port()
-    w = Worker("--metrics-port", str(port), "--enable-lora", "--lora-modules", f"ci={lora}",
-               "--speculative-config", SPEC)
-    try:
-        w.wait_ready()
-        w.wait_for(rf"Prometheus metrics .* on http://127\.0\.0\.1:{port}/metrics", timeout=5)
-        yield w, port
-    finally:
-        w.close()
+    with worker_with_metrics("--enable-lora", "--lora-modules", f"ci={lora}",
+                             "--speculative-config", SPEC) as served:
+        yield served
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
