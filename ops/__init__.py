@@ -54,6 +54,7 @@ from ops.sampling import (
     sample_ref,
     token_logprobs_ref,
 )
+from ops.scaled_linear import scaled_linear_ref
 
 BACKENDS = ("auto", "torch", "c", "triton")
 KernelPath = Literal["torch", "c", "triton"]
@@ -159,6 +160,9 @@ sample = _op(sample_ref, ("ops.sampling_triton", "sample_triton"), c=("ops.cpu_s
 token_logprobs = _op(token_logprobs_ref, ("ops.sampling", "token_logprobs_ref"),
                      c=("ops.cpu_logprobs", "token_logprobs_c"))
 copy_blocks = _op(copy_blocks_ref, ("ops.block_copy_triton", "copy_blocks_triton"))
+# A linear over a pre-quantized checkpoint's weight (FP8, INT8, INT4; ops/scaled_linear.py):
+# Triton on CUDA; the CPU dequantizes such weights at load, so only tests call the reference.
+scaled_linear = _op(scaled_linear_ref, ("ops.scaled_linear_triton", "scaled_linear_triton"))
 # Each LoRA row's adapter delta added to a linear's output (ops/lora.py): one gathered bmm
 # per layer in torch on the CPU (the C path has no kernel of its own: the linears are the
 # cost there, not this), segmented Triton kernels on CUDA.
@@ -184,6 +188,7 @@ __all__ = [
     "rope_cos_sin_cache",
     "rotary_kv_write",
     "sample",
+    "scaled_linear",
     "set_backend",
     "silu_and_mul",
     "swap_blocks",

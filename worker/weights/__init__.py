@@ -20,7 +20,8 @@ import torch
 from ops.quantized_linear import QuantizedWeight
 from worker.models.llama import LlamaConfig, LlamaForCausalLM
 from worker.tokenizer import Tokenizer
-from worker.weights import dummy, gguf_file, hf_folder
+from worker.weights import dummy, gguf_file, hf_folder, hf_quantized
+from worker.weights.quant_config import QuantFormat
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,6 +43,8 @@ class LoadedModel:
     # A GGUF file's block-quantized linear weights by module name, as the file stores them,
     # for the CPU kernel that computes on them; empty for other sources.
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # A pre-quantized folder's format (worker/weights/quant_config.py); None otherwise.
+    quantization: QuantFormat | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -119,8 +122,13 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
                            gguf_file.quantized_linears(raw))
 
     cfg = hf_folder.read_config(path)
+    fmt = hf_folder.read_quantization(path)
     files = hf_folder.safetensors_files(path)
     tokenizer = Tokenizer.from_folder(path)  # before the weights: fail fast
+    if fmt is not None:  # pre-quantized (hf_quantized.py): built onto a meta model
+        model = hf_quantized.load_quantized(cfg, fmt, hf_folder.tensor_names(files),
+                                            hf_folder.iter_safetensors(files), device, dtype)
+        return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype, quantization=fmt)
     model = _build(cfg, device, dtype)
     model.load_weights(hf_folder.iter_safetensors(files))
     return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype)

@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 from worker.models.llama import LlamaConfig
+from worker.weights import quant_config
+from worker.weights.quant_config import QuantFormat
 
 
-def read_config(folder: Path) -> LlamaConfig:
+def read_config_json(folder: Path) -> dict:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{folder} has no config.json; is it a Hugging Face model folder?")
@@ -19,6 +21,33 @@ def read_config(folder: Path) -> LlamaConfig:
         cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path} is not a JSON object")
+    return cfg
+
+
+def read_quantization(folder: Path) -> QuantFormat | None:
+    """The folder's pre-quantized format (quant_config.py), None for float weights."""
+    return quant_config.detect(read_config_json(folder))
+
+
+def tensor_names(files: list[Path]) -> list[str]:
+    """Every tensor name of the files, from their headers (nothing is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    names: list[str] = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names += list(f.keys())
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a valid safetensors file: {e}") from e
+    return names
+
+
+def read_config(folder: Path) -> LlamaConfig:
+    cfg_path = folder / "config.json"
+    cfg = read_config_json(folder)
     try:
         return LlamaConfig.from_hf(cfg)
     except KeyError as e:
