@@ -21,7 +21,7 @@ None (weight-only: activations stay in the model's dtype), "token" (dynamic, one
 row: amax / 448 for fp8, amax / 127 for int8, as vLLM's kernels take them) or "group" (fp8,
 one scale per row and group of `act_group` inputs, DeepSeek's per-token-group). For fp8 a
 scale is amax / 448 (`act_scale_ub` first clamps a row's amax, fbgemm's bound), and x / scale
-is rounded to float8_e4m3fn; int8 rounds x / scale to the nearest integer (ties up).
+is rounded to float8_e4m3fn; int8 rounds x / scale to the nearest integer (ties to even).
 
 `scaled_linear_ref` is the pure-torch reference (dequantize, quantize the activations, one
 float32 product); the Triton kernels are ops/scaled_linear_triton.py, picked by
@@ -145,7 +145,7 @@ def quantize_activations(x: torch.Tensor, w: ScaledWeight) -> tuple[torch.Tensor
     if w.kind == "fp8":
         q = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     else:
-        q = torch.floor(y + 0.5).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        q = torch.round(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q.reshape(m, k), scale
 
 
