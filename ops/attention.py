@@ -183,13 +183,22 @@ def plan_for(step: StepPlan | None, block_tables: torch.Tensor, seq_lens: torch.
     return step.get(block_tables, seq_lens, query_start_loc, block_size)
 
 
+def read_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached keys or values in `dtype`: an fp8 cache holds x / scale (its per-tensor scale,
+    --kv-cache-dtype fp8), read back as fp8 -> float32, times scale, -> dtype."""
+    if x.dtype == torch.float8_e4m3fn:
+        return (x.to(torch.float32) * scale).to(dtype)
+    return x.to(dtype)
+
+
 def attend_prefills(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, scale: float, out: torch.Tensor, window: int | None = None) -> None:
+                    v_cache: torch.Tensor, scale: float, out: torch.Tensor, window: int | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out[chunk] for every prefill chunk of the plan, one SDPA call each."""
     gqa = q.shape[1] != k_cache.shape[2]
     for p in plan.prefills_for(window):
-        k = _gather(k_cache, p.table, p.num_blocks).to(q.dtype)
-        v = _gather(v_cache, p.table, p.num_blocks).to(q.dtype)
+        k = read_cache(_gather(k_cache, p.table, p.num_blocks), q.dtype, k_scale)
+        v = read_cache(_gather(v_cache, p.table, p.num_blocks), q.dtype, v_scale)
         chunk = q[p.start : p.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         o = F.scaled_dot_product_attention(chunk, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
         out[p.start : p.end] = o[0].transpose(0, 1)
@@ -207,9 +216,12 @@ def paged_attention_ref(
     scale: float,
     plan: StepPlan | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
-    int32/64; seq_lens: [B]; query_start_loc: [B + 1]. Returns [T, Hq, D].
+    int32/64; seq_lens: [B]; query_start_loc: [B + 1]. Returns [T, Hq, D]. `k_scale`,
+    `v_scale`: an fp8 cache's per-tensor scales (`read_cache`).
 
     The torch reference. `plan`: the step's shared plan (see the module docstring); None
     builds one for this call. max_query_len and max_seq_len are not needed here. `window`:
@@ -218,11 +230,11 @@ def paged_attention_ref(
     """
     p = plan_for(plan, block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    attend_prefills(p, q, k_cache, v_cache, scale, out, window)
+    attend_prefills(p, q, k_cache, v_cache, scale, out, window, k_scale, v_scale)
     gqa = q.shape[1] != k_cache.shape[2]
     for g in p.decode_groups_for(window):
-        k = _gather(k_cache, g.tables, g.num_blocks).to(q.dtype)
-        v = _gather(v_cache, g.tables, g.num_blocks).to(q.dtype)
+        k = read_cache(_gather(k_cache, g.tables, g.num_blocks), q.dtype, k_scale)
+        v = read_cache(_gather(v_cache, g.tables, g.num_blocks), q.dtype, v_scale)
         o = F.scaled_dot_product_attention(q.index_select(0, g.rows)[:, :, None], k, v,
                                            attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         out.index_copy_(0, g.rows, o[:, :, 0])

@@ -92,6 +92,8 @@ def swap_blocks(
         )
     if n == 0:
         return
+    if src_cache.dtype == torch.float8_e4m3fn:  # bytes move as bytes (index_copy_ lacks fp8)
+        src_cache, dst_cache = src_cache.view(torch.uint8), dst_cache.view(torch.uint8)
     src_dev, dst_dev = src_cache.device, dst_cache.device
     src_idx = block_index(src_ids, src_dev)
     dst_idx = block_index(dst_ids, dst_dev)

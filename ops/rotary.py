@@ -74,18 +74,33 @@ def rotary_kv_write_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k, scatter k and v into the paged cache; return (q, k) rotated.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D];
     slot_mapping: [T] int64, slot = block * block_size + offset; a slot < 0 is
-    skipped (padding in a captured graph batch).
+    skipped (padding in a captured graph batch). An fp8 cache stores k / k_scale and
+    v / v_scale (`to_cache`).
     """
     # q and k rotate together: one set of ops over Hq + Hkv heads.
     qk = _rotate(torch.cat([q, k], 1), *_cos_sin_rows(cos_sin, positions, q.dtype))
     q, k = qk.split([q.shape[1], k.shape[1]], 1)
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q, k
+
+
+FP8_MAX = 448.0
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as a cache of `dtype` holds it: for fp8 (--kv-cache-dtype fp8, vLLM's per-tensor
+    scale) x / scale in float32, clamped to +-448 (saturating, as vLLM's cache write) and
+    rounded to float8_e4m3fn; else x in `dtype`."""
+    if dtype == torch.float8_e4m3fn:
+        return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def write_kv_ref(
@@ -94,9 +109,14 @@ def write_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = to_cache(x, cache.dtype, s)
+        if cache.dtype == torch.float8_e4m3fn:  # (index_copy_ has no fp8 kernel everywhere)
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.scaled_linear_triton import _round_fp8_e4m3
+
 # Elements of one (heads x half head_dim) tile; keeps registers per program modest.
 _TILE = 512
 
@@ -40,6 +42,16 @@ def _rope_tile(
     tl.store(p1, y1, mask=mask)
     tl.store(p2, y2, mask=mask)
     return y1, y2
+
+
+@triton.jit
+def _to_cache(x, scale, cache_ptr, KV_FP8: tl.constexpr):
+    """x as the cache holds it (ops.rotary.to_cache): fp8 holds x / scale, saturated to
+    +-448 and rounded half to even (first onto e4m3's grid: see _round_fp8_e4m3)."""
+    if KV_FP8:
+        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
+        return _round_fp8_e4m3(y).to(cache_ptr.dtype.element_ty)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -73,9 +85,12 @@ def _rotary_kv_write_kernel(
     num_q_heads,
     num_kv_heads,
     block_size,
+    k_scale,
+    v_scale,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Axis 0: token. Axis 1: a tile of q heads, or (past the q tiles) a tile of
     # kv heads whose k is rotated and whose k and v go to the cache.
@@ -105,15 +120,15 @@ def _rotary_kv_write_kernel(
             blk = slot // block_size
             off = slot % block_size
             kc = kc_ptr + blk * kc_sb + off * kc_so + h[:, None] * kc_sh + ds[None, :] * kc_sd
-            tl.store(kc, y1.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(kc + HALF * kc_sd, y2.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc, _to_cache(y1, k_scale, kc_ptr, KV_FP8), mask=mask)
+            tl.store(kc + HALF * kc_sd, _to_cache(y2, k_scale, kc_ptr, KV_FP8), mask=mask)
             # v is copied as two halves too, so one tile shape serves the whole program.
             vp = v_ptr + t * v_st + h[:, None] * v_sh + ds[None, :] * v_sd
             vc = vc_ptr + blk * vc_sb + off * vc_so + h[:, None] * vc_sh + ds[None, :] * vc_sd
             v1 = tl.load(vp, mask=mask, other=0.0)
             v2 = tl.load(vp + HALF * v_sd, mask=mask, other=0.0)
-            tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=mask)
-            tl.store(vc + HALF * vc_sd, v2.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc, _to_cache(v1, v_scale, vc_ptr, KV_FP8), mask=mask)
+            tl.store(vc + HALF * vc_sd, _to_cache(v2, v_scale, vc_ptr, KV_FP8), mask=mask)
 
 
 def rotary_kv_write_triton(
@@ -125,8 +140,11 @@ def rotary_kv_write_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k IN PLACE, scatter k (rotated) and v into the paged caches.
+    """Rotate q and k IN PLACE, scatter k (rotated) and v into the paged caches (an fp8
+    cache: k / k_scale and v / v_scale, as `ops.rotary.to_cache`).
 
     q: [T, Hq, D]; k, v: [T, Hkv, D], any strides (views of a fused qkv output
     are the intended case); positions, slot_mapping: [T] integer; cos_sin:
@@ -171,9 +189,12 @@ def rotary_kv_write_triton(
         hq,
         hkv,
         k_cache.shape[1],
+        float(k_scale),
+        float(v_scale),
         HALF=half,
         BLOCK_HALF=block_half,
         BLOCK_H=block_h,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )
     return q, k

@@ -43,11 +43,12 @@ def _round_fp8_e4m3(y):
     3 mantissa bits, subnormals below 2**-6 (a spacing of 2**-9). The cast of the result to
     fp8 is then exact; Triton's interpreter rounds a direct cast wrongly where the rounding
     carries into the exponent (126.1 -> 64), so the kernel rounds first, on the GPU too."""
-    biased = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    ulp_exp = tl.maximum(biased - 127, -6) - 3  # the grid's spacing at |y|: 2**ulp_exp
+    bits = y.to(tl.int32, bitcast=True)
+    ulp_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3  # the grid's spacing at |y|: 2**ulp_exp
     down = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)  # 2**-ulp_exp
     up = ((127 + ulp_exp) << 23).to(tl.float32, bitcast=True)
-    return ((y * down + _RNE) - _RNE) * up
+    r = ((tl.abs(y) * down + _RNE) - _RNE) * up
+    return tl.where(bits < 0, -r, r)  # the sign as it was (-0.0 for what rounds to zero)
 
 
 @triton.jit

@@ -45,8 +45,8 @@ def test_float16_is_for_a_float32_model_on_the_cpu() -> None:
         kv_cache_dtype("float16", cuda, torch.bfloat16)
     with pytest.raises(ValueError, match="float16 on cpu"):
         kv_cache_dtype("float16", cpu, torch.float16)
-    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float16, got 'fp8'"):
-        CacheConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, float16, fp8, fp8_e4m3, got 'fp9'"):
+        CacheConfig(kv_cache_dtype="fp9")
     # the capacity planner refuses it alike (one rule, worker/memory.py)
     with pytest.raises(ValueError, match=r"is for a float32 model on the CPU.*bfloat16 on cuda"):
         plan.make_plan(plan.read_model("dummy:smollm2-135m"), plan.DEVICES["h100"], plan.Workload(100, 10),

@@ -203,7 +203,7 @@ class ParallelConfig:
                 "gateway'). A model too large for one device cannot be served here.")
 
 
-KV_CACHE_DTYPES = ("auto", "float16")  # --kv-cache-dtype
+KV_CACHE_DTYPES = ("auto", "float16", "fp8", "fp8_e4m3")  # --kv-cache-dtype
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,11 @@ class CacheConfig:
                               "float16 = half the bytes a token (twice the tokens in the same "
                               "memory, and a long context's decode reads half), for a float32 "
                               "model on the CPU; it rounds every key and value to half, so "
-                              "tokens may differ from auto's (BENCHMARKS.md)", KV_CACHE_DTYPES)
+                              "tokens may differ from auto's (BENCHMARKS.md); fp8 (= fp8_e4m3, "
+                              "vLLM's names) = a quarter of float32's bytes, half of bf16's, on "
+                              "CUDA: keys and values stored as float8_e4m3fn over per-tensor "
+                              "scales (the checkpoint's k_scale/v_scale, else 1.0, as vLLM)",
+                              KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.swap_space < 0:

@@ -157,9 +157,16 @@ def _gib(n: int) -> str:
 def kv_cache_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
     """--kv-cache-dtype as a dtype. float16 is read and written by the CPU's C kernels (the
     fused decoder converts as it writes, and its attention as it loads) and by the torch
-    references; the GPU's Triton kernels read the model's dtype only."""
+    references; fp8 (fp8_e4m3) by the GPU's Triton kernels (and the torch references), over
+    per-tensor scales (the model's Attention.k_scale / v_scale)."""
     if name == "auto":
         return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        if device.type != "cuda":
+            raise ValueError(f"--kv-cache-dtype {name} is for CUDA (the Triton kernels read and write "
+                             f"float8_e4m3fn); the CPU's kernels have no fp8: use --kv-cache-dtype "
+                             "float16 there (half of float32's bytes)")
+        return torch.float8_e4m3fn
     assert name == "float16", name
     if device.type != "cpu" or model_dtype != torch.float32:
         raise ValueError(f"--kv-cache-dtype float16 is for a float32 model on the CPU (its C kernels); "

@@ -225,6 +225,10 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        # An fp8 KV cache's per-tensor scales (--kv-cache-dtype fp8): the checkpoint's
+        # k_scale / v_scale where it has them (worker/weights/hf_quantized.py), else 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -241,7 +245,9 @@ class Attention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        q, _ = ops.rotary_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        # Only an fp8 cache takes scales (the C kernels never see one: refused on the CPU).
+        fp8 = {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype == torch.float8_e4m3fn else {}
+        q, _ = ops.rotary_kv_write(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, **fp8)
         out = ops.paged_attention(
             q,
             k_cache,
@@ -254,6 +260,7 @@ class Attention(nn.Module):
             self.scale,
             plan=meta.plan,
             window=self.window,
+            **fp8,
         )
         return _linear(self.o_proj, out.reshape(n, self.q_size), lora, "o_proj")
 

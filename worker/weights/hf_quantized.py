@@ -254,9 +254,11 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor, device: to
 
 def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
                    tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device,
-                   dtype: torch.dtype) -> LlamaForCausalLM:
+                   dtype: torch.dtype, dequantize_on_cpu: bool = True) -> LlamaForCausalLM:
     """The model of a folder in `fmt` (`keys`: every tensor name of its files, from their
-    headers; `tensors`: the tensors as read), on `device` in `dtype` (see the top)."""
+    headers; `tensors`: the tensors as read), on `device` in `dtype` (see the top).
+    `dequantize_on_cpu=False` keeps ScaledLinear layers on the CPU too (tests: the
+    reference arithmetic of the GPU's kernels)."""
     reader = _Reader(fmt, cfg, keys)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -290,7 +292,7 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
         if name == "lm_head.weight" and model.lm_head is None:
             continue
         if isinstance(item, ScaledWeight):
-            if device.type == "cpu":  # weight-only: dequantized once, here
+            if device.type == "cpu" and dequantize_on_cpu:  # weight-only: dequantized once, here
                 _set_parameter(model, name, dequantize(item, dtype), device, dtype)
             else:
                 later.append((name.removesuffix(".weight"), item))
