@@ -134,3 +134,24 @@ def test_the_gpu_arithmetic_is_compressed_tensors_own(fmt, folder) -> None:
             ours = last_logits(model, p)
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-3)
             assert int(ours.argmax()) == int(theirs.argmax())
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8-block", "ct-w4a16-asym", "gptq"])
+def test_the_planner_holds_what_the_loader_holds(fmt, folder) -> None:
+    """`llm-worker plan` on a GPU: the linears as the loader keeps them for the kernels (its
+    ScaledLinear bytes, here kept on the CPU), the rest in bf16; on the CPU dequantized."""
+    from worker import plan
+
+    path = folder(fmt)
+    info = plan.read_model(str(path))
+    gpu = plan.weights(info, plan.DEVICES["h100"], "bfloat16")
+    kind = info.quantization.kind
+    cfg = hf_folder.read_config(path)
+    files = hf_folder.safetensors_files(path)
+    model = hf_quantized.load_quantized(cfg, info.quantization, hf_folder.tensor_names(files),
+                                        hf_folder.iter_safetensors(files), torch.device("cpu"), torch.float32,
+                                        dequantize_on_cpu=False)
+    assert gpu.held[kind] == sum(m.weight.nbytes for m in model.modules() if isinstance(m, ScaledLinear))
+    assert kind in gpu.how or info.quantization.name in gpu.how
+    cpu = plan.weights(info, plan.Device("cpu", "cpu", 1 << 34, 1e10, {"float32": 1e11}), "float32")
+    assert kind not in cpu.held and "dequantized at load" in cpu.how

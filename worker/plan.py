@@ -67,7 +67,8 @@ from worker.config import (
     human_readable_int,
 )
 from worker.models.llama import LlamaConfig, fuse_shards, our_name
-from worker.weights import default_model_path, dummy, gguf_file, hf_folder
+from worker.weights import default_model_path, dummy, gguf_file, hf_folder, hf_quantized
+from worker.weights.quant_config import QuantFormat
 
 CUDA_CONTEXT_BYTES = GIB // 2  # CUDA context + torch's allocator, taken before the KV budget
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -156,6 +157,7 @@ class ModelInfo:
     config: LlamaConfig
     stored: dict[str, int] = field(default_factory=dict)  # bytes by stored type (none for dummy)
     tensors: tuple[Tensor, ...] = ()  # by module name, fused as the model fuses them
+    quantization: QuantFormat | None = None  # a pre-quantized folder's format
 
 
 def read_model(spec: str) -> ModelInfo:
@@ -175,7 +177,34 @@ def read_model(spec: str) -> ModelInfo:
         return ModelInfo(name, "gguf", cfg, _by_dtype(tensors), _fused(tensors))
     cfg = hf_folder.read_config(path)
     tensors = _safetensors_tensors(hf_folder.safetensors_files(path))
-    return ModelInfo(path.name, "safetensors", cfg, _by_dtype(tensors), tuple(tensors))
+    return ModelInfo(path.name, "safetensors", cfg, _by_dtype(tensors), tuple(tensors),
+                     hf_folder.read_quantization(path))
+
+
+_SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+           "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def _scaled_linears(model: ModelInfo) -> dict[str, tuple[str, int]]:
+    """A pre-quantized folder's linears as CUDA holds them (ScaledLinear, weights as stored):
+    our name -> (kind, bytes); empty for other sources. A fused set with a float shard is
+    refused at load, so a set counts when its first shard is quantized."""
+    fmt = model.quantization
+    if fmt is None:
+        return {}
+    cfg = model.config
+    names = {t.name for t in model.tensors}
+    scale = hf_quantized.REQUIRED[fmt.layout][1]
+    out: dict[str, tuple[str, int]] = {}
+    groups = {f"layers.{i}.{ours}": [f"model.layers.{i}.{s}" for s in shards]
+              for i in range(cfg.num_layers) for ours, shards in _SHARDS.items()}
+    groups["lm_head"] = ["lm_head"]
+    for ours, shards in groups.items():
+        if f"{shards[0]}.{scale}" in names:
+            shapes = [hf_quantized.linear_shape(cfg, s) for s in shards]
+            out[ours] = (fmt.kind, sum(hf_quantized.held_bytes(fmt, *sh) for sh in shapes if sh))
+    return out
 
 
 def _by_dtype(tensors: list[Tensor]) -> dict[str, int]:
@@ -289,10 +318,15 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
     def qbytes(t: Tensor) -> int:  # as repacked for the kernel of `activations`
         return held_bytes(t.dtype, t.nbytes, activations)
 
+    # A pre-quantized folder's linears on CUDA, as stored (the CPU dequantizes them: dtype).
+    scaled = _scaled_linears(model) if device.kind == "cuda" else {}
     read = 0
     for name, (o, i) in linears.items():
         q = quantized(name)
-        read += hold(q.dtype, qbytes(q)) if q else hold(dtype, o * i * size)
+        if name in scaled:
+            read += hold(*scaled[name])
+        else:
+            read += hold(q.dtype, qbytes(q)) if q else hold(dtype, o * i * size)
     read += hold(dtype, (bias + norms) * size)
     embed = quantized("embed_tokens")
     if cfg.tie_word_embeddings:
@@ -307,6 +341,9 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
             hold(dtype, head * size)  # the table
         else:
             read += hold(dtype, head * size)
+    elif "lm_head" in scaled:
+        read += hold(*scaled["lm_head"])
+        hold(dtype, head * size)  # the embedding table
     else:
         lm = quantized("lm_head")
         read += hold(lm.dtype, qbytes(lm)) if lm else hold(dtype, head * size)
@@ -316,6 +353,11 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
             hold(dtype, head * size)
     how = (f"CPU {dtype}: Q4_1/Q8_0 linears kept quantized for the C kernel, the rest {dtype}"
            if any(k in ("Q4_1", "Q8_0") for k in held) else f"every weight in {dtype}")
+    if scaled:
+        assert model.quantization is not None
+        how = f"{model.quantization.name}: linears as stored (scales in float32), the rest {dtype}"
+    elif model.quantization is not None:
+        how = f"{model.quantization.name}: dequantized at load to {dtype} on the CPU"
     return Weights(stored, held, read, matmul, head, how)
 
 

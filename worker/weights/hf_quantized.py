@@ -321,6 +321,12 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
     return model.eval().requires_grad_(False)
 
 
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes the model's ScaledLinear weights hold."""
-    return sum(m.weight.nbytes for m in model.modules() if isinstance(m, ScaledLinear))
+def held_bytes(fmt: QuantFormat, n: int, k: int) -> int:
+    """Bytes a ScaledWeight of (n, k) in `fmt` holds (ops/scaled_linear.py's layout: quants,
+    float32 scales, uint8 zero points where asymmetric), as `ScaledWeight.nbytes`."""
+    if fmt.kind == "int4":
+        g = k if fmt.group_size == -1 else fmt.group_size
+        return n * k // 2 + n * (k // g) * (4 + (0 if fmt.symmetric else 1))
+    if fmt.block is not None:
+        return n * k + 4 * -(-n // fmt.block[0]) * -(-k // fmt.block[1])
+    return n * k + 4 * n
