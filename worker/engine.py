@@ -160,6 +160,10 @@ class Engine:
                 f"--max-model-len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {mcfg.max_position_embeddings}"
             )
+        if loaded.quantization is not None:
+            log.info("weights: %s, %s", loaded.quantization.name,
+                     "kept quantized for the Triton kernels" if loaded.device.type == "cuda"
+                     else f"dequantized at load to {str(loaded.dtype).removeprefix('torch.')} (weight-only on the CPU)")
         self.kv_dtype = memory.kv_cache_dtype(config.cache.kv_cache_dtype, loaded.device, loaded.dtype)
         self.budget = self._kv_budget()
         log.info(self.budget.describe())

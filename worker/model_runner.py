@@ -49,6 +49,7 @@ from ops import cpu_attention, cpu_decoder, cpu_sampling, huge_pages, quantized_
 from ops.linear import PackedLinear, can_pack, pack_linears
 from ops.quantized_linear import QuantizedWeight
 from ops.sampling import PenaltyTokens, SamplingTensors, greedy_ids_cpu
+from ops.scaled_linear import ScaledLinear
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from worker import prompt_logprobs
@@ -169,7 +170,7 @@ class ModelRunner:
         """The ops backend and which implementation runs the linears, the embedding lookup,
         decode attention and the other ops (for the start-up log)."""
         kinds = Counter(type(m).__name__ for m in self.model.modules()
-                        if isinstance(m, (nn.Linear, PackedLinear, quantized_linear.QuantLinear)))
+                        if isinstance(m, (nn.Linear, PackedLinear, quantized_linear.QuantLinear, ScaledLinear)))
         linears = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         path = ops.kernel_path(self.device)
         others = "Triton" if path == "triton" else "torch"
