@@ -25,7 +25,10 @@ Linear layers are not chosen here: the runner picks them at load (`--cpu-quantiz
 the C kernel on GGUF blocks, ops/quantized_linear.py; `--cpu-packed-linear`: oneDNN
 through torch, ops/linear.py; else torch's F.linear). So `--kernels torch` gives the pure
 reference for attention, norm, rotary, activation, sampling and block copies; add
-`--no-cpu-quantized-linear --no-cpu-packed-linear` for an all-torch model.
+`--no-cpu-quantized-linear --no-cpu-packed-linear` for an all-torch model. A pre-quantized
+checkpoint's linears (FP8, INT8, INT4: ops/scaled_linear.py) are the one exception, since
+their weights exist only quantized: `scaled_linear` dispatches like the ops above (Triton
+on CUDA, the reference elsewhere; the CPU dequantizes such weights at load instead).
 
 Kernel modules are imported on first use: a CPU install without triton never imports it.
 """
