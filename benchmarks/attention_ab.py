@@ -39,7 +39,8 @@ def _build(folder: Path, name: str, flags: list[str]) -> ctypes.CDLL:
         raise SystemExit("cannot build paged_attention.c here (no gcc, or no AVX2)")
     lib = ctypes.CDLL(str(so))
     p, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.paged_decode_attention.argtypes = [p, p, p, i32, i32, i32, i32, p, p, i32, p, i32, ctypes.c_float, p, i32]
+    lib.paged_decode_attention.argtypes = [p, p, p, i32, i32, i32, i32, p, p, i32, p, i32, ctypes.c_float, p, i32,
+                                           ctypes.c_int64]
     lib.paged_decode_attention.restype = i32
     return lib
 
@@ -60,7 +61,7 @@ def _measure(libs: dict[str, ctypes.CDLL], hq: int, hkv: int, d: int, context: i
         t0 = time.perf_counter()
         rc = libs[name].paged_decode_attention(q.ctypes.data, k.ctypes.data, v.ctypes.data, BLOCK, hkv, hq, d,
                                               rows.ctypes.data, tables.ctypes.data, blocks, lens.ctypes.data,
-                                              batch, 1.0 / d**0.5, outs[name].ctypes.data, threads)
+                                              batch, 1.0 / d**0.5, outs[name].ctypes.data, threads, 0)
         if rc:
             raise SystemExit(f"the kernel refused the arguments ({rc})")
         return (time.perf_counter() - t0) * 1e3
