@@ -159,3 +159,21 @@ def test_the_c_kernel_attends_its_window(lens, q_lens, window, c_kernel_windows)
     assert c_kernel_windows == ([window] if 1 in q_lens else [])
     # (with decodes only, every key out of the windows is NaN: the kernel read none of them)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tuning", [{}, {"num_splits": 3, "block_n": 16}, {"block_m": 16, "block_n": 32}])
+@pytest.mark.parametrize(("lens", "q_lens", "window"), CASES)
+def test_the_triton_kernel_attends_its_window(lens, q_lens, window, tuning) -> None:
+    """In Triton's interpreter without a GPU (float32), with the keys no window reaches
+    poisoned: a tile's loop starts at its first query's window; split-K over the window's
+    range; query tiles of 16 rows (several a chunk) and key steps of 16 and 32."""
+    pytest.importorskip("triton")
+    from ops.attention_triton import paged_attention_triton
+    from tests.helpers import kernel_device
+
+    dev = kernel_device()
+    args = step(lens, q_lens, seed=sum(lens) + 2, device=dev, poison=window)
+    q, k, v, tables, seq_lens, starts, *_, scale = args
+    want = dense(q.cpu(), k.cpu(), v.cpu(), tables.cpu(), seq_lens.cpu(), starts.cpu(), scale, window)
+    got = paged_attention_triton(*args, window=window, **tuning)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
