@@ -177,3 +177,23 @@ def test_the_triton_kernel_attends_its_window(lens, q_lens, window, tuning) -> N
     want = dense(q.cpu(), k.cpu(), v.cpu(), tables.cpu(), seq_lens.cpu(), starts.cpu(), scale, window)
     got = paged_attention_triton(*args, window=window, **tuning)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_window_benchmark_times_both_variants_at_each_context(tmp_path) -> None:
+    """`benchmarks.window --no-steps`: the C attention alone, windowed and global, at each
+    context, in its JSON (the figures themselves are the lead's to measure)."""
+    import json
+
+    from ops import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    from benchmarks import window
+
+    out = tmp_path / "w.json"
+    window.main(["--window", "32", "--contexts", "32,128", "--no-steps", "--rounds", "1", "--calls", "2",
+                 "--output-json", str(out)])
+    rows = json.loads(out.read_text())["attention"]
+    assert [(r["variant"], r["context"]) for r in rows] == [
+        ("windowed", 32), ("windowed", 128), ("global", 32), ("global", 128)]
+    assert all(r["call_ms"] > 0 and r["ratio"] > 0 for r in rows)
