@@ -161,7 +161,8 @@ class CpuDecoder:
             norms = [layer.input_layernorm.detach().contiguous(), layer.post_attention_layernorm.detach().contiguous()]
             self._keep += [*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             layers[i] = _Layer(_qlinear(attn.qkv_proj), _qlinear(attn.o_proj), _qlinear(mlp.gate_up_proj),
-                               _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr(), attn.window or 0)
+                               _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr(),
+                               min(attn.window or 0, 2**31 - 1))  # (past any context a cache holds)
         embed = model.embed_tokens
         if isinstance(embed, QuantEmbedding):
             kind, table = (_EMBED_Q8_0_I8 if embed.integer_layout else _EMBED_Q8_0), embed.packed
