@@ -52,7 +52,9 @@ VLLM_GENERATE_METHODS = frozenset(
     for m in ("Generate", "Abort", "HealthCheck", "GetModelInfo", "GetServerInfo", "GetLoads",
               "GetTokenizer", "SubscribeKvEvents"))
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
-SECRET_FIELDS = ("auth_token", "admin_token")
+# (section, field) of every secret in the config tree.
+SECRET_FIELDS = (("server", "auth_token"), ("server", "admin_token"),
+                 ("kv_transfer", "kv_transfer_peer_token"))
 
 OPEN, GENERATE, ADMIN = "open", "generate", "admin"
 
@@ -68,8 +70,8 @@ def required_level(method: str) -> str:
 def redacted_config(config: WorkerConfig) -> dict[str, Any]:
     """`config.to_dict()` with the tokens replaced by ``"<set>"`` (or ``""`` when unset)."""
     d = config.to_dict()
-    for name in SECRET_FIELDS:
-        d["server"][name] = "<set>" if d["server"][name] else ""
+    for section, name in SECRET_FIELDS:
+        d[section][name] = "<set>" if d[section][name] else ""
     return d
 
 
