@@ -141,6 +141,11 @@ class KVPins:
     def num_live(self) -> int:
         return len(self._live)
 
+    @property
+    def num_ended(self) -> int:
+        """Ended pins whose references the engine thread has still to drop."""
+        return len(self._ended)
+
     def num_blocks(self) -> int:
         """Blocks referenced by pins not yet freed (live or ended)."""
         with self._lock:

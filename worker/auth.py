@@ -9,6 +9,8 @@ method                                                 needs
 =====================================================  ===================================
 ``grpc.health.v1.Health/*``                            nothing (probes)
 ``llmworker.v1.WorkerService/Generate``                --auth-token or --admin-token
+``llmworker.v1.KVTransfer/*`` (a decode worker's pull  --auth-token or --admin-token
+of a prefill's handoff)
 ``vllm.grpc.engine.VllmEngine/`` Generate, Abort and   --auth-token or --admin-token
 what SMG reads to route (HealthCheck, GetModelInfo,
 GetServerInfo, GetLoads, GetTokenizer,
@@ -51,6 +53,10 @@ VLLM_GENERATE_METHODS = frozenset(
     f"/vllm.grpc.engine.VllmEngine/{m}"
     for m in ("Generate", "Abort", "HealthCheck", "GetModelInfo", "GetServerInfo", "GetLoads",
               "GetTokenizer", "SubscribeKvEvents"))
+# A decode worker pulls a prefill's KV blocks with the Generate token (the gateway's), as
+# the handoff came through a Generate; a handle reads only the prompt it was made for.
+KV_TRANSFER_METHODS = frozenset(f"/llmworker.v1.KVTransfer/{m}"
+                                for m in ("PullBlocks", "RenewLease", "ReleaseBlocks"))
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 # (section, field) of every secret in the config tree.
 SECRET_FIELDS = (("server", "auth_token"), ("server", "admin_token"),
@@ -62,7 +68,7 @@ OPEN, GENERATE, ADMIN = "open", "generate", "admin"
 def required_level(method: str) -> str:
     if method.startswith(OPEN_PREFIXES):
         return OPEN
-    if method == GENERATE_METHOD or method in VLLM_GENERATE_METHODS:
+    if method == GENERATE_METHOD or method in VLLM_GENERATE_METHODS or method in KV_TRANSFER_METHODS:
         return GENERATE
     return ADMIN  # deny by default: admin RPCs, reflection, anything unknown
 
