@@ -395,11 +395,14 @@ class Door:
         the prompt to be computed here, counted and logged by reason."""
         kc = self.config.kv_transfer
         spec = kc.kv_transfer_config
+        if spec is None:  # sent to a worker that cannot honour it: refused, never ignored
+            raise InvalidArgument(f"{handoff.FIELD} is not supported: this worker does no KV "
+                                  "transfer (start it with --kv-transfer-config)")
         bs = engine.kv.block_size
         params = handoff.parse(text, max_blocks=-(-engine.max_model_len // bs))
         p = req.sampling_params
         if params.remote_decode:
-            if spec is None or not spec.is_producer:
+            if not spec.is_producer:
                 raise InvalidArgument(f"{handoff.FIELD}: do_remote_decode on a worker that "
                                       "makes no KV handoffs (start it with --kv-transfer-config "
                                       "kv_role kv_producer or kv_both)")
@@ -408,7 +411,7 @@ class Door:
             return
         if params.handoff is None and not params.foreign:
             return  # neither leg: a plain request
-        if spec is None or not spec.is_consumer:
+        if not spec.is_consumer:
             raise InvalidArgument(f"{handoff.FIELD}: do_remote_prefill on a worker that pulls "
                                   "no KV (start it with --kv-transfer-config kv_role "
                                   "kv_consumer or kv_both)")

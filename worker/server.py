@@ -227,6 +227,7 @@ async def serve(config: WorkerConfig) -> int:
             await health_server.stop(None)
         if bridge is not None:
             await bridge.close()
+            _say(_kv_at_stop(bridge.engine))
         if metrics is not None:
             await asyncio.to_thread(metrics.stop)
         telemetry.shutdown_tracing()
@@ -234,6 +235,19 @@ async def serve(config: WorkerConfig) -> int:
             cpu_placement.unplace_threads(allowed_cpus)
     _say("stopped")
     return exit_code
+
+
+def _kv_at_stop(engine: Engine) -> str:
+    """The block accounting's check, once the engine thread has stopped (so nothing moves):
+    the line an operator (and the P/D tests) read to know no block leaked."""
+    kv = engine.kv
+    try:
+        kv.check_integrity()
+        verdict = "integrity ok"
+    except AssertionError as e:
+        verdict = f"integrity FAILED: {str(e)[:200]}"
+    return (f"KV cache at stop: {verdict}; {kv.blocks_in_use()} of {kv.num_blocks} blocks in "
+            f"use, {kv.handoff_pins.num_blocks()} pinned for handoffs")
 
 
 def _advertised_host(config: WorkerConfig) -> str:
