@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import signal
 import socket
 import threading
@@ -26,45 +25,31 @@ import grpc
 import pytest
 from llmworker.v1 import kv_transfer_pb2 as kpb
 from llmworker.v1 import kv_transfer_pb2_grpc
-from llmworker.v1 import worker_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from tests.test_server import Worker, blocks_all_free, wait_until
+from tests.pd_helpers import (
+    CONSUMER,
+    LEASE_S,
+    PRODUCER,
+    delta,
+    figures,
+    free_port,
+    settled,
+    status,
+    stop_and_check,
+)
+from tests.test_server import Worker
 
 pytestmark = pytest.mark.slow
 
-LEASE_S = 3.0
-PRODUCER = ("--kv-transfer-config", '{"kv_connector": "GrpcConnector", "kv_role": "kv_producer"}',
-            "--kv-transfer-lease-s", str(LEASE_S))
-CONSUMER = ("--kv-transfer-config", '{"kv_connector": "GrpcConnector", "kv_role": "kv_consumer"}')
 TAG = '{"do_remote_decode":true,"do_remote_prefill":false}'
 TIMEOUT = 120
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 LATE_PORT = free_port()  # where the drained-then-killed prefill listens (D trusts it)
 METRICS_PORT = free_port()
-
-
-def stop_and_check(*ws: Worker) -> None:
-    """Stop the workers gracefully (all at once); each one's own check of its block
-    accounting must pass with every block free and nothing pinned (worker.server: the stop
-    line)."""
-    for w in ws:
-        if w.proc.poll() is None:
-            w.proc.send_signal(signal.SIGTERM)
-    for w in ws:
-        w.proc.wait(60)
-        m = w.wait_for(r"KV cache at stop: (.*)", timeout=5)
-        assert re.match(r"integrity ok; 0 of \d+ blocks in use, 0 pinned", m.group(1)), m.group(1)
-        w.close()
 
 
 @pytest.fixture(scope="module")
@@ -131,32 +116,6 @@ def forged(text: str, **changes) -> str:
         else:
             d[key] = value
     return json.dumps(d)
-
-
-def status(w: Worker) -> pb.GetServerStatusResponse:
-    return w.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=10)
-
-
-def figures(w: Worker) -> dict[str, int]:
-    st = status(w)
-    k = st.kv_transfer
-    out = {f"fallback:{r}": n for r, n in k.fallbacks.items()}
-    out |= {f"source:{s}": n for s, n in st.prompt_tokens_by_source.items()}
-    for name in ("pulls", "pulled_blocks", "skipped", "pulls_aborted", "handoffs",
-                 "handoffs_refused", "pins_pulled", "pins_released", "pins_expired"):
-        out[name] = getattr(k, name)
-    return out
-
-
-def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-
-
-def settled(*ws: Worker) -> None:
-    """Every block free (pins included) and nothing running, on each worker."""
-    for w in ws:
-        wait_until(lambda w=w: blocks_all_free(w) and status(w).kv_transfer.pinned_blocks == 0,
-                   20, f"{w.address}: every block free")
 
 
 def flush(w: Worker) -> None:
