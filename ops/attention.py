@@ -10,7 +10,9 @@ Layout of one step (three requests: a decode, a prefill chunk, a decode)::
     k_cache[block, offset]: request r's token at position p lives in block
     block_tables[r, p // block_size] at offset p % block_size.
 
-Each query token attends causally to every cached key at a position <= its own.
+Each query token attends causally to every cached key at a position <= its own; with a
+sliding window w (`window`, a layer's own: ModelConfig.window_of), only to the keys in
+(position - w, position], transformers' window.
 
 `paged_attention_ref` is the torch reference (pure torch, no state between calls): decodes
 run as batched SDPA calls over their keys gathered by block table, grouped by context
@@ -43,9 +45,25 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> torch
 class _Prefill:
     start: int  # first query row
     end: int
-    table: torch.Tensor  # [1, max_blocks]
+    table: torch.Tensor  # [1, blocks from the first one any row's window reaches]
     num_blocks: int
     mask: torch.Tensor  # [q_len, num_blocks * block_size] bool, causal from the cached context
+
+
+def _prefill(block_tables: torch.Tensor, r: int, n: int, start: int, end: int, block_size: int,
+             window: int | None) -> _Prefill:
+    """Request r's chunk: query rows start..end-1 over its n tokens. Row i sits at position
+    n - q_len + i and sees keys (position - window, position]: the gather starts at the block
+    of the first row's first key, so a windowed chunk reads its window, not its context."""
+    q_len, device = end - start, block_tables.device
+    first = 0 if window is None else max(0, n - q_len - window + 1) // block_size
+    nblk = -(-n // block_size) - first
+    q_pos = torch.arange(n - q_len, n, device=device)[:, None]
+    keys = first * block_size + torch.arange(nblk * block_size, device=device)[None, :]
+    mask = keys <= q_pos
+    if window is not None:
+        mask &= keys > q_pos - window
+    return _Prefill(start, end, block_tables[r : r + 1, first:], nblk, mask)
 
 
 @dataclass
@@ -53,7 +71,7 @@ class _DecodeGroup:
     rows: torch.Tensor  # query rows (one per request), int64
     tables: torch.Tensor  # [n, max_blocks]
     num_blocks: int
-    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool: keys < seq_len
+    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool: seq_len - window <= keys < seq_len
 
 
 @dataclass
@@ -69,46 +87,55 @@ class AttentionPlan:
     """What the torch and C paths need to know of one step's batch, built from its metadata
     with one host read of the lengths: each prefill chunk's table and causal mask, and the
     decodes, grouped by context length (for SDPA) or all at once (for the C kernel; each
-    form built on first use). Keeps the metadata tensors it was built from, to check that
-    later calls pass the same ones."""
+    form built on first use, the masks once per window the step's layers have). Keeps the
+    metadata tensors it was built from, to check that later calls pass the same ones."""
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, block_size: int) -> None:
         self.block_tables, self.seq_lens, self.query_start_loc = block_tables, seq_lens, query_start_loc
         self.block_size = block_size
-        device = block_tables.device
         lens, starts = seq_lens.tolist(), query_start_loc.tolist()
         self.lens = lens
-        self.prefills: list[_Prefill] = []
+        self._chunks: list[tuple[int, int, int, int]] = []  # (request, length, first row, end)
         # log2 bucket of context length -> decode request indices: within a bucket, padding
         # to the longest at most doubles the keys read.
         self.buckets: dict[int, list[int]] = {}
         for r, n in enumerate(lens):
-            q_len = starts[r + 1] - starts[r]
-            if q_len == 1:
+            if starts[r + 1] - starts[r] == 1:
                 self.buckets.setdefault((n - 1).bit_length(), []).append(r)
-                continue
-            nblk = -(-n // block_size)
-            # query row i sits at position n - q_len + i and sees keys 0..that position
-            q_pos = torch.arange(n - q_len, n, device=device)
-            mask = torch.arange(nblk * block_size, device=device)[None, :] <= q_pos[:, None]
-            self.prefills.append(_Prefill(starts[r], starts[r + 1], block_tables[r : r + 1], nblk, mask))
+            else:
+                self._chunks.append((r, n, starts[r], starts[r + 1]))
+        self._prefills: dict[int | None, list[_Prefill]] = {}
+        self._groups: dict[int | None, list[_DecodeGroup]] = {}
 
     def matches(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, block_size: int) -> bool:
         return (block_tables is self.block_tables and seq_lens is self.seq_lens
                 and query_start_loc is self.query_start_loc and block_size == self.block_size)
 
-    @functools.cached_property
-    def decode_groups(self) -> list[_DecodeGroup]:
+    def prefills_for(self, window: int | None) -> list[_Prefill]:
+        """Each prefill chunk's table and mask for a layer of this window (None: global)."""
+        if window not in self._prefills:
+            self._prefills[window] = [_prefill(self.block_tables, r, n, s, e, self.block_size, window)
+                                      for r, n, s, e in self._chunks]
+        return self._prefills[window]
+
+    def decode_groups_for(self, window: int | None) -> list[_DecodeGroup]:
+        """The decodes grouped for SDPA, masked to keys [seq_len - window, seq_len)."""
+        if window in self._groups:
+            return self._groups[window]
         groups = []
         for reqs in self.buckets.values():
             idx = torch.tensor(reqs, device=self.block_tables.device)
             nblk = -(-max(self.lens[r] for r in reqs) // self.block_size)
-            keys = torch.arange(nblk * self.block_size, device=idx.device)
-            mask = keys[None, :] < self.seq_lens[idx].long()[:, None]
+            keys = torch.arange(nblk * self.block_size, device=idx.device)[None, :]
+            lens = self.seq_lens[idx].long()[:, None]
+            mask = keys < lens
+            if window is not None:
+                mask &= keys >= lens - window
             groups.append(_DecodeGroup(self.query_start_loc[idx].long(),
                                        self.block_tables.index_select(0, idx), nblk, mask[:, None, None, :]))
+        self._groups[window] = groups
         return groups
 
     @functools.cached_property
@@ -157,10 +184,10 @@ def plan_for(step: StepPlan | None, block_tables: torch.Tensor, seq_lens: torch.
 
 
 def attend_prefills(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                    v_cache: torch.Tensor, scale: float, out: torch.Tensor, window: int | None = None) -> None:
     """out[chunk] for every prefill chunk of the plan, one SDPA call each."""
     gqa = q.shape[1] != k_cache.shape[2]
-    for p in plan.prefills:
+    for p in plan.prefills_for(window):
         k = _gather(k_cache, p.table, p.num_blocks).to(q.dtype)
         v = _gather(v_cache, p.table, p.num_blocks).to(q.dtype)
         chunk = q[p.start : p.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
@@ -179,18 +206,21 @@ def paged_attention_ref(
     max_seq_len: int,
     scale: float,
     plan: StepPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
     int32/64; seq_lens: [B]; query_start_loc: [B + 1]. Returns [T, Hq, D].
 
     The torch reference. `plan`: the step's shared plan (see the module docstring); None
-    builds one for this call. max_query_len and max_seq_len are not needed here.
+    builds one for this call. max_query_len and max_seq_len are not needed here. `window`:
+    the layer's sliding window (keys in (position - window, position]), None: global; the
+    decodes' keys are masked to it, each prefill chunk's gathered from its window's blocks.
     """
     p = plan_for(plan, block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    attend_prefills(p, q, k_cache, v_cache, scale, out)
+    attend_prefills(p, q, k_cache, v_cache, scale, out, window)
     gqa = q.shape[1] != k_cache.shape[2]
-    for g in p.decode_groups:
+    for g in p.decode_groups_for(window):
         k = _gather(k_cache, g.tables, g.num_blocks).to(q.dtype)
         v = _gather(v_cache, g.tables, g.num_blocks).to(q.dtype)
         o = F.scaled_dot_product_attention(q.index_select(0, g.rows)[:, :, None], k, v,

@@ -288,6 +288,7 @@ def paged_attention_triton(
     max_seq_len: int,
     scale: float,
     plan: StepPlan | None = None,
+    window: int | None = None,
     *,
     block_n: int | None = None,
     block_m: int = 64,
@@ -314,6 +315,8 @@ def paged_attention_triton(
     - num_stages: software pipelining depth; 2 with one tile per request, else 3.
     - num_splits: forces split-K; None picks `default_num_splits`.
     """
+    if window is not None:
+        raise NotImplementedError("sliding-window attention is not in the Triton kernel yet")
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]

@@ -69,13 +69,14 @@ def paged_attention_c(
     max_seq_len: int,
     scale: float,
     plan: StepPlan | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref`'s contract: prefill chunks as the reference runs them, every
     decode in one call of the C kernel; the reference itself where the kernel is not
-    `usable` (not float32, not built here)."""
-    if not usable(q, k_cache):
+    `usable` (not float32, not built here) or the layer has a sliding window."""
+    if not usable(q, k_cache) or window is not None:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   max_query_len, max_seq_len, scale, plan)
+                                   max_query_len, max_seq_len, scale, plan, window)
     p = plan_for(plan, block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
     attend_prefills(p, q, k_cache, v_cache, scale, out)

@@ -120,6 +120,8 @@ def unsupported(model: nn.Module) -> str | None:
         return f"head_dim {cfg.head_dim} or hidden size {cfg.hidden_size} not a multiple of 32"
     if model.norm.dtype != torch.float32 or model.norm.device.type != "cpu":
         return "not float32 on the CPU"
+    if any(layer.self_attn.window is not None for layer in model.layers):
+        return "sliding-window layers (not in the fused decoder yet)"
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if not isinstance(lin, QuantLinear):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -420,6 +421,65 @@ def test_sweep_against_a_real_worker(worker: Worker, tmp_path: Path) -> None:
     assert env["git_commit"][:12] in text and env["command"] in text
     tput = result["runs"][0]["summary"]["output_throughput"]
     assert f"{tput:,.1f}" in text and "Knee" in text
+
+
+def test_save_result_writes_vllms_keys_agreeing_with_the_report(
+    worker: Worker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--save-result: each rate's run as vllm bench serve writes it, whose figures are the
+    bench's own (its JSON summary, its printed report) and follow from the run's records."""
+    from tests.test_bench_vllm import VLLM_KEYS
+
+    out, folder = tmp_path / "ours.json", tmp_path / "vllm"
+    argv = ["run", "--target", worker.address, "--dataset", "random", "--input-len", "12",
+            "--output-len", "uniform:3:6", "--num-requests", "5", "--ignore-eos", "--warmup", "0",
+            "--request-rate", "30,inf", "--max-concurrency", "2", "--slo", "ttft=60s",
+            "--output-json", str(out), "--no-progress", "--save-result", "--result-dir",
+            str(folder), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
+            "50,90,99", "--metadata", "run=ci", "--label", "mine"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    ours = json.loads(out.read_text())
+    model = ours["server"]["model"]
+    files = sorted(folder.iterdir())
+    assert [f.name.split(f"-{model}-")[0] for f in files] == [
+        "mine-30.0qps-concurrency2", "mine-infqps-concurrency2"]
+    for f, run in zip(files, ours["runs"], strict=True):
+        got = json.loads(f.read_text())
+        # vLLM's keys, with --metadata after num_prompts and e2el's after the default three.
+        base = [k for k in VLLM_KEYS if not k.startswith(("p99_", "mean_", "median_", "std_"))]
+        assert [k for k in got if not re.match(r"(p\d+|mean|median|std)_", k)] == (
+            [*base[:7], "run", *base[7:]])
+        assert (got["label"], got["model_id"], got["num_prompts"], got["run"]) == (
+            "mine", model, 5, "ci")
+        s = run["summary"]
+        assert got["request_rate"] == run["request_rate"] and got["max_concurrency"] == 2
+        for key in ("completed", "failed", "total_input_tokens", "total_output_tokens",
+                    "request_throughput", "output_throughput", "total_token_throughput",
+                    "request_goodput"):
+            assert got[key] == pytest.approx(s[key]), key
+        assert got["duration"] == s["duration_s"] and got["completed"] == 5
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            for stat, key in (("mean", "mean"), ("median", "median"), ("p90", "p90"),
+                              ("p99", "p99"), ("p50", "median")):
+                assert got[f"{stat}_{name}_ms"] == pytest.approx(s[f"{name}_ms"][key]), (name, stat)
+            # The bench's own printed report shows the same figures.
+            line = {"ttft": "TTFT ms", "tpot": "TPOT ms", "itl": "ITL  ms", "e2el": "E2EL ms"}[name]
+            shown = " / ".join(f"{got[f'{k}_{name}_ms']:.1f}" for k in ("mean", "median", "p90", "p99"))
+            assert f"{line}" in printed and shown in printed, (name, shown)
+        # From the run's per-request records (milliseconds, as written): vLLM's definitions.
+        recs = run["records"]
+        ttft = [r["ttft_ms"] for r in recs]
+        itl = [g for r in recs for g in r["itl_ms"]]
+        tpot = [(r["e2el_ms"] - r["ttft_ms"]) / (r["output_tokens"] - 1) for r in recs
+                if r["output_tokens"] > 1]
+        for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot)):
+            assert got[f"std_{name}_ms"] == pytest.approx(np.std(values), abs=1e-2), name
+            assert got[f"mean_{name}_ms"] == pytest.approx(np.mean(values), abs=1e-2), name
+        assert got["latencies"] == pytest.approx([r["e2el_ms"] / 1e3 for r in recs], abs=1e-6)
+        assert got["max_concurrent_requests"] <= s["max_in_flight"] == 2
+        assert got["max_output_tokens_per_s"] >= 1 and len(got["queue_times"]) == 5
+    assert f"{ours['runs'][0]['summary']['request_throughput']:.2f} req/s" in printed
 
 
 def test_client_side_text_with_the_workers_tokenizer_over_the_wire(

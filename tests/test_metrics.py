@@ -6,6 +6,7 @@ preemption is counted when it happens and its victim counts as waiting, as in vL
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -63,16 +64,23 @@ class Scrape:
         return self.values[name]
 
 
-@pytest.fixture(scope="module")
-def metrics_worker() -> Iterator[tuple[Worker, int]]:
+@contextlib.contextmanager
+def worker_with_metrics(*flags: str) -> Iterator[tuple[Worker, int]]:
+    """A ready `llm-worker serve --metrics-port PORT *flags`, and PORT."""
     port = free_port()
-    w = Worker("--metrics-port", str(port))
+    w = Worker("--metrics-port", str(port), *flags)
     try:
         w.wait_ready()
         w.wait_for(rf"Prometheus metrics .* on http://127\.0\.0\.1:{port}/metrics", timeout=5)
         yield w, port
     finally:
         w.close()
+
+
+@pytest.fixture(scope="module")
+def metrics_worker() -> Iterator[tuple[Worker, int]]:
+    with worker_with_metrics() as served:
+        yield served
 
 
 def test_fresh_worker_publishes_vllm_names_at_zero(metrics_worker: tuple[Worker, int]) -> None:

@@ -1,5 +1,8 @@
-"""The one engine: a background thread that loops
-``schedule -> run model -> sample -> update -> publish`` while there is work.
+"""The one engine: a background thread that loops `step()` while there is work. A step
+drains the inbox, then runs its phases (`Engine._run`, each a method):
+
+    schedule -> execute (KV moves, model, sample) -> tally drafts -> advance
+             -> check stops (detokenize, stop strings, grammar) -> finish -> publish
 
 `submit()` and `abort()` are safe from any thread: they post to an inbox the
 loop drains at the top of each step. Each step's results leave once, as one
@@ -32,6 +35,7 @@ import ops
 from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
+from scheduler.output import SchedulerOutput
 from scheduler.request import (
     RemoteKVState,
     Request,
@@ -48,7 +52,7 @@ from worker.kv_transfer.handoff import Layout, model_fingerprint
 from worker.kv_transfer.stats import KVTransferStats
 from worker.lora.registry import LoraRegistry
 from worker.lora.slots import LoraSlots
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, SampleResult
 from worker.outputs import OutputState, RequestOutput
 from worker.spec_decode import NgramProposer
 from worker.structured import GrammarMatcher
@@ -137,6 +141,15 @@ def _max_verify_rows(spec: NgramSpeculation | None, max_num_seqs: int) -> int:
         return 0
     rows = min(max_num_seqs, spec.disable_by_batch_size) * (spec.num_speculative_tokens + 1)
     return min(rows, MAX_VERIFY_GRAPH_ROWS)
+
+
+@dataclass
+class _Ends:
+    """How requests end in this step besides the scheduler's own stops (`Engine._check_stops`)."""
+
+    stopped: list[str] = field(default_factory=list)  # a stop string, or a complete grammar
+    failed: dict[str, str] = field(default_factory=dict)  # the grammar refused: id -> error
+    client_faults: set[str] = field(default_factory=set)  # of `failed`: the constraint's limit
 
 
 def _wake_reader(fd: int | None) -> None:
@@ -487,7 +500,10 @@ class Engine:
         return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
 
     def step(self) -> StepOutput:
-        """One iteration; returns what it produced (possibly nothing)."""
+        """One iteration: the inbox (adds, aborts, prefix-cache resets), then the step's
+        phases (`_run`) when anything is unfinished, then the parallel samples' groups and
+        the KV events the step caused. Returns what it produced (possibly nothing), for
+        the caller to publish (`_loop`'s `on_step`, or `generate`)."""
         step = StepOutput(self._drain_inbox())
         self._stalled = False
         if self.kv.handoff_pins.num_live or self.kv.handoff_pins.num_ended:
@@ -532,18 +548,50 @@ class Engine:
                                   if on and decoding and plain else [])
 
     def _run(self, step: StepOutput) -> None:
-        outputs = step.outputs
-        if self.proposer is not None:
-            self._propose()
-        sched = self.scheduler.schedule()
-        step.num_preempted = len(sched.preempted_ids)
-        self.num_preemptions += step.num_preempted  # for the metrics, when made
+        """The step's phases, in order (each a method below that states its contract):
+
+            schedule -> remote KV (pulls started) -> execute (KV moves, model, sample)
+                     -> tally drafts -> advance -> check stops (detokenize, stop strings,
+                     grammar) -> finish -> publish
+
+        Every phase after `_execute` runs only when the model step succeeded; a failed one
+        has ended its requests (published with the error) and the step stops there."""
+        sched = self._schedule(step)
         if sched.remote_kv:
             self._remote_kv(sched.remote_kv)
         if sched.is_empty:
             # Only pulls under way (their reports wake the loop): nothing to spin for.
             self._stalled = bool(self.scheduler.num_pulling)
             return
+        sampled = self._execute(sched, step)
+        if sampled is None:
+            return
+        self._tally_drafts(sched, sampled, step)
+        updated, new_ids = self._advance(sched, sampled)
+        ends = self._check_stops(updated, new_ids, sampled)
+        self._finish(ends)
+        self._publish(step, updated, new_ids, ends)
+
+    def _schedule(self, step: StepOutput) -> SchedulerOutput:
+        """Phase 1: drafts for the requests that decode next (with speculation on), then the
+        scheduler's choice of requests and tokens for this step. Preemptions are counted
+        here, when made, even if the step then runs nothing."""
+        if self.proposer is not None:
+            self._propose()
+        sched = self.scheduler.schedule()
+        step.num_preempted = len(sched.preempted_ids)
+        self.num_preemptions += step.num_preempted  # for the metrics, when made
+        return sched
+
+    def _execute(self, sched: SchedulerOutput, step: StepOutput) -> dict[str, list[SampleResult]] | None:
+        """Phase 2: the runner's one call: the step's KV moves (swap out, swap in, copy),
+        the forward pass, and sampling (the C decoder finds greedy rows' tokens in the same
+        native call as the layers, so these stay one call). Returns each sampling request's
+        results: one, or with drafts the accepted drafts and then the model's own token.
+
+        A call that raises fails the step's requests (and those it swapped out: their CPU
+        blocks may be unwritten) with the error in their outputs, and returns None; the
+        engine goes on (`max_consecutive_failed_steps`)."""
         try:
             sampled = self.runner.execute(sched)
         except Exception as e:  # a failed step fails its requests, never hangs them
@@ -556,75 +604,118 @@ class Engine:
                      if (r := self.scheduler.get_request(rid)) is not None
                      and r.status is RequestStatus.SWAPPED]
             self.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)
-            outputs += [self._output(r, [], finished=True, error=f"model step failed: {e}") for r in reqs]
-            return
+            step.outputs += [self._output(r, [], finished=True, error=f"model step failed: {e}")
+                             for r in reqs]
+            return None
         self.num_steps += 1
         self.num_failed_steps = 0
         step.num_batched_tokens = sched.num_batched_tokens
         self.step_tokens[step.num_batched_tokens] = self.step_tokens.get(step.num_batched_tokens, 0) + 1
-        before = {s.request_id: s.request.num_output_tokens for s in sched.scheduled if s.will_sample}
+        return sampled
+
+    def _tally_drafts(self, sched: SchedulerOutput, sampled: dict[str, list[SampleResult]],
+                      step: StepOutput) -> None:
+        """Phase 3: speculative decoding's figures: drafts verified and accepted, in all and
+        per draft position, and this step's in `step`. Nothing without drafts."""
         drafted = sum(len(s.spec_token_ids) for s in sched.scheduled)
-        if drafted:
-            accepted = 0
-            for s in sched.scheduled:
-                if s.spec_token_ids:
-                    n = len(sampled[s.request_id]) - 1
-                    accepted += n
-                    self.num_drafts += 1
-                    for j in range(n):
-                        self.accepted_per_position[j] += 1
-            self.num_draft_tokens += drafted
-            self.num_accepted_tokens += accepted
-            step.num_draft_tokens, step.num_accepted_tokens = drafted, accepted
+        if not drafted:
+            return
+        accepted = 0
+        for s in sched.scheduled:
+            if s.spec_token_ids:
+                n = len(sampled[s.request_id]) - 1
+                accepted += n
+                self.num_drafts += 1
+                for j in range(n):
+                    self.accepted_per_position[j] += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        step.num_draft_tokens, step.num_accepted_tokens = drafted, accepted
+
+    def _advance(self, sched: SchedulerOutput, sampled: dict[str, list[SampleResult]]
+                 ) -> tuple[list[Request], dict[str, list[int]]]:
+        """Phase 4: the scheduler takes the sampled tokens (`Scheduler.update_from_output`:
+        appended up to a stop token or max_tokens, which finish and free the request;
+        followers forked). Returns the requests that got tokens, and by id the tokens each
+        got this step (a list the next phase may cut at a stop string)."""
+        before = {s.request_id: s.request.num_output_tokens for s in sched.scheduled if s.will_sample}
         updated = self.scheduler.update_from_output(
             sched, {k: [r.token_id for r in v] for k, v in sampled.items()})
-        stopped: list[str] = []
-        failed: dict[str, str] = {}
-        client_faults: set[str] = set()  # of `failed`: what the request asked for failed
-        new_ids: dict[str, list[int]] = {}
+        # A follower forked this step had none before.
+        return updated, {r.request_id: r.output_token_ids[before.get(r.request_id, 0):] for r in updated}
+
+    def _check_stops(self, updated: list[Request], new_ids: dict[str, list[int]],
+                     sampled: dict[str, list[SampleResult]]) -> _Ends:
+        """Phase 5: each request's new tokens through its detokenizer (logprobs taken
+        along), in order, up to a stop string; else through its grammar. A stop string
+        ends the request at the token that completed it: later tokens (accepted drafts)
+        are cut from `new_ids` and from the request, as if never sampled. Returns who ends
+        how; the scheduler has not been told yet (`_finish`)."""
+        ends = _Ends()
         for req in updated:
-            state = req.output_state
-            first = before.get(req.request_id, 0)  # a follower forked this step: 0
-            ids = new_ids[req.request_id] = req.output_token_ids[first:]
-            for j, token in enumerate(ids):
-                if req.sampling_params.logprobs is not None:
-                    state.pending_logprobs.append(sampled[req.request_id][j])
-                stop = state.add_token(token)
-                if stop is None:
-                    continue
-                last = j == len(ids) - 1
-                if req.is_finished and last:
-                    break  # its stop token or length ended it at this very token: that stands
-                # A stop string ends the request at this token; tokens after it (accepted
-                # drafts) are dropped, as if they had never been sampled.
-                del ids[j + 1 :]
-                req.truncate_output(first + j + 1)
-                req.stop_reason = stop
-                if req.is_finished:  # ended later in the dropped tokens; already released
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    stopped.append(req.request_id)
-                break
+            ids = new_ids[req.request_id]
+            stopped = self._stop_string(req, ids, sampled[req.request_id], ends)
+            if not stopped and req.grammar is not None:
+                self._accept_grammar(req, ids, ends)
+        return ends
+
+    @staticmethod
+    def _stop_string(req: Request, ids: list[int], results: list[SampleResult], ends: _Ends) -> bool:
+        """Detokenize `ids` (the request's new tokens, the last `len(ids)` of its output);
+        True where a stop string ended the request (`ids` and its output then cut)."""
+        state = req.output_state
+        first = req.num_output_tokens - len(ids)
+        for j, token in enumerate(ids):
+            if req.sampling_params.logprobs is not None:
+                state.pending_logprobs.append(results[j])
+            stop = state.add_token(token)
+            if stop is None:
+                continue
+            if req.is_finished and j == len(ids) - 1:
+                return True  # its stop token or length ended it at this very token: that stands
+            del ids[j + 1 :]
+            req.truncate_output(first + j + 1)
+            req.stop_reason = stop
+            if req.is_finished:  # ended later in the dropped tokens; already released
+                req.status = RequestStatus.FINISHED_STOPPED
             else:
-                # No stop string ended it. A grammar's request (never drafted: one token here)
-                # advances its matcher over the token; complete, the grammar ends the request.
-                if req.grammar is not None and not req.is_finished:
-                    assert len(ids) == 1, "a constrained request got drafts"
-                    if not req.grammar.accept(ids[0]):
-                        failed[req.request_id] = (f"the grammar refused token {ids[0]}: "
-                                                  f"{req.grammar.error}")
-                        if req.grammar.over_limit:  # the constraint's doing, not ours
-                            client_faults.add(req.request_id)
-                    elif req.grammar.done:
-                        stopped.append(req.request_id)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if failed:
-            self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
+                ends.stopped.append(req.request_id)
+            return True
+        return False
+
+    @staticmethod
+    def _accept_grammar(req: Request, ids: list[int], ends: _Ends) -> None:
+        """A grammar's request (never drafted: one token here) advances its matcher over
+        the token: refused, the request fails (the client's fault when the constraint hit a
+        limit); complete, the grammar ends it."""
+        assert req.grammar is not None
+        if req.is_finished:
+            return
+        assert len(ids) == 1, "a constrained request got drafts"
+        if not req.grammar.accept(ids[0]):
+            ends.failed[req.request_id] = f"the grammar refused token {ids[0]}: {req.grammar.error}"
+            if req.grammar.over_limit:  # the constraint's doing, not ours
+                ends.client_faults.add(req.request_id)
+        elif req.grammar.done:
+            ends.stopped.append(req.request_id)
+
+    def _finish(self, ends: _Ends) -> None:
+        """Phase 6: the scheduler ends what a stop string or grammar stopped, and what a
+        grammar failed, freeing their blocks."""
+        if ends.stopped:
+            self.scheduler.finish_requests(ends.stopped, RequestStatus.FINISHED_STOPPED)
+        if ends.failed:
+            self.scheduler.finish_requests(list(ends.failed), RequestStatus.FINISHED_ERROR)
+
+    def _publish(self, step: StepOutput, updated: list[Request], new_ids: dict[str, list[int]],
+                 ends: _Ends) -> None:
+        """Phase 7: one output per request that got tokens (its new tokens and text,
+        finished or not, the error if it failed), in the step's order, into `step`."""
         for req in updated:
-            outputs.append(self._output(req, new_ids[req.request_id], finished=req.is_finished,
-                                        error=failed.get(req.request_id),
-                                        refused=req.request_id in client_faults))
+            rid = req.request_id
+            step.outputs.append(self._output(req, new_ids[rid], finished=req.is_finished,
+                                             error=ends.failed.get(rid),
+                                             refused=rid in ends.client_faults))
 
     def _remote_kv(self, reqs: list[Request]) -> None:
         """Start the pulls of requests admitted into WAITING_FOR_REMOTE_KV; let the prefill

@@ -1,6 +1,7 @@
 """Prometheus metrics under vLLM's names, served over HTTP at --metrics-host:--metrics-port
-/metrics (off when the port is 0), for the Gateway API Inference Extension endpoint pickers
-(llm-d and others) and the Grafana dashboards built for vLLM.
+/metrics (off when the port is 0), in the Prometheus text format (see `text_format_only`),
+for the Gateway API Inference Extension endpoint pickers (llm-d and others), the Grafana
+dashboards built for vLLM and deploy/'s (grafana-dashboard.json, prometheus-rules.yaml).
 
 Every series carries the labels ``model_name`` (the served model's name, as GetModelInfo
 reports it) and ``engine="0"`` (vLLM's engine index; we have one engine). Names and bucket
@@ -125,6 +126,15 @@ vllm:request_generation_tokens              histogram  output tokens per finishe
 vllm:request_params_max_tokens              histogram  max_tokens per finished request
 vllm:request_success_total                  counter    finished requests by finished_reason:
                                                        stop, length, abort, error
+llm_worker:grpc_server_handled_total        counter    RPCs ended, by grpc_service,
+                                                       grpc_method and grpc_code (the status
+                                                       name: OK, INVALID_ARGUMENT,
+                                                       RESOURCE_EXHAUSTED, UNAVAILABLE, ...),
+                                                       as go-grpc-prometheus labels them;
+                                                       both protocols' Generate and our
+                                                       unary RPCs (not health, reflection);
+                                                       rejections at the door included,
+                                                       which no request counter sees
 ==========================================  =========  ===================================
 
 So once every finished request produced at least one token, each per-request histogram
@@ -166,6 +176,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from worker import telemetry
 from worker.bridge import EngineBridge, RequestStream
 from worker.kv_transfer.stats import PULL_SECONDS_BUCKETS
 from worker.load import Load, snapshot
@@ -487,6 +498,20 @@ class RequestMetrics:
         self.max_tokens.observe(req.sampling_params.max_tokens)
 
 
+class RpcMetrics:
+    """RPCs by status, fed by `telemetry.rpc_observers` (on the loop) while registered."""
+
+    def __init__(self, registry: CollectorRegistry, labels: tuple[str, str]) -> None:
+        self._labels = labels
+        self.handled = Counter("llm_worker:grpc_server_handled", "RPCs ended, by status code.",
+                               (*LABELS, "grpc_service", "grpc_method", "grpc_code"),
+                               registry=registry)
+
+    def __call__(self, method: str, code: str) -> None:
+        service, _, name = method.rpartition("/")
+        self.handled.labels(*self._labels, service, name, code).inc()
+
+
 class MetricsServer:
     """The registry, the bridge observer and the HTTP server of one worker."""
 
@@ -513,7 +538,8 @@ class MetricsServer:
         self._httpd: WSGIServer
         self._thread: threading.Thread
         try:
-            self._httpd = _metrics_server(host, port, prometheus_client.make_wsgi_app(self.registry))
+            self._httpd = _metrics_server(host, port, text_format_only(
+                prometheus_client.make_wsgi_app(self.registry)))
         except OSError as e:
             raise ValueError(f"--metrics-port: cannot listen on {host}:{port}: {e}") from e
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics-http",
@@ -521,12 +547,32 @@ class MetricsServer:
         self._thread.start()
         self.port: int = self._httpd.server_address[1]
         bridge.observers.append(self.requests)
+        self.rpcs = RpcMetrics(self.registry, labels)
+        telemetry.rpc_observers.append(self.rpcs)
 
     def stop(self) -> None:
         """Blocks until the server thread ends (up to its 0.5 s poll): call off the loop."""
+        if self.rpcs in telemetry.rpc_observers:
+            telemetry.rpc_observers.remove(self.rpcs)
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(5.0)
+
+
+# The Prometheus text format (0.0.4), whatever the scraper asks for. Prometheus 2.x asks for
+# OpenMetrics first, and prometheus_client's OpenMetrics writer (0.26), unless the scraper
+# asks for UTF-8 names, writes each sample of vllm:num_requests_waiting as
+# vllm_num_requests_waiting, under HELP and TYPE lines that keep the colon
+# (prometheus/client_python#1177): a real Prometheus then stored none of our vLLM names
+# (tests/test_prometheus.py). The text format keeps them; we publish nothing that needs
+# OpenMetrics (no exemplars, no _created series).
+TEXT_FORMAT = "text/plain; version=0.0.4"
+
+
+def text_format_only(app: Any) -> Any:
+    def app_text_format(environ: dict[str, Any], start_response: Any) -> Any:
+        return app({**environ, "HTTP_ACCEPT": TEXT_FORMAT}, start_response)
+    return app_text_format
 
 
 # prometheus_client's start_http_server gives each connection a thread with no timeout and no

@@ -58,7 +58,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 from urllib.parse import unquote
@@ -84,6 +84,7 @@ __all__ = [
     "monotonic_to_wall",
     "otlp_traces_protocol",
     "output_messages_json",
+    "rpc_observers",
     "rpc_span",
     "shutdown_tracing",
     "traces_exporter_names",
@@ -382,7 +383,13 @@ def _peer_attributes(context: Any) -> dict[str, Any]:
             "network.peer.address": host.strip("[]"), "network.peer.port": int(port)}
 
 
-def _finish_rpc_span(span: Span, context: Any, exc: BaseException | None) -> None:
+# Called with (gRPC full method, status code name) as each RPC that opened an `rpc_span`
+# ends, on the event loop, traced or not: worker.metrics counts RPCs by status. Must not raise.
+rpc_observers: list[Callable[[str, str], None]] = []
+
+
+def _finish_rpc_span(span: Span, context: Any, exc: BaseException | None) -> str:
+    """Sets the span's status attributes; returns the status code's name ("OK", ...)."""
     code, details = _context_code(context)
     if code is None:
         if exc is None:
@@ -404,6 +411,7 @@ def _finish_rpc_span(span: Span, context: Any, exc: BaseException | None) -> Non
             span.set_attribute("error.type", name)
         desc = details or (f"{type(exc).__name__}: {exc}" if exc is not None else None)
         span.set_status(Status(StatusCode.ERROR, desc))
+    return name
 
 
 @contextmanager
@@ -452,12 +460,16 @@ def rpc_span(
     span = _start_span(full, parent, SpanKind.SERVER, attributes)
     try:
         with _current(span):
+            failure: BaseException | None = None
             try:
                 yield span
             except BaseException as exc:
-                _finish_rpc_span(span, context, exc)
+                failure = exc
                 raise
-            _finish_rpc_span(span, context, None)
+            finally:
+                status = _finish_rpc_span(span, context, failure)
+                for observe in rpc_observers:
+                    observe(full, status)
     finally:
         span.end()
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from clients.bench import dataset as ds
+from clients.bench import vllm_result as vr
 from clients.bench.knee import DEFAULT_FACTOR
 from clients.bench.lengths import LengthDist, parse_lengths
 from clients.bench.metrics import parse_slo
@@ -40,6 +41,35 @@ def _slo(text: str) -> dict[str, float]:
         return parse_slo(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _percentile_metrics(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in vr.PERCENTILE_METRICS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"not metrics: {', '.join(bad)[:80] or text[:80]!r}; use {','.join(vr.PERCENTILE_METRICS)}")
+    return names
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        ps = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a comma list of percentiles: {text[:80]!r}") from e
+    if not ps or any(not 0 < p <= 100 for p in ps):
+        raise argparse.ArgumentTypeError("percentiles must be in (0, 100]")
+    return ps
+
+
+def _metadata(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--metadata takes KEY=VALUE, got {pair[:80]!r}")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
@@ -136,12 +166,40 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "matching the worker's --model (default: default)")
 
     g = r.add_argument_group("output")
-    g.add_argument("--name", default=None, help="title of this result in reports (default: backend and dataset)")
+    g.add_argument("--name", "--label", default=None,
+                   help="title of this result in reports (default: backend and dataset); "
+                        "vLLM's --label in --save-result files")
     g.add_argument("--output-json", type=Path, default=None,
                    help="result file (default bench-results/bench-<UTC time>.json)")
     g.add_argument("--plot", type=Path, default=None,
                    help="sweep plot PNG (default: the result file with .png)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    g = r.add_argument_group("vLLM's result file (vllm bench serve --save-result)")
+    g.add_argument("--save-result", action="store_true",
+                   help="also write each run (each rate) as vllm bench serve writes its result: "
+                        "request_throughput, output_throughput, mean_ttft_ms, p99_tpot_ms, ... "
+                        "(clients/bench/vllm_result.py), named as vLLM names it, "
+                        "{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json")
+    g.add_argument("--append-result", action="store_true",
+                   help="append each run to the file, one JSON a line (implies --save-result)")
+    g.add_argument("--save-detailed", action="store_true",
+                   help="add the per-request lists: input_lens, output_lens, start_times, ttfts, "
+                        "itls, errors")
+    g.add_argument("--result-dir", type=Path, default=None,
+                   help="folder of the result files (default: the current directory)")
+    g.add_argument("--result-filename", default=None,
+                   help="the result file's name (one run, or with --append-result; default: "
+                        "vLLM's name)")
+    g.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="KEY=VALUE pairs written into the result file (e.g. commit=abc tp=1)")
+    g.add_argument("--percentile-metrics", type=_percentile_metrics,
+                   default=vr.DEFAULT_PERCENTILE_METRICS,
+                   help=f"metrics given mean/median/std/percentiles, a comma list of "
+                        f"{', '.join(vr.PERCENTILE_METRICS)} (default "
+                        f"{','.join(vr.DEFAULT_PERCENTILE_METRICS)})")
+    g.add_argument("--metric-percentiles", type=_percentiles, default=vr.DEFAULT_PERCENTILES,
+                   help="percentiles of those, a comma list, e.g. 50,90,99 (default 99)")
 
     rep = sub.add_parser("report", help="render result files as markdown tables")
     rep.add_argument("results", nargs="+", type=Path, help="result JSON files")
@@ -183,6 +241,22 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
             args.output_len = parse_lengths("128" if args.dataset == "random" else "longtail")
         if args.peer:
             args.ignore_eos = True  # the peer generates exactly output_len: equal work
+        if args.append_result:
+            args.save_result = True
+        vllm_only = [flag for flag, on in (("--save-detailed", args.save_detailed),
+                                           ("--result-dir", args.result_dir),
+                                           ("--result-filename", args.result_filename),
+                                           ("--metadata", args.metadata)) if on]
+        if vllm_only and not args.save_result:
+            parser.error(f"{', '.join(vllm_only)}: for vLLM's result file, with --save-result")
+        if args.result_filename and len(args.request_rate) > 1 and not args.append_result:
+            parser.error(f"--result-filename names one file and the sweep has "
+                         f"{len(args.request_rate)} runs: leave it out (vLLM's names carry the "
+                         "rate) or add --append-result")
+        try:
+            args.metadata = _metadata(args.metadata)
+        except ValueError as e:
+            parser.error(str(e))
         if needs_tokenizer(args) and args.backend == "openai" and args.tokenizer is None:
             parser.error("--chat-input/--ids-input text and --peer need --tokenizer with "
                          "--backend openai (grpc://HOST:PORT of a worker, a folder, a .zip or a "

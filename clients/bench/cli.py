@@ -6,6 +6,7 @@
     llm-worker-bench run --dataset mixed --long-fraction 0.1 --long-input-len 2000
     llm-worker-bench run --ignore-eos --peer transformers --peer-batch-size 8
     llm-worker-bench run --backend openai --base-url http://127.0.0.1:8000 --dataset chat
+    llm-worker-bench run --save-result --result-dir results --metric-percentiles 50,90,99
     llm-worker-bench report bench-results/*.json > table.md
 
 ``run`` (the default subcommand) writes one JSON file (config, server, dataset, environment,
@@ -13,6 +14,8 @@ each run's summary and per-request records, and for a sweep the knee and a PNG p
 prints a summary. The JSON is written as soon as the measurements end, before the optional
 parts (plot, peer), and rewritten as each one adds to it; what the install lacks for them
 (the ``bench`` extra: matplotlib, transformers) is said before the first request.
+With --save-result it also writes each run as ``vllm bench serve --save-result`` does, its
+keys and their meanings (vllm_result.py), for tools that read vLLM's results.
 ``report`` renders result files as markdown tables for BENCHMARKS.md.
 Metrics are those of ``vllm bench serve``: see clients/bench/metrics.py. Exit status: 0;
 1 when the server cannot be reached or a request failed; 2 for usage errors.
@@ -30,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from clients.bench import dataset as ds
-from clients.bench import extras
+from clients.bench import extras, vllm_result
 from clients.bench.args import needs_tokenizer, parse_args
 from clients.bench.environment import environment, recorded
 from clients.bench.knee import find_knee
 from clients.bench.lengths import LengthDist
 from clients.bench.record import Backend
 from clients.bench.report import render_comparison, render_files
-from clients.bench.runner import run_once, warm_up
+from clients.bench.runner import rate_value, run_once, warm_up
 from clients.client import default_target
 
 
@@ -177,6 +180,35 @@ def _write(out: Path, result: dict[str, Any]) -> None:
     tmp.replace(out)  # a reader never sees half a file
 
 
+def save_vllm_results(args: argparse.Namespace, result: dict[str, Any],
+                      raws: list[tuple[list[Any], list[float]]]) -> list[Path]:
+    """Each run as `vllm bench serve --save-result` writes it; the paths written."""
+    model = result["server"].get("model") or args.model or ""
+    paths = []
+    for run, (records, queue_s) in zip(result["runs"], raws, strict=True):
+        setup = vllm_result.setup_keys(
+            backend=args.backend, label=args.name, model_id=model,
+            tokenizer_id=str(args.tokenizer or model), num_prompts=args.num_requests,
+            metadata=args.metadata)
+        s = run["summary"]
+        data = vllm_result.vllm_result(
+            records, queue_s, duration_s=s["duration_s"], setup=setup,
+            request_rate=rate_value(run), max_concurrency=args.max_concurrency,
+            num_good=s.get("num_good"), percentile_metrics=args.percentile_metrics,
+            percentiles=args.metric_percentiles, detailed=args.save_detailed)
+        name = args.result_filename or vllm_result.default_filename(
+            label=args.name, backend=args.backend, request_rate=rate_value(run),
+            max_concurrency=args.max_concurrency, model_id=model, date=setup["date"])
+        path = (args.result_dir or Path()) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a" if args.append_result else "w", encoding="utf-8") as f:
+            if args.append_result and f.tell():
+                f.write("\n")  # vLLM's --append-result: one JSON a line
+            json.dump(data, f)
+        paths.append(path)
+    return paths
+
+
 def run_command(args: argparse.Namespace) -> int:
     can = extras.check(args)
     for line in can.errors:
@@ -192,6 +224,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     reqs, tok = measured.pop("_requests"), measured.pop("_tokenizer")
+    raws = [run.pop("_raw") for run in measured["runs"]]
     result: dict[str, Any] = {
         "name": args.name or f"{args.backend} {args.dataset}",
         "config": config_of(args),
@@ -204,6 +237,9 @@ def run_command(args: argparse.Namespace) -> int:
         result["knee"] = find_knee(result["runs"], args.knee_factor)
     _write(out, result)  # the measurements are safe before anything optional runs
     print(f"wrote {out}", flush=True)
+    if args.save_result:
+        for path in save_vllm_results(args, result, raws):
+            print(f"wrote {path} (vllm bench serve's result)", flush=True)
     status = 1 if any(r["summary"]["failed"] for r in result["runs"]) else 0
     if len(result["runs"]) > 1 and can.can_plot:
         from clients.bench.plot import plot_sweep

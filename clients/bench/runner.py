@@ -46,7 +46,8 @@ async def run_once(
     progress: bool = True,
     label: str = "",
 ) -> dict[str, Any]:
-    """One run: its settings, summary and per-request records (JSON-ready)."""
+    """One run: its settings, summary and per-request records (JSON-ready), and under
+    "_raw" (to pop before writing) the records themselves and their client queue times."""
     offsets = arrival_offsets(len(requests), request_rate, seed)
     bar = Progress(len(requests), label, enabled=progress)
     start = time.perf_counter()
@@ -64,12 +65,16 @@ async def run_once(
                                      if q.kind == k], duration, slo))
             for k in kinds
         }
+    # From its arrival to its send: the time a request waited for a --max-concurrency slot.
+    queue_s = [max(0.0, r.sent_at - start - at) for r, at in zip(records, offsets, strict=True)]
     return {
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
         "max_concurrency": max_concurrency,
         "summary": summary,
         "records": [{"kind": q.kind, **r.to_json(start)}
                     for r, q in zip(records, requests, strict=True)],
+        # Not written: for vLLM's result file (vllm_result.py), which wants them unrounded.
+        "_raw": (records, queue_s),
     }
 
 

@@ -25,6 +25,8 @@ from ops.rotary import RopeScaling
 T = TypeVar("T")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# transformers' names of a layer's attention (`layer_types`): a window, or every key.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,10 @@ class LlamaConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
+    # The window of the layers it applies to (see window_of); layer_types: each layer's
+    # attention by transformers' names (None: every layer has the window).
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -56,6 +61,30 @@ class LlamaConfig:
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window must be a positive integer or null, not {str(w)[:40]!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                                 f"num_hidden_layers {self.num_layers}")
+            bad = next((t for t in self.layer_types if t not in LAYER_TYPES), None)
+            if bad is not None:
+                raise ValueError(f"layer_types entry {str(bad)[:40]!r} is not one of {', '.join(LAYER_TYPES)}")
+
+    def window_of(self, layer: int) -> int | None:
+        """How many of the most recent tokens a query at position p of `layer` attends to, p
+        included: keys in (p - w, p], as transformers' sliding window (its mask keeps
+        kv > q - w; vLLM's kernels take window_size (w - 1, 0), the same keys). None: every
+        key up to p. A window at least max_position_embeddings excludes no key any position
+        can have, so the layer is global: transformers and vLLM accept such configs
+        (Phi-3-mini-128k ships a 262,144-token window over 131,072 positions), and so do we."""
+        w = self.sliding_window
+        if w is None or w >= self.max_position_embeddings:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return w
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -93,7 +122,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rope_scaling=scaling,
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            **_windows_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
         )
 
     @property
@@ -103,6 +132,24 @@ class LlamaConfig:
         per_layer = attn + 3 * h * i + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
+
+
+def _windows_from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """sliding_window and layer_types as transformers' modeling code reads them for `arch`:
+    Mistral's window on every layer (its config's layer_types are ignored there); Qwen2's
+    only with use_sliding_window, on the layers layer_types names, or else on layers from
+    max_window_layers on; Llama has none."""
+    if arch == "MistralForCausalLM":
+        return {"sliding_window": cfg.get("sliding_window")}
+    if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window", False):
+        types = cfg.get("layer_types")
+        if types is None:
+            first = int(cfg.get("max_window_layers", 28))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        if not isinstance(types, list):
+            raise ValueError(f"layer_types must be a list, not {str(types)[:40]!r}")
+        return {"sliding_window": cfg.get("sliding_window"), "layer_types": tuple(types)}
+    return {}
 
 
 @dataclass
@@ -168,8 +215,9 @@ class Embedding(nn.Embedding):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
+        self.window = cfg.window_of(layer)  # None: every key up to the query's position
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -205,6 +253,7 @@ class Attention(nn.Module):
             meta.max_seq_len,
             self.scale,
             plan=meta.plan,
+            window=self.window,
         )
         return _linear(self.o_proj, out.reshape(n, self.q_size), lora, "o_proj")
 
@@ -221,11 +270,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.mlp = MLP(cfg)
 
@@ -252,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         # A runner may swap this for a lookup on the GGUF's own blocks (QuantEmbedding).
         self.embed_tokens: nn.Module = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A runner may give a tied model a head of its own (a packed or quantized copy).
