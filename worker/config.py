@@ -325,19 +325,27 @@ class NgramSpeculation:
                              "supported; only 'ngram' (prompt lookup, no draft model) is")
 
 
-def parse_speculative_config(text: str) -> NgramSpeculation | None:
-    """vLLM's --speculative-config JSON, e.g. ``{"method": "ngram", "num_speculative_tokens": 5,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; empty = off. As vLLM: a missing
-    lookup bound takes the other's value, and 5 when both are missing."""
+def _json_object(flag: str, text: str) -> dict[str, Any] | None:
+    """A flag's JSON object (vLLM's form of a config); None for an empty value."""
     text = text.strip()
     if not text:
         return None
     try:
-        spec = json.loads(text)
+        value = json.loads(text)
     except ValueError as e:
-        raise BadValue(f"--speculative-config is not JSON ({e}): {text[:80]!r}") from None
-    if not isinstance(spec, dict):
-        raise BadValue(f"--speculative-config must be a JSON object, got {text[:80]!r}")
+        raise BadValue(f"{flag} is not JSON ({e}): {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise BadValue(f"{flag} must be a JSON object, got {text[:80]!r}")
+    return value
+
+
+def parse_speculative_config(text: str) -> NgramSpeculation | None:
+    """vLLM's --speculative-config JSON, e.g. ``{"method": "ngram", "num_speculative_tokens": 5,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; empty = off. As vLLM: a missing
+    lookup bound takes the other's value, and 5 when both are missing."""
+    spec = _json_object("--speculative-config", text)
+    if spec is None:
+        return None
     method = spec.get("method")
     if method is None and spec.get("model") == "[ngram]":  # vLLM's older spelling
         method = "ngram"
@@ -468,15 +476,9 @@ def parse_kv_transfer_config(text: str) -> KVTransferSpec | None:
     (kv_buffer_device, kv_buffer_size, kv_rank, kv_parallel_size, kv_ip, kv_port) are refused,
     never ignored; kv_load_failure_policy may only be vLLM's default, recompute (what a failed
     pull does here: the decode computes the prompt itself)."""
-    text = text.strip()
-    if not text:
+    spec = _json_object("--kv-transfer-config", text)
+    if spec is None:
         return None
-    try:
-        spec = json.loads(text)
-    except ValueError as e:
-        raise BadValue(f"--kv-transfer-config is not JSON ({e}): {text[:80]!r}") from None
-    if not isinstance(spec, dict):
-        raise BadValue(f"--kv-transfer-config must be a JSON object, got {text[:80]!r}")
     known = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config",
              "kv_load_failure_policy"}
     unknown = sorted(set(spec) - known)

@@ -232,15 +232,11 @@ def usable(h: Handoff, layout: Layout, num_prompt_tokens: int,
     --kv-transfer-peers is never connected to."""
     if h.address not in peers:
         return "untrusted_peer"
-    if h.model != layout.model:
-        return "model"
-    if h.block_size != layout.block_size:
-        return "block_size"
-    if h.kv_cache_dtype != layout.dtype:
-        return "dtype"
-    if h.num_tokens != num_prompt_tokens:
-        return "num_tokens"
-    return None
+    said = Layout(layout.num_layers, layout.num_kv_heads, layout.head_dim, h.block_size,
+                  h.kv_cache_dtype, h.model)  # what the handoff says of the prefill's cache
+    if why := layout.mismatch(said):
+        return why
+    return "num_tokens" if h.num_tokens != num_prompt_tokens else None
 
 
 def build(*, handle: str, request_id: str, blocks: Sequence[int], num_tokens: int,
