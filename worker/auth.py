@@ -180,7 +180,7 @@ def _refusing_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCo
 # ----- TLS -----------------------------------------------------------------------------------
 
 
-def _read_pem(flag: str, path: str) -> bytes:
+def read_pem(flag: str, path: str) -> bytes:
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -204,9 +204,9 @@ def server_credentials(sc: ServerConfig) -> grpc.ServerCredentials | None:
                                 ("--tls-client-ca", sc.tls_client_ca)) if v]
         raise ValueError(f"{' and '.join(given)} given without {missing}: TLS needs both "
                          "--tls-cert and --tls-key")
-    cert = _read_pem("--tls-cert", sc.tls_cert)
-    key = _read_pem("--tls-key", sc.tls_key)
-    ca = _read_pem("--tls-client-ca", sc.tls_client_ca) if sc.tls_client_ca else None
+    cert = read_pem("--tls-cert", sc.tls_cert)
+    key = read_pem("--tls-key", sc.tls_key)
+    ca = read_pem("--tls-client-ca", sc.tls_client_ca) if sc.tls_client_ca else None
     # gRPC reads them only when the port is bound, and says "Failed to bind" of a bad one.
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:

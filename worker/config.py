@@ -537,9 +537,12 @@ class KVTransferConfig:
                                       "transfer service (prefer LLMWORKER_KV_TRANSFER_PEER_TOKEN); "
                                       "empty = its own --auth-token")
     kv_transfer_peer_ca: str = opt("", "PEM CA bundle: pull from peers over TLS, verifying their "
-                                   "certificates with it (with --tls-cert/--tls-key as this "
-                                   "worker's client certificate, for peers that require mTLS); "
-                                   "empty = plaintext")
+                                   "certificates with it; empty = plaintext")
+    kv_transfer_peer_cert: str = opt("", "PEM certificate this worker presents to peers that "
+                                     "require client certificates (mTLS), with "
+                                     "--kv-transfer-peer-key; empty = --tls-cert")
+    kv_transfer_peer_key: str = opt("", "PEM private key of --kv-transfer-peer-cert; empty = "
+                                    "--tls-key")
     kv_transfer_timeout_s: float = opt(30.0, "the longest one pull may take; past it the decode "
                                        "computes the prompt itself")
     kv_transfer_max_pinned_blocks: int = opt(0, "most KV blocks a prefill keeps pinned for "
@@ -560,6 +563,11 @@ class KVTransferConfig:
         if any(not " " <= c <= "~" for c in token):
             raise ValueError("--kv-transfer-peer-token holds a character a client cannot send in "
                              "gRPC metadata (printable ASCII only)")
+        if bool(self.kv_transfer_peer_cert) != bool(self.kv_transfer_peer_key):
+            raise ValueError("--kv-transfer-peer-cert and --kv-transfer-peer-key go together")
+        if self.kv_transfer_peer_cert and not self.kv_transfer_peer_ca:
+            raise ValueError("--kv-transfer-peer-cert needs --kv-transfer-peer-ca (a client "
+                             "certificate is presented over TLS only)")
         spec = self.kv_transfer_config
         if self.kv_transfer_peers and not (spec and spec.is_consumer):
             raise ValueError("--kv-transfer-peers needs --kv-transfer-config with kv_role "

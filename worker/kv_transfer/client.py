@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from llmworker.v1 import kv_transfer_pb2 as kpb
 from llmworker.v1 import kv_transfer_pb2_grpc
 
 from scheduler.request import RemoteKV, Request
+from worker.auth import read_pem
 from worker.config import WorkerConfig
 from worker.kv_transfer import blocks
 from worker.kv_transfer.handoff import Handoff, Layout
@@ -107,10 +107,12 @@ class KVPuller:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._credentials = None
         if kc.kv_transfer_peer_ca:
-            ca = Path(kc.kv_transfer_peer_ca).read_bytes()
-            key = Path(sc.tls_key).read_bytes() if sc.tls_key else None
-            cert = Path(sc.tls_cert).read_bytes() if sc.tls_cert else None
-            self._credentials = grpc.ssl_channel_credentials(ca, key, cert)
+            cert_path = kc.kv_transfer_peer_cert or sc.tls_cert
+            key_path = kc.kv_transfer_peer_key or sc.tls_key
+            self._credentials = grpc.ssl_channel_credentials(
+                read_pem("--kv-transfer-peer-ca", kc.kv_transfer_peer_ca),
+                read_pem("--kv-transfer-peer-key", key_path) if key_path else None,
+                read_pem("--kv-transfer-peer-cert", cert_path) if cert_path else None)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-pull")
         self._stubs: dict[str, kv_transfer_pb2_grpc.KVTransferStub] = {}
         self._channels: list[grpc.Channel] = []
