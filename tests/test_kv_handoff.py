@@ -155,3 +155,20 @@ def test_the_kv_transfer_config_reads_vllms_json() -> None:
         KVTransferConfig(kv_transfer_peers=("a:1",))
     with pytest.raises(ValueError, match="lease"):
         KVTransferConfig(kv_transfer_lease_s=0)
+
+
+def test_the_kv_transfer_flags_and_their_variables(monkeypatch) -> None:
+    import argparse
+
+    from worker import config as cfgmod
+
+    monkeypatch.setenv("LLMWORKER_KV_TRANSFER_CONFIG",
+                       '{"kv_connector": "GrpcConnector", "kv_role": "kv_consumer"}')
+    monkeypatch.setenv("LLMWORKER_KV_TRANSFER_PEERS", "10.0.0.1:50051 [::1]:7")
+    ap = argparse.ArgumentParser()
+    cfgmod.add_arguments(ap)
+    kc = cfgmod.from_args(ap.parse_args(["--kv-transfer-lease-s", "5"])).kv_transfer
+    assert kc.kv_transfer_config == KVTransferSpec("GrpcConnector", "kv_consumer")
+    assert kc.kv_transfer_peers == ("10.0.0.1:50051", "[::1]:7") and kc.kv_transfer_lease_s == 5
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--kv-transfer-peers", "no-port"])
