@@ -172,3 +172,31 @@ def test_the_kv_transfer_flags_and_their_variables(monkeypatch) -> None:
     assert kc.kv_transfer_peers == ("10.0.0.1:50051", "[::1]:7") and kc.kv_transfer_lease_s == 5
     with pytest.raises(SystemExit):
         ap.parse_args(["--kv-transfer-peers", "no-port"])
+
+
+def test_the_span_shows_the_pull_or_why_there_was_none() -> None:
+    from scheduler.request import RemoteKV, RemoteKVState
+    from worker.door import _pull_events
+    from worker.kv_transfer.client import RemotePull
+
+    class Span:
+        def __init__(self) -> None:
+            self.events: list[tuple[str, float | None, dict]] = []
+
+        def event(self, name: str, timestamp_s: float | None = None, **attrs) -> None:
+            self.events.append((name, timestamp_s, attrs))
+
+    h = handoff.parse(built(), 128).handoff
+    pull = RemotePull(h, b"d" * 32, started_at=100.0, ended_at=100.25, num_bytes=4096)
+    remote = RemoteKV(37, pull, RemoteKVState.DONE, block_ids=[1, 2, 3], num_pulled_tokens=36)
+    span = Span()
+    _pull_events(span, remote)
+    (start, t0, a0), (end, t1, a1) = span.events
+    assert (start, a0) == ("kv_pull_started", {"peer": PEER, "blocks": 3,
+                                                "local_prefix_tokens": 0})
+    assert (end, a1) == ("kv_pull_ended", {"outcome": "done", "tokens": 36, "bytes": 4096})
+    assert abs((t1 - t0) - 0.25) < 1e-6  # back-dated to when the pull ran
+    span = Span()
+    _pull_events(span, RemoteKV(37, None, RemoteKVState.FAILED, reason="untrusted_peer"))
+    assert span.events == [("kv_pull_ended", None, {"outcome": "failed", "tokens": 0,
+                                                     "reason": "untrusted_peer"})]

@@ -758,8 +758,13 @@ class Engine:
             self._count_prompt_sources(req)
         if finished and req.kv_pin_key is not None and error is None and req.finish_reason in (
                 "stop", "length"):
-            self.kv_stats.count("num_handoffs" if req.kv_handoff is not None
-                                else "num_handoffs_refused")
+            if req.kv_handoff is not None:
+                self.kv_stats.count("num_handoffs")
+            else:  # its decode worker recomputes the prompt
+                self.kv_stats.count("num_handoffs_refused")
+                log.warning("no KV handoff for request %r: %d blocks pinned already "
+                            "(--kv-transfer-max-pinned-blocks %d)", req.request_id[:64],
+                            self.kv.handoff_pins.num_blocks(), self.scheduler.max_pinned_blocks)
         out = RequestOutput(
             request_id=leader.request_id,
             index=req.sample_index,

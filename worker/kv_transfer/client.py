@@ -22,10 +22,10 @@ them any more.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,6 +43,7 @@ from worker.kv_transfer.stats import KVTransferStats
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
+PULL_THREADS = 2
 _MAX_RECEIVE = 8 << 20
 _REASONS = {
     grpc.StatusCode.UNAVAILABLE: "peer_unavailable",
@@ -113,7 +114,13 @@ class KVPuller:
                 read_pem("--kv-transfer-peer-ca", kc.kv_transfer_peer_ca),
                 read_pem("--kv-transfer-peer-key", key_path) if key_path else None,
                 read_pem("--kv-transfer-peer-cert", cert_path) if cert_path else None)
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kv-pull")
+        # Started now, not at the first pull (from the engine thread, whose CPU a thread
+        # started there would inherit): `cpu_placement` then puts them beside the loop.
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"kv-pull-{i}", daemon=True)
+                         for i in range(PULL_THREADS)]
+        for t in self._workers:
+            t.start()
         self._stubs: dict[str, kv_transfer_pb2_grpc.KVTransferStub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
@@ -134,18 +141,28 @@ class KVPuller:
         remote = req.remote_kv
         assert remote is not None and isinstance(remote.handoff, RemotePull)
         self._unwatch(remote.handoff)
-        self._pool.submit(self._run, req)
+        self._jobs.put(lambda: self._run(req))
 
     def release(self, pull: RemotePull) -> None:
         """Let the prefill free `pull`'s blocks (best effort, in the background)."""
         self._unwatch(pull)
-        self._pool.submit(self._release, pull)
+        self._jobs.put(lambda: self._release(pull))
 
     def close(self) -> None:
         self._stop.set()
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        for _ in self._workers:
+            self._jobs.put(None)
+        for t in self._workers:
+            t.join(30)
         for ch in self._channels:
             ch.close()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # a job reports its own failure; the thread goes on
+                log.exception("KV transfer job failed")
 
     # ----- internals ----------------------------------------------------------------------
 
