@@ -36,11 +36,20 @@ from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
 from scheduler.output import SchedulerOutput
-from scheduler.request import Request, RequestStatus, SamplingParams, SamplingParamsError
+from scheduler.request import (
+    RemoteKVState,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    SamplingParamsError,
+)
 from scheduler.sample_group import SampleGroup, make_group
 from scheduler.scheduler import PrefixCacheReset, Scheduler
 from worker import memory
 from worker.config import NgramSpeculation, WorkerConfig
+from worker.kv_transfer.client import KVPuller, RemotePull
+from worker.kv_transfer.handoff import Layout, model_fingerprint
+from worker.kv_transfer.stats import KVTransferStats
 from worker.lora.registry import LoraRegistry
 from worker.lora.slots import LoraSlots
 from worker.model_runner import ModelRunner, SampleResult
@@ -189,11 +198,15 @@ class Engine:
         srv = config.server
         if srv.kv_events and srv.vllm_protocol and cc.enable_prefix_caching:
             self.kv.pool.record_events()  # taken every step, published by worker.kv_events
+        kc = config.kv_transfer
+        kv_spec = kc.kv_transfer_config
         self.scheduler = Scheduler(
             self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy,
             aging_s=sc.priority_aging_s or None, preemption_mode=sc.preemption_mode,
             chunked_prefill=sc.enable_chunked_prefill,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            handoff_lease_s=kc.kv_transfer_lease_s if kv_spec and kv_spec.is_producer else None,
+            max_pinned_blocks=kc.kv_transfer_max_pinned_blocks,
         )
         # LoRA adapters (worker/lora): named in host memory, the step's in device slots.
         lc = config.lora
@@ -223,6 +236,24 @@ class Engine:
             lora=lora_slots,
         )
         log.info(self.runner.describe_kernels())
+        # Prefill/decode disaggregation (worker/kv_transfer): what our blocks mean, the
+        # figures, and on a decode worker the pulls (off this thread).
+        self.kv_layout = Layout(
+            mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cc.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
+            model_fingerprint(self.model_name, mcfg.architecture,
+                              str(loaded.dtype).removeprefix("torch."), loaded.source,
+                              (mcfg.vocab_size, mcfg.num_layers, mcfg.hidden_size,
+                               mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim,
+                               mcfg.num_params)))
+        self.kv_stats = KVTransferStats()
+        self.puller = (KVPuller(config, self.kv_layout, self.runner.kv_caches, self.kv_stats,
+                                self._pulled) if kv_spec and kv_spec.is_consumer else None)
+        # Prompt tokens by where their keys and values came from (vLLM's sources), counted
+        # when a request's prompt is done: computed here, this prefix cache, a KV handoff.
+        self.prompt_tokens_by_source = dict.fromkeys(
+            ("local_compute", "local_cache_hit", "external_kv_transfer"), 0)
+        self._stalled = False  # the last step ran nothing while pulls were under way
         spec = config.speculative.speculative_config
         self.speculation = spec
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -342,6 +373,31 @@ class Engine:
         self._wake.set()
         return fut
 
+    # ----- KV handoffs (worker/kv_transfer); safe from any thread -----
+
+    def release_pin(self, handle: str, pulled: bool = False) -> bool:
+        """End a handoff's pin (pulled, or not needed); its blocks are freed in the engine's
+        next step. False when it had ended already."""
+        done = self.kv.handoff_pins.release(handle, pulled)
+        if done:
+            self._inbox.put(("free_pins", None))
+            self._wake.set()
+        return done
+
+    def kv_fallback(self, req: Request, reason: str, pull: RemotePull | None) -> None:
+        """A request's handoff it cannot use: the prompt is computed here, counted and
+        logged; the prefill's pin is released when the peer is one this worker trusts."""
+        self.kv_stats.fallback(reason)
+        log.warning("KV handoff not used (%s) for request %r; computing the prompt here",
+                    reason, req.request_id[:64])
+        if pull is not None and reason != "untrusted_peer" and self.puller is not None:
+            self.puller.release(pull)
+
+    def _pulled(self, req: Request, ok: bool, reason: str) -> None:
+        """A pull thread's report (`KVPuller.on_done`): the engine takes it next step."""
+        self._inbox.put(("pulled", (req, ok, reason)))
+        self._wake.set()
+
     # ----- the step -----
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -364,6 +420,7 @@ class Engine:
                             r.lora = self.loras.acquire(item.lora_key)
                     self.scheduler.add_request(item)
                 except ValueError as e:  # refused: that request fails, the engine goes on
+                    self._release_handoff(item)
                     for r in samples:
                         self._release_lora(r)
                     for r in samples:
@@ -376,6 +433,10 @@ class Engine:
                 if item.grammar is not None:
                     ck = item.grammar.kind
                     self.structured_requests[ck] = self.structured_requests.get(ck, 0) + 1
+                remote = item.remote_kv
+                if (remote is not None and remote.state is RemoteKVState.PENDING
+                        and self.puller is not None):
+                    self.puller.watch(remote.handoff)  # its lease renewed meanwhile
                 item.output_state = OutputState.create(item, self.tokenizer)
                 if group is not None:
                     self._groups[item.request_id] = group
@@ -389,17 +450,50 @@ class Engine:
                     fut.set_result(self.scheduler.reset_prefix_cache(requeue))
                 except Exception as e:  # the caller hears of it; the engine goes on
                     fut.set_exception(e)
+            elif kind == "pulled":
+                req, ok, reason = item  # type: ignore[misc]
+                pull = req.remote_kv.handoff
+                if pull.abort_pending:  # aborted during its pull: no thread writes it now
+                    for r in self.scheduler.abort_requests([req.request_id]):
+                        outputs.append(self._output(r, [], finished=True))
+                elif req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                    self.scheduler.remote_kv_done(req, ok, reason)
+            elif kind == "free_pins":
+                pass  # freed below, with the expired ones
             else:
                 assert isinstance(item, list)
                 groups = [g for rid in item if (g := self._groups.get(rid)) is not None]
                 ids = list(item) + [f.request_id for g in groups for f in g.followers]
+                ids = self._defer_pulling_aborts(ids)
                 for req in self.scheduler.abort_requests(ids):
+                    self._release_handoff(req)
                     outputs.append(self._output(req, [], finished=True))
                 for g in groups:  # followers not forked yet are in no queue
                     for f in g.followers:
                         if not f.is_finished:
                             f.status = RequestStatus.FINISHED_ABORTED
                             outputs.append(self._output(f, [], finished=True))
+
+    def _defer_pulling_aborts(self, ids: list[str]) -> list[str]:
+        """Of `ids`, those to abort now: a request whose pull is under way is cancelled and
+        ends when its pull thread reports (its blocks are being written)."""
+        now = []
+        for rid in ids:
+            req = self.scheduler.get_request(rid)
+            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                assert req.remote_kv is not None
+                req.remote_kv.handoff.abort_pending = True
+                req.remote_kv.handoff.cancel()
+            else:
+                now.append(rid)
+        return now
+
+    def _release_handoff(self, req: Request) -> None:
+        """A request that ended before its handoff was pulled lets the prefill free it."""
+        remote = req.remote_kv
+        if (remote is not None and remote.state in (RemoteKVState.PENDING, RemoteKVState.SKIPPED)
+                and self.puller is not None):
+            self.puller.release(remote.handoff)
 
     def has_work(self) -> bool:
         # The inbox counts: a reset or an abort must be answered even when nothing runs.
@@ -411,6 +505,9 @@ class Engine:
         the KV events the step caused. Returns what it produced (possibly nothing), for
         the caller to publish (`_loop`'s `on_step`, or `generate`)."""
         step = StepOutput(self._drain_inbox())
+        self._stalled = False
+        if self.kv.handoff_pins.num_live or self.kv.handoff_pins.num_ended:
+            self.kv.free_pins(time.monotonic())  # pulled, released or past their lease
         if self.scheduler.has_unfinished_requests():
             self._run(step)
         if self._groups:
@@ -453,13 +550,18 @@ class Engine:
     def _run(self, step: StepOutput) -> None:
         """The step's phases, in order (each a method below that states its contract):
 
-            schedule -> execute (KV moves, model, sample) -> tally drafts -> advance
-                     -> check stops (detokenize, stop strings, grammar) -> finish -> publish
+            schedule -> remote KV (pulls started) -> execute (KV moves, model, sample)
+                     -> tally drafts -> advance -> check stops (detokenize, stop strings,
+                     grammar) -> finish -> publish
 
         Every phase after `_execute` runs only when the model step succeeded; a failed one
         has ended its requests (published with the error) and the step stops there."""
         sched = self._schedule(step)
+        if sched.remote_kv:
+            self._remote_kv(sched.remote_kv)
         if sched.is_empty:
+            # Only pulls under way (their reports wake the loop): nothing to spin for.
+            self._stalled = bool(self.scheduler.num_pulling)
             return
         sampled = self._execute(sched, step)
         if sampled is None:
@@ -615,6 +717,29 @@ class Engine:
                                              error=ends.failed.get(rid),
                                              refused=rid in ends.client_faults))
 
+    def _remote_kv(self, reqs: list[Request]) -> None:
+        """Start the pulls of requests admitted into WAITING_FOR_REMOTE_KV; let the prefill
+        free the handoffs the prefix cache here made unneeded."""
+        assert self.puller is not None
+        for req in reqs:
+            remote = req.remote_kv
+            assert remote is not None
+            if remote.state is RemoteKVState.PULLING:
+                self.puller.start(req)
+            else:
+                assert remote.state is RemoteKVState.SKIPPED
+                self.kv_stats.count("num_skipped")
+                self.puller.release(remote.handoff)
+
+    def _count_prompt_sources(self, req: Request) -> None:
+        """Where the prompt's keys and values came from, once its first token is out."""
+        remote = req.remote_kv
+        pulled = remote.num_pulled_tokens if remote is not None else 0
+        tally = self.prompt_tokens_by_source
+        tally["external_kv_transfer"] += pulled
+        tally["local_cache_hit"] += req.num_cached_tokens - pulled
+        tally["local_compute"] += req.num_prompt_tokens - req.num_cached_tokens
+
     def _release_lora(self, req: Request) -> None:
         if req.lora is not None and self.loras is not None:
             self.loras.release(req.lora)
@@ -629,6 +754,17 @@ class Engine:
         state.pending_logprobs = []
         leader = req.group.leader if req.group is not None else req
         first = bool(new_ids) and req.num_output_tokens == len(new_ids)
+        if first and req.sample_index == 0:
+            self._count_prompt_sources(req)
+        if finished and req.kv_pin_key is not None and error is None and req.finish_reason in (
+                "stop", "length"):
+            if req.kv_handoff is not None:
+                self.kv_stats.count("num_handoffs")
+            else:  # its decode worker recomputes the prompt
+                self.kv_stats.count("num_handoffs_refused")
+                log.warning("no KV handoff for request %r: %d blocks pinned already "
+                            "(--kv-transfer-max-pinned-blocks %d)", req.request_id[:64],
+                            self.kv.handoff_pins.num_blocks(), self.scheduler.max_pinned_blocks)
         out = RequestOutput(
             request_id=leader.request_id,
             index=req.sample_index,
@@ -685,6 +821,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.puller is not None:
+            self.puller.close()
 
     def _loop(self, on_step: StepSink, wake_fd: int | None) -> None:
         defer = wake_fd is not None and self.runner.cpu_decoder is not None
@@ -692,12 +830,17 @@ class Engine:
         unwoken = False  # a step handed to on_step that asked for no wake (yet)
         try:
             while not self._stop:
-                if not self.has_work():
+                if not self.has_work() or self._stalled:
+                    # Idle, or only pulls under way: sleep until an inbox item (a request, an
+                    # abort, a pull's report) or the next handoff pin's lease end.
                     if queued or unwoken:
                         _wake_reader(wake_fd)
                         queued = unwoken = False
-                    self._wake.wait()
+                    self._wake.wait(self._idle_timeout())
                     self._wake.clear()
+                    self._stalled = False
+                    if self.kv.handoff_pins.num_live:
+                        self.kv.free_pins(time.monotonic())
                     continue
                 if queued:
                     self.runner.wake_fd = wake_fd  # taken (reset to -1) by the step's native call
@@ -721,6 +864,15 @@ class Engine:
         finally:
             if queued or unwoken:
                 _wake_reader(wake_fd)
+
+    def _idle_timeout(self) -> float | None:
+        """How long the idle loop may sleep: until the next handoff pin expires (None:
+        until woken); stalled on pulls, a short while (their reports wake it anyway)."""
+        expiry = self.kv.handoff_pins.next_expiry()
+        timeout = None if expiry is None else max(0.0, expiry - time.monotonic()) + 0.01
+        if self._stalled:
+            timeout = 0.25 if timeout is None else min(timeout, 0.25)
+        return timeout
 
     # ----- offline API -----
 
