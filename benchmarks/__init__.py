@@ -1,6 +1,7 @@
 """In-process benchmarks and harness pieces: they import the engine (worker/, scheduler/,
 kvcache/, ops/) and run it in this process, unlike `clients/`, which speaks only the wire.
 
+    python -m benchmarks.ab WORKLOAD --side NAME=PATH[,...]   # the A/B tool: checkouts or settings
     python -m benchmarks.offline      # offline throughput: continuous vs static vs transformers
     python -m benchmarks.step         # decode step time against batch size, CPU kernel variants
     python -m benchmarks.scheduling   # priority and prefix-caching figures on the engine

@@ -27,6 +27,10 @@ A request's blocks go through these states (the scheduler drives them):
                                           block of its leader's table; the half-full
                                           block they share is copied by each that writes
                                           it while others still hold it (copy-on-write)
+    pin (before free)                     a prompt handed to another worker: its blocks
+                                          are referenced by a pin under a lease
+                                          (`kvcache.pins`) until pulled, released or
+                                          expired; `free_pins` drops those references
 
 Moves (swap and copy-on-write) accumulate during `schedule()`, which hands them to the
 runner with `take_moves()` and calls `moves_done()` once the runner made them (see
@@ -45,6 +49,7 @@ from kvcache.block_hash import BlockHash
 from kvcache.block_pool import BlockPool
 from kvcache.events import BlocksStored, KVEvent
 from kvcache.moves import KVMoves
+from kvcache.pins import KVPins, Pin
 from kvcache.prefix_cache import PrefixCacheStats, PrefixHit, find_cached_prefix
 from kvcache.swap_space import SwapSpace
 
@@ -78,6 +83,7 @@ class KVCacheManager:
         # This step's copies into a request's table: request -> (index in its table, source,
         # destination). A request preempted in the step it copied has its copy undone.
         self._copies: dict[str, tuple[int, int, int]] = {}
+        self.handoff_pins = KVPins()  # blocks held for KV handoffs (prefill/decode disaggregation)
 
     # -- figures ---------------------------------------------------------------------------
 
@@ -241,6 +247,33 @@ class KVCacheManager:
         cpu = self.cpu_tables.pop(request_id, None)
         if cpu:
             self.swap_space.free(cpu)
+
+    # -- KV handoff pins -------------------------------------------------------------------
+
+    def pin(self, request_id: str, num_tokens: int, key: bytes, expires_at: float,
+            max_blocks: int) -> Pin | None:
+        """Reference the blocks holding the request's first `num_tokens` positions (its
+        computed prompt) under a new handle, before the request frees them; None (nothing
+        held) when that would take the pins past `max_blocks` blocks."""
+        table = self.block_tables[request_id]
+        n = cdiv(num_tokens, self.block_size)
+        assert 0 < n <= len(table), f"{request_id}: pin of {num_tokens} tokens, {len(table)} blocks"
+        if self.handoff_pins.num_blocks() + n > max_blocks:
+            return None
+        blocks = tuple(table[:n])
+        self.pool.incref(blocks)
+        pin = Pin(KVPins.new_handle(), request_id, blocks, num_tokens, key, expires_at)
+        self.handoff_pins.add(pin)
+        return pin
+
+    def free_pins(self, now: float) -> int:
+        """Expire pins whose lease passed and drop the references of every pin that ended
+        (pulled, released, expired). Engine thread only. Returns the blocks let go."""
+        self.handoff_pins.expire(now)
+        ended = self.handoff_pins.take_ended()
+        for p in ended:
+            self.pool.free(reversed(p.blocks))  # tail first, as a request frees
+        return sum(len(p.blocks) for p in ended)
 
     # -- swap ------------------------------------------------------------------------------
 
@@ -406,6 +439,8 @@ class KVCacheManager:
                 assert 0 <= b < pool.num_blocks, f"{rid}: block id {b} out of range"
                 owners[b] += 1
         for b in self._pins:
+            owners[b] += 1
+        for b in self.handoff_pins.held_blocks():
             owners[b] += 1
         free = set(pool.free_blocks)
         for b in range(pool.num_blocks):

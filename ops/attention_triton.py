@@ -1,7 +1,8 @@
 """Paged attention over a mixed batch as one Triton launch (plus a merge for split-K).
 
 Same contract as `paged_attention_ref` in ops/attention.py: flat varlen query
-tokens, keys and values read through block tables, causal within each request.
+tokens, keys and values read through block tables, causal within each request,
+and with a layer's sliding window w each query sees keys (position - w, position].
 
 Work decomposition. The grid is (query tiles, KV heads, splits). A query tile
 is BLOCK_Q consecutive query tokens of one request times the GROUP = Hq / Hkv
@@ -37,6 +38,15 @@ merges the splits per (token, head), giving -inf partitions zero weight::
     kv_end = 300, BLOCK_N = 64, NUM_SPLITS = 4 -> 5 chunks, 2 per split
     split 0: [0, 128)  split 1: [128, 256)  split 2: [256, 300)  split 3: empty
 
+Sliding window. A tile's key range starts at the BLOCK_N chunk holding its first
+live query's first key (position - w + 1), not at 0, so a windowed layer's cost
+stops growing with the context; splits share that range. Chunks below the last
+live query's first key take the masked path as the diagonal does::
+
+    first query at 300, last at 303, w = 100, BLOCK_N = 64
+    keys [192, 256): masked (rows' windows start at 201 .. 204)
+    keys [256, 300): unmasked     keys [300, 304): masked (the diagonal)
+
 Everything the grid and the compiled variants depend on is a tensor shape or
 a python int argument, so the launch is CUDA-graph safe; for capture pass
 max_query_len = 1 and max_seq_len = max_model_len.
@@ -55,12 +65,15 @@ if TYPE_CHECKING:
     from ops.attention import StepPlan
 
 _LOG2E = 1.4426950408889634
+# The window of a global layer: larger than any position (the mask's q_pos - window stays
+# in int32), so its tiles start at key 0 and every key passes the window's test.
+_NO_WINDOW = 1 << 30
 
 
 @triton.jit
 def _attend_chunk(
     acc, l_i, m_i, q, q_pos,
-    k_ptr, v_ptr, bt_row, start, kv_hi, kv_head, scale_log2,
+    k_ptr, v_ptr, bt_row, start, kv_first, kv_hi, window, kv_head, scale_log2,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     k_scale, v_scale,
@@ -72,12 +85,13 @@ def _attend_chunk(
     KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + BLOCK_N). MASKED applies
-    the causal mask and the kv_hi bound; without it every key is visible to every row."""
+    the causal and window masks and loads only keys in [kv_first, kv_hi); without it
+    every key is visible to every row."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     # BLOCK_N positions span several pages: gather each row's page via the table.
     if MASKED:
-        n_ok = offs_n < kv_hi
+        n_ok = (offs_n < kv_hi) & (offs_n >= kv_first)
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
     else:
         page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
@@ -96,7 +110,8 @@ def _attend_chunk(
         k = (k.to(tl.float32) * k_scale).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen & n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -117,7 +132,7 @@ def _attend_chunk(
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     out_ptr, part_ptr, lse_ptr,
-    num_seqs, scale_log2, k_scale, v_scale,
+    num_seqs, scale_log2, window, k_scale, v_scale,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -170,15 +185,21 @@ def _paged_attn_kernel(
     token = q_start + qi
     head = kv_head * GROUP + offs_m % GROUP
     q_pos = ctx + qi
-    # The tile's last live query sees keys [0, kv_end).
+    first_pos = ctx + tile_q0  # the tile's first and last live queries
+    # The tile's last live query sees keys up to kv_end - 1; its first, keys from kv_first
+    # (0 without a window: `window` is then larger than any position).
     kv_end = ctx + tl.minimum(tile_q0 + BLOCK_Q, q_len)
+    kv_first = tl.maximum(first_pos - window + 1, 0)
+    kv_start = kv_first // BLOCK_N * BLOCK_N
+    # Keys from kv_all on are in every live query's window.
+    kv_all = tl.maximum(kv_end - window, 0)
 
     if NUM_SPLITS == 1:
-        kv_lo = 0
+        kv_lo = kv_start
         kv_hi = kv_end
     else:
-        chunks_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
-        kv_lo = split * chunks_per_split * BLOCK_N
+        chunks_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, BLOCK_N), NUM_SPLITS)
+        kv_lo = kv_start + split * chunks_per_split * BLOCK_N
         kv_hi = tl.minimum(kv_lo + chunks_per_split * BLOCK_N, kv_end)
         if kv_lo >= kv_hi:
             # Past this request's context: tell the merge to skip this split.
@@ -193,21 +214,27 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
-    # Keys below the first live query's position are visible to every row: those
-    # whole chunks skip the causal and bounds masks; the rest (the diagonal and the
-    # ragged end) take the masked path.
-    #   kv_lo ........ full_end ......... kv_hi
-    #   |  unmasked chunks  |  masked chunks  |
-    full_end = kv_lo + (tl.minimum(kv_hi, ctx + tile_q0 + 1) - kv_lo) // BLOCK_N * BLOCK_N
-    full_end = tl.maximum(full_end, kv_lo)
-    for start in range(kv_lo, full_end, BLOCK_N):
+    # Keys at or above kv_all and up to the first live query's position are visible to
+    # every row: those whole chunks skip the masks; the rest (below kv_all, where the
+    # rows' windows begin; the diagonal and the ragged end) take the masked path.
+    #   kv_lo ...... head_end ........ full_end ......... kv_hi
+    #   | masked chunks |  unmasked chunks  |  masked chunks  |
+    head_end = tl.minimum(kv_lo + tl.cdiv(tl.maximum(kv_all - kv_lo, 0), BLOCK_N) * BLOCK_N, kv_hi)
+    full_end = kv_lo + (tl.minimum(kv_hi, first_pos + 1) - kv_lo) // BLOCK_N * BLOCK_N
+    full_end = tl.maximum(full_end, head_end)
+    for start in range(kv_lo, head_end, BLOCK_N):
         acc, l_i, m_i = _attend_chunk(
-            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, start, kv_hi, kv_head, scale_log2,
+            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, start, kv_first, kv_hi, window, kv_head, scale_log2,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            k_scale, v_scale, BLOCK_N, HEAD_DIM, PAGE_SIZE, True, DOT_PRECISION, KV_FP8)
+    for start in range(head_end, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_chunk(
+            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, start, kv_first, kv_hi, window, kv_head, scale_log2,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
             k_scale, v_scale, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, DOT_PRECISION, KV_FP8)
     for start in range(full_end, kv_hi, BLOCK_N):
         acc, l_i, m_i = _attend_chunk(
-            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, start, kv_hi, kv_head, scale_log2,
+            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, bt_row, start, kv_first, kv_hi, window, kv_head, scale_log2,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
             k_scale, v_scale, BLOCK_N, HEAD_DIM, PAGE_SIZE, True, DOT_PRECISION, KV_FP8)
 
@@ -312,8 +339,10 @@ def paged_attention_triton(
     max_query_len and max_seq_len must bound the batch (they pick the tile
     shape and the split count; they are never checked on the device). `plan`
     (the torch and C paths' per-step plan) is not used: the kernel reads the
-    metadata on the device. An fp8 cache (--kv-cache-dtype fp8) holds k / k_scale and
-    v / v_scale: each tile is read as fp8 -> float32, times its scale, -> q's dtype.
+    metadata on the device. `window`: the layer's sliding window (None: global);
+    each query tile reads the keys from its first query's window on. An fp8 cache
+    (--kv-cache-dtype fp8) holds k / k_scale and v / v_scale: each tile is read as
+    fp8 -> float32, times its scale, -> q's dtype.
 
     Tunables (defaults measured on an H100, Llama-3-8B heads, bf16):
     - block_n: keys per inner step, several pages gathered through the table;
@@ -325,8 +354,6 @@ def paged_attention_triton(
     - num_stages: software pipelining depth; 2 with one tile per request, else 3.
     - num_splits: forces split-K; None picks `default_num_splits`.
     """
-    if window is not None:
-        raise NotImplementedError("sliding-window attention is not in the Triton kernel yet")
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -349,8 +376,10 @@ def paged_attention_triton(
     single_tile = max_query_len <= block_q
     num_tiles = num_seqs if single_tile else num_tokens // block_q + num_seqs
 
+    # A window bounds the keys a tile reads (its first query's window to its last query).
+    span = max_seq_len if window is None else min(max_seq_len, window + max(1, max_query_len))
     if num_splits is None:
-        num_splits = default_num_splits(num_tiles * num_kv_heads, max_seq_len, _sm_count(q.device))
+        num_splits = default_num_splits(num_tiles * num_kv_heads, span, _sm_count(q.device))
     assert num_splits >= 1
     # Measured on an H100 (Llama-3-8B heads, bf16): decode-only launches stream best with
     # long, double-buffered steps; prefill tiles prefer 64-key steps, triple-buffered.
@@ -374,7 +403,7 @@ def paged_attention_triton(
     _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part, lse,
-        num_seqs, scale * _LOG2E, float(k_scale), float(v_scale),
+        num_seqs, scale * _LOG2E, _NO_WINDOW if window is None else window, float(k_scale), float(v_scale),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),

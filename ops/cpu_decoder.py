@@ -8,7 +8,9 @@ their dispatch costs more than their arithmetic. Here every step is one call:
     decode(embed -> 30 x [attn_in, attention, attn_out] -> final norm [-> head, all decodes])
 
 Every row attends as a decode query (`cpu_kernels/paged_attention.c`): a prefill row at
-position p over its request's first p + 1 cached tokens. So a prompt's bits do not depend
+position p over its request's first p + 1 cached tokens (in a layer with a sliding window
+w, the last w of them: each row's window is its own, a prompt chunk's and a verification
+step's rows included). So a prompt's bits do not depend
 on how the scheduler chunked it (torch's SDPA, which ran the chunks before, rounds with
 the chunk's length: a request's logprobs changed in the sixth digit beside other work).
 
@@ -50,7 +52,7 @@ class _QLinear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
-                ("input_norm", _p), ("post_norm", _p)]
+                ("input_norm", _p), ("post_norm", _p), ("window", _i32)]
 
 
 class _LoraLinear(ctypes.Structure):
@@ -120,8 +122,6 @@ def unsupported(model: nn.Module) -> str | None:
         return f"head_dim {cfg.head_dim} or hidden size {cfg.hidden_size} not a multiple of 32"
     if model.norm.dtype != torch.float32 or model.norm.device.type != "cpu":
         return "not float32 on the CPU"
-    if any(layer.self_attn.window is not None for layer in model.layers):
-        return "sliding-window layers (not in the fused decoder yet)"
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if not isinstance(lin, QuantLinear):
@@ -161,7 +161,8 @@ class CpuDecoder:
             norms = [layer.input_layernorm.detach().contiguous(), layer.post_attention_layernorm.detach().contiguous()]
             self._keep += [*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             layers[i] = _Layer(_qlinear(attn.qkv_proj), _qlinear(attn.o_proj), _qlinear(mlp.gate_up_proj),
-                               _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr())
+                               _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr(),
+                               min(attn.window or 0, 2**31 - 1))  # (past any context a cache holds)
         embed = model.embed_tokens
         if isinstance(embed, QuantEmbedding):
             kind, table = (_EMBED_Q8_0_I8 if embed.integer_layout else _EMBED_Q8_0), embed.packed

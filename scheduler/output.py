@@ -62,6 +62,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
+    # Prefill/decode disaggregation: requests admitted this step into WAITING_FOR_REMOTE_KV
+    # (the engine starts their pulls; state PULLING) or whose handoff turned out unneeded
+    # (state SKIPPED: the engine releases it on the prefill worker). Runs nothing itself.
+    remote_kv: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

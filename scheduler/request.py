@@ -32,13 +32,17 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     SWAPPED = enum.auto()  # preempted with its KV in CPU swap space; resumes where it was
+    # Admitted with its blocks, its prompt's keys and values being pulled from the prefill
+    # worker that computed them (`RemoteKV`); joins running when the pull ends.
+    WAITING_FOR_REMOTE_KV = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED,
+                            RequestStatus.WAITING_FOR_REMOTE_KV)
 
 
 _FINISH_REASONS = {
@@ -149,6 +153,35 @@ def _bounded(value: Any) -> str:
     return f"{len(value)} items: {text}" if isinstance(value, tuple | list) else text
 
 
+class RemoteKVState(enum.Enum):
+    PENDING = enum.auto()  # waiting for admission
+    SKIPPED = enum.auto()  # admitted without a pull: its own prefix cache held enough
+    PULLING = enum.auto()  # blocks allocated, the pull under way
+    DONE = enum.auto()  # pulled: those tokens count as computed
+    FAILED = enum.auto()  # the pull failed; the prompt is computed here
+
+
+@dataclass(eq=False)
+class RemoteKV:
+    """A decode request's handoff from a prefill worker, as the scheduler sees it: the
+    prefill computed the first `num_tokens` prompt tokens. At admission the scheduler
+    takes what its own prefix cache holds, allocates the prompt's blocks and names the
+    ones the pull fills (`block_ids`, from `first_block` of the prompt's blocks on), which
+    cover `num_tokens_wanted` tokens: all but the last prompt token, which the decode always
+    computes (its logits give the first token). `handoff` is the transport's own record
+    (worker.kv_transfer); the pull never runs on the engine thread."""
+
+    num_tokens: int
+    handoff: Any = field(default=None, repr=False)
+    state: RemoteKVState = RemoteKVState.PENDING
+    num_local_tokens: int = 0  # of the prompt, found in the prefix cache here
+    first_block: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens_wanted: int = 0
+    num_pulled_tokens: int = 0  # set when the pull succeeded
+    reason: str = ""  # why it failed or was skipped
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -164,6 +197,12 @@ class Request:
     # scheduler counts against --max-loras.
     lora_name: str | None = None
     lora_key: str | None = None
+    # Prefill/decode disaggregation. On a prefill worker: the prompt's digest when the
+    # request is tagged for remote decode; finishing, it pins its prompt's blocks under that
+    # key (`kv_handoff`: the `kvcache.pins.Pin`, or None when no pin was made). On a decode
+    # worker: the handoff to pull its prompt's keys and values from.
+    kv_pin_key: bytes | None = None
+    remote_kv: RemoteKV | None = None
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, kept in step
@@ -208,6 +247,7 @@ class Request:
     # prompt_logprobs: entry i is prompt token i + 1's (the first token has none), appended
     # by the model runner as the prefill chunks compute them (worker.prompt_logprobs).
     prompt_logprobs: list[Any] = field(default_factory=list, init=False, repr=False)
+    kv_handoff: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -78,6 +78,20 @@ from its admission until its first token it also takes a seat for each follower
 (`ScheduledRequest.forks`); after it they are forked into running, sharing the leader's
 blocks. A request that asked for prompt logprobs skips the prefix cache (cached tokens have
 no logits to take them from), as vLLM does.
+
+Prefill/decode disaggregation (worker/kv_transfer). On a prefill worker a request tagged for
+remote decode (`Request.kv_pin_key`) pins its prompt's blocks as it finishes, before they
+are freed (`KVCacheManager.pin`, under a lease of `handoff_lease_s`). On a decode worker a
+request with a handoff (`Request.remote_kv`) is admitted like any other, in rank order and
+with the same right to displace, but into WAITING_FOR_REMOTE_KV (`pulling`): its prefix is
+taken from the prefix cache here, blocks are allocated for the whole prompt, and the step's
+`remote_kv` names it so that the engine starts the pull of the blocks not cached here. It
+takes a seat, no token budget, and is never preempted (the pull writes its blocks). When
+the pull ends (`remote_kv_done`) it joins running with the pulled tokens computed (the full
+blocks entered in the prefix cache as if computed here), or, when the pull failed, with
+only its own prefix: it computes the rest like any prompt. Either way at least the last
+prompt token is computed here. A prompt whose prefix cache here already covers what the
+handoff holds is admitted as usual, its handoff unneeded (`RemoteKVState.SKIPPED`).
 """
 
 import bisect
@@ -89,7 +103,7 @@ from dataclasses import dataclass
 from kvcache.manager import KVCacheManager, cdiv
 from kvcache.prefix_cache import PrefixHit
 from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import Request, RequestStatus
+from scheduler.request import RemoteKVState, Request, RequestStatus
 from scheduler.sample_group import SampleGroup
 
 POLICIES = ("continuous", "static")
@@ -120,6 +134,8 @@ class Scheduler:
         preemption_mode: str = "auto",
         chunked_prefill: bool = True,
         max_loras: int | None = None,
+        handoff_lease_s: float | None = None,
+        max_pinned_blocks: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -145,10 +161,17 @@ class Scheduler:
         # LoRA: at most this many distinct adapters (Request.lora_key) among the running
         # requests, so in any step; None = no adapters served.
         self.max_loras = max_loras
+        # KV handoffs (prefill side): a tagged request's pin lasts this long unless pulled,
+        # released or renewed; None = this worker pins nothing. At most `max_pinned_blocks`
+        # blocks are pinned at once (0: half the cache).
+        self.handoff_lease_s = handoff_lease_s
+        self.max_pinned_blocks = max_pinned_blocks or kv.num_blocks // 2
         self.requests: dict[str, Request] = {}  # unfinished ones, by id
         self.waiting: list[Request] = []  # in _rank order, front = next to admit
         self.swapped: list[Request] = []  # in _rank order too
         self.running: list[Request] = []
+        self.pulling: list[Request] = []  # WAITING_FOR_REMOTE_KV, in admission order
+        self._remote: list[Request] = []  # this step's pulls to start, handoffs skipped
         self._finished_ids: list[str] = []  # freed since the last schedule()
         self._requeued_ids: list[str] = []  # preempted between steps (prefix-cache reset)
         self._seq = itertools.count()
@@ -167,6 +190,10 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
+
+    @property
+    def num_pulling(self) -> int:
+        return len(self.pulling)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -306,9 +333,11 @@ class Scheduler:
             blocks_to_swap_out=moves.swap_out,
             blocks_to_swap_in=moves.swap_in,
             blocks_to_copy=moves.copy,
+            remote_kv=self._remote,
         )
         self._finished_ids = []
         self._requeued_ids = []
+        self._remote = []
         self._check_step(out)
         return out
 
@@ -322,6 +351,9 @@ class Scheduler:
         assert out.scheduled or not (
             out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy
         ), "KV moves in a step that runs nothing"
+        for req in self.pulling:
+            assert req.status is RequestStatus.WAITING_FOR_REMOTE_KV and req.remote_kv is not None
+            assert len(self.kv.block_table(req.request_id)) * self.kv.block_size >= req.num_tokens
         for queue in (self.waiting, self.swapped):
             ranks = [self._rank(r) for r in queue]
             assert all(a <= b for a, b in itertools.pairwise(ranks)), "queue out of order"
@@ -366,6 +398,14 @@ class Scheduler:
                 budget += self._preempt(victim, scheduled, preempted)
                 continue
             swapped = req.status is RequestStatus.SWAPPED
+            remote = req.remote_kv
+            if remote is not None and remote.state is RemoteKVState.PENDING and not swapped:
+                admitted, budget = self._admit_remote(req, budget, scheduled, preempted, now)
+                if admitted is None:
+                    break  # no blocks for it yet: it waits, and nobody skips ahead
+                if admitted:
+                    continue
+                # Nothing to pull: its prefix is cached here. Admitted as any other below.
             hit = None
             if not swapped and budget > 0 and req.sampling_params.prompt_logprobs is None:
                 hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
@@ -401,6 +441,76 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def _admit_remote(self, req: Request, budget: int, scheduled: dict[str, ScheduledRequest],
+                      preempted: list[str], now: float) -> tuple[bool | None, int]:
+        """Admit the queue's front `req`, which holds a handoff, into `pulling` (see the
+        module docstring): True when admitted; False when its prefix cache here covers what
+        the handoff would bring (the handoff is skipped: admit it as usual); None when its
+        blocks do not fit even by displacing requests it may displace. With the budget,
+        grown by what displaced requests were given this step."""
+        remote = req.remote_kv
+        assert remote is not None and req.num_computed_tokens == 0
+        hit = (self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+               if req.sampling_params.prompt_logprobs is None else None)
+        local = hit.num_tokens if hit is not None else 0
+        wanted = min(remote.num_tokens, req.num_prompt_tokens - 1)
+        if local >= wanted:
+            remote.state = RemoteKVState.SKIPPED
+            remote.reason = "cached" if local else "nothing to pull"
+            self._remote.append(req)
+            return False, budget
+        total = req.num_tokens
+        if not self._allocate(req, total, hit):
+            victims = self._displaceable(req, total, hit)
+            if victims is None:
+                return None, budget
+            for victim in victims:  # lowest-ranked first
+                budget += self._preempt(victim, scheduled, preempted)
+                if self._allocate(req, total, hit):
+                    break
+            else:
+                raise AssertionError(f"{req.request_id}: displacing freed too few blocks")
+        queue = self._queue_of(req)
+        assert queue[0] is req
+        queue.pop(0)
+        bs = self.kv.block_size
+        assert local % bs == 0, f"{req.request_id}: a partial prefix hit ({local} tokens)"
+        req.num_computed_tokens = local
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        remote.num_local_tokens = local
+        remote.num_tokens_wanted = wanted
+        remote.first_block = local // bs
+        remote.block_ids = self.kv.block_table(req.request_id)[local // bs: cdiv(wanted, bs)]
+        remote.state = RemoteKVState.PULLING
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.pulling.append(req)
+        self._remote.append(req)
+        return True, budget
+
+    def remote_kv_done(self, req: Request, ok: bool, reason: str = "") -> None:
+        """The pull of `req` (pulling) ended: its blocks hold the wanted tokens' keys and
+        values (`ok`), or not (it failed: `reason`). Either way it joins running; call
+        between steps, from the engine thread."""
+        remote = req.remote_kv
+        assert remote is not None and remote.state is RemoteKVState.PULLING, req.request_id
+        assert req.status is RequestStatus.WAITING_FOR_REMOTE_KV, req.status
+        self.pulling.remove(req)
+        if ok:
+            remote.state = RemoteKVState.DONE
+            remote.num_pulled_tokens = remote.num_tokens_wanted - remote.num_local_tokens
+            req.num_computed_tokens = remote.num_tokens_wanted
+            # Full pulled blocks are this worker's now, as if computed here.
+            self.kv.cache_full_blocks(req.request_id, req.block_hashes, remote.num_local_tokens,
+                                      req.num_computed_tokens, req.all_token_ids, req.cache_salt)
+        else:
+            remote.state = RemoteKVState.FAILED
+            remote.reason = reason
+        if req.first_token_time is None:
+            req.num_cached_tokens = req.num_computed_tokens  # as vLLM: local and external
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     def _lora_fits(self, req: Request) -> bool:
         """Whether `req` may run beside the running requests under max_loras."""
         if req.lora_key is None or self.max_loras is None:
@@ -421,11 +531,12 @@ class Scheduler:
         return spec[: max(0, min(room, budget - num_new))]
 
     def _num_seats(self) -> int:
-        """Seats taken: the running requests, and the followers their leaders will fork."""
+        """Seats taken: the running and pulling requests, and the followers their leaders
+        will fork."""
         if not self._num_groups:
-            return len(self.running)
-        return len(self.running) + sum(r.group.num_unforked for r in self.running
-                                       if r.group is not None)
+            return len(self.running) + len(self.pulling)
+        return len(self.running) + len(self.pulling) + sum(
+            r.group.num_unforked for r in self.running if r.group is not None)
 
     @staticmethod
     def _seats_of(req: Request) -> int:
@@ -463,6 +574,7 @@ class Scheduler:
             RequestStatus.WAITING: self.waiting,
             RequestStatus.RUNNING: self.running,
             RequestStatus.SWAPPED: self.swapped,
+            RequestStatus.WAITING_FOR_REMOTE_KV: self.pulling,
         }[req.status]
 
     def _pick_victim(self, req: Request) -> Request:
@@ -650,11 +762,26 @@ class Scheduler:
             forked.append(f)
         return forked
 
+    def _pin(self, req: Request, now: float) -> None:
+        """A tagged prompt that computed and sampled normally pins its prompt's blocks for
+        the decode worker to pull (an abort or a failure pins nothing; nor does a sample of
+        a group: remote decode is for one sample)."""
+        assert req.kv_pin_key is not None
+        if (self.handoff_lease_s is None or req.kv_handoff is not None or req.group is not None
+                or req.status not in (RequestStatus.FINISHED_STOPPED,
+                                      RequestStatus.FINISHED_LENGTH)
+                or req.num_computed_tokens < req.num_prompt_tokens):
+            return
+        req.kv_handoff = self.kv.pin(req.request_id, req.num_prompt_tokens, req.kv_pin_key,
+                                     now + self.handoff_lease_s, self.max_pinned_blocks)
+
     def _release(self, req: Request, now: float | None) -> None:
         assert req.is_finished, req.status
         if req.group is not None and req.sample_index == 0:
             self._num_groups -= 1
         req.finished_time = time.monotonic() if now is None else now
+        if req.kv_pin_key is not None:
+            self._pin(req, req.finished_time)
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)

@@ -56,3 +56,22 @@ requires_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def save_tiny_checkpoint(config, folder, seed: int = 0):
+    """A Hugging Face folder as users make one: transformers' model of `config` (a config
+    class instance: its own random init under `seed`, float32) saved with save_pretrained,
+    and a word-level tokenizer of config.vocab_size tokens ("t0", "t1", ...; eos "t2") saved
+    the same way, so the worker loads the folder as it loads any. Returns the model."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+    backend = Backend(models.WordLevel({f"t{i}": i for i in range(config.vocab_size)}, "t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1",
+                            eos_token="t2").save_pretrained(folder)
+    return model

@@ -4,7 +4,7 @@ same bits, so a model's tokens do not depend on which path its head size takes. 
 source is built twice into a small test library, once with `-DATTN_PER_KEY` (the key-by-key
 arithmetic the tiles reproduce), and a run of rows (a lone decode row, a verification step's
 rows, a prefill chunk's) is attended whole and chunk by chunk, over float32 and float16
-caches, with grouped-query heads.
+caches, with grouped-query heads, and with sliding windows that start inside a tile.
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ SOURCE = r"""
 #include <stdlib.h>
 #include "paged_attention.c"
 
-/* Rows 0..R-1 of one request (row r over L0 + r keys, every row the same block table)
- * attended as the fused decoder attends a run: whole, or its chunks one after another. */
+/* Rows 0..R-1 of one request (row r over L0 + r keys, every row the same block table; with
+ * a window, the last `window` of them) attended as the fused decoder attends a run: whole,
+ * or its chunks one after another. */
 int t_run(const float *q, const void *k, const void *v, int half, int bs, int hkv, int hq, int D,
-          const int64_t *tables, int max_blocks, int64_t L0, int R, int chunked, float scale, float *out) {
+          const int64_t *tables, int max_blocks, int64_t L0, int R, int chunked, float scale, float *out,
+          int64_t window) {
     int64_t rows[ATTN_ROWS], lens[ATTN_ROWS];
     for (int r = 0; r < R; r++) rows[r] = r, lens[r] = L0 + r;
     attn_args a = {q, (size_t)hq * D, k, v, half, bs, hkv, hq, D, rows, tables, lens, max_blocks, R,
-                   scale, out, (size_t)hq * D, NULL, NULL};
+                   scale, out, (size_t)hq * D, NULL, NULL, window};
     const int64_t max_len = attention_check(&a);
     if (max_len < 0) return (int)max_len;
     void *parts = NULL;
@@ -60,7 +62,8 @@ def _build(folder: Path, name: str, flags: list[str]) -> ctypes.CDLL:
     assert cpu_kernels.build(src, so, ["-I", str(KERNELS), *flags]), f"the {name} test library did not build"
     lib = ctypes.CDLL(str(so))
     p, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.t_run.argtypes = [p, p, p, i32, i32, i32, i32, i32, p, i32, ctypes.c_int64, i32, i32, ctypes.c_float, p]
+    lib.t_run.argtypes = [p, p, p, i32, i32, i32, i32, i32, p, i32, ctypes.c_int64, i32, i32, ctypes.c_float, p,
+                          ctypes.c_int64]
     lib.t_run.restype = i32
     return lib
 
@@ -95,25 +98,26 @@ def _case(D: int, hq: int, hkv: int, L0: int, R: int, half: bool, seed: int):
     return q, k, v, table
 
 
-def _run(lib, q, k, v, table, D, hq, hkv, L0, R, half, chunked) -> np.ndarray:
+def _run(lib, q, k, v, table, D, hq, hkv, L0, R, half, chunked, window=0) -> np.ndarray:
     out = np.zeros_like(q)
     tables = np.ascontiguousarray(np.tile(table, (R, 1)))
     rc = lib.t_run(q.ctypes.data, k.ctypes.data, v.ctypes.data, int(half), BLOCK, hkv, hq, D, tables.ctypes.data,
-                   tables.shape[1], L0, R, int(chunked), 1.0 / np.sqrt(D), out.ctypes.data)
+                   tables.shape[1], L0, R, int(chunked), 1.0 / np.sqrt(D), out.ctypes.data, window)
     assert rc == 0
     return out
 
 
-def _reference(q, k, v, table, D, hq, hkv, L0, R) -> np.ndarray:
+def _reference(q, k, v, table, D, hq, hkv, L0, R, window=0) -> np.ndarray:
     keys = k.astype(np.float64)[table].reshape(-1, hkv, D)
     vals = v.astype(np.float64)[table].reshape(-1, hkv, D)
     out = np.zeros((R, hq, D))
     for r in range(R):
         n = L0 + r
+        j0 = max(0, n - window) if window else 0
         for h in range(hq):
-            s = keys[:n, h // (hq // hkv)] @ q[r, h * D:(h + 1) * D].astype(np.float64) / np.sqrt(D)
+            s = keys[j0:n, h // (hq // hkv)] @ q[r, h * D:(h + 1) * D].astype(np.float64) / np.sqrt(D)
             w = np.exp(s - s.max())
-            out[r, h] = w @ vals[:n, h // (hq // hkv)] / w.sum()
+            out[r, h] = w @ vals[j0:n, h // (hq // hkv)] / w.sum()
     return out.reshape(R, hq * D)
 
 
@@ -130,3 +134,22 @@ def test_tiles_give_the_key_by_key_bits(libs, D) -> None:
         # both are attention (float32 arithmetic against a float64 reference)
         np.testing.assert_allclose(got, _reference(q, k, v, table, D, hq, hkv, L0, R), rtol=0, atol=2e-5,
                                    err_msg=where)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_tiles_give_the_key_by_key_bits_in_a_window(libs, D) -> None:
+    """Windows of 7 and 37 keys over 40 and 301 (each row's first key inside a tile, the rows
+    of a run a key apart), and one of 500 that no row outgrows: the tiles' bits, and attention
+    over the last `window` keys of each row alone."""
+    tiles, per_key = libs
+    cases = itertools.product([7, 37, 500], [40, 301], [1, 8], [False, True], [False, True])
+    for i, (window, L0, R, half, chunked) in enumerate(cases):
+        q, k, v, table = _case(D, 8, 2, L0, R, half, seed=7000 * D + i)
+        got = _run(tiles, q, k, v, table, D, 8, 2, L0, R, half, chunked, window)
+        want = _run(per_key, q, k, v, table, D, 8, 2, L0, R, half, chunked, window)
+        where = f"D {D}, window {window}, {L0} keys, {R} rows, float16 {half}, chunked {chunked}"
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), where
+        np.testing.assert_allclose(got, _reference(q, k, v, table, D, 8, 2, L0, R, window), rtol=0, atol=2e-5,
+                                   err_msg=where)
+        if window == 500:  # a window no row outgrows is no window, to the bit
+            assert np.array_equal(got, _run(tiles, q, k, v, table, D, 8, 2, L0, R, half, chunked)), where

@@ -42,9 +42,9 @@ def kernel_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = cpu_attention.decode
 
-    def spy(q, k_cache, v_cache, rows, *rest):
+    def spy(q, k_cache, v_cache, rows, *rest, **kw):
         calls.append(rows.shape[0])
-        return real(q, k_cache, v_cache, rows, *rest)
+        return real(q, k_cache, v_cache, rows, *rest, **kw)
 
     monkeypatch.setattr(cpu_attention, "decode", spy)
     return calls

@@ -47,9 +47,14 @@ START_TIMEOUT_S = 120
 class Worker:
     """One `llm-worker serve` process; its stderr is collected by a thread."""
 
-    def __init__(self, *flags: str) -> None:
-        cmd = [sys.executable, "-m", "worker.cli", "serve", "--port", "0",
+    def __init__(self, *flags: str, cpus: str | None = None,
+                 module: str = "worker.cli") -> None:
+        """`cpus`: pin the process to those CPUs (taskset -c); `module`: what runs the
+        worker (a test's wrapper of `worker.cli`)."""
+        cmd = [sys.executable, "-m", module, "serve", "--port", "0",
                "--kv-cache-memory", "0.25", "--max-model-len", str(MAX_MODEL_LEN), *flags]
+        if cpus is not None:
+            cmd = ["taskset", "-c", cpus, *cmd]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -67,13 +67,19 @@ def test_bad_windows_are_refused_naming_the_field(over, match) -> None:
         LlamaConfig.from_hf(_hf(**over))
 
 
-def step(lens: list[int], q_lens: list[int], seed: int, dtype=torch.float32, device="cpu"):
-    """A step's arguments: request r has lens[r] tokens, its last q_lens[r] queried now."""
+def step(lens: list[int], q_lens: list[int], seed: int, dtype=torch.float32, device="cpu",
+         poison: int | None = None):
+    """A step's arguments: request r has lens[r] tokens, its last q_lens[r] queried now.
+    `poison` (a window): the keys and values no query's window reaches are NaN, so a kernel
+    that read one would say so."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g)
     v = torch.randn(NUM_BLOCKS, BS, HKV, D, generator=g)
     max_blocks = max(-(-n // BS) for n in lens) + 1
     tables = torch.randperm(NUM_BLOCKS, generator=g)[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    for r, (n, m) in enumerate(zip(lens, q_lens, strict=True)):
+        for p in range(max(0, n - m - poison + 1) if poison else 0):
+            k[tables[r, p // BS], p % BS] = v[tables[r, p // BS], p % BS] = float("nan")
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -95,9 +101,8 @@ def dense(q, k_cache, v_cache, tables, seq_lens, starts, scale, window):
         for i in range(s0, s1):
             p = n - (s1 - s0) + (i - s0)
             seen = (pos <= p) & ((pos > p - window) if window is not None else True)
-            sc = torch.einsum("hd,khd->hk", q[i].double(), keys) * scale
-            sc[:, ~seen] = float("-inf")
-            out[i] = torch.einsum("hk,khd->hd", sc.softmax(-1), vals)
+            sc = torch.einsum("hd,khd->hk", q[i].double(), keys[seen]) * scale
+            out[i] = torch.einsum("hk,khd->hd", sc.softmax(-1), vals[seen])
     return out
 
 
@@ -123,3 +128,72 @@ def test_the_reference_attends_its_window(lens, q_lens, window) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     # the window matters here: the global answer differs
     assert not torch.allclose(paged_attention_ref(*args).double(), want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.fixture
+def c_kernel_windows(monkeypatch) -> list:
+    """The window of each call of the C decode kernel (a spy: it really ran)."""
+    from ops import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    calls: list = []
+    real = cpu_attention.decode
+
+    def spy(*args, window=None):
+        calls.append(window)
+        return real(*args, window=window)
+
+    monkeypatch.setattr(cpu_attention, "decode", spy)
+    return calls
+
+
+@pytest.mark.parametrize(("lens", "q_lens", "window"), CASES)
+def test_the_c_kernel_attends_its_window(lens, q_lens, window, c_kernel_windows) -> None:
+    from ops.cpu_attention import paged_attention_c
+
+    args = step(lens, q_lens, seed=sum(lens) + 1, poison=window if q_lens == [1] * len(lens) else None)
+    q, k, v, tables, seq_lens, starts, *_, scale = args
+    want = dense(q, k, v, tables, seq_lens, starts, scale, window)
+    got = paged_attention_c(*args, window=window)
+    assert c_kernel_windows == ([window] if 1 in q_lens else [])
+    # (with decodes only, every key out of the windows is NaN: the kernel read none of them)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tuning", [{}, {"num_splits": 3, "block_n": 16}, {"block_m": 16, "block_n": 32}])
+@pytest.mark.parametrize(("lens", "q_lens", "window"), CASES)
+def test_the_triton_kernel_attends_its_window(lens, q_lens, window, tuning) -> None:
+    """In Triton's interpreter without a GPU (float32), with the keys no window reaches
+    poisoned: a tile's loop starts at its first query's window; split-K over the window's
+    range; query tiles of 16 rows (several a chunk) and key steps of 16 and 32."""
+    pytest.importorskip("triton")
+    from ops.attention_triton import paged_attention_triton
+    from tests.helpers import kernel_device
+
+    dev = kernel_device()
+    args = step(lens, q_lens, seed=sum(lens) + 2, device=dev, poison=window)
+    q, k, v, tables, seq_lens, starts, *_, scale = args
+    want = dense(q.cpu(), k.cpu(), v.cpu(), tables.cpu(), seq_lens.cpu(), starts.cpu(), scale, window)
+    got = paged_attention_triton(*args, window=window, **tuning)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_window_benchmark_times_both_variants_at_each_context(tmp_path) -> None:
+    """`benchmarks.window --no-steps`: the C attention alone, windowed and global, at each
+    context, in its JSON (the figures themselves are the lead's to measure)."""
+    import json
+
+    from ops import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no gcc or no AVX2/FMA/F16C here")
+    from benchmarks import window
+
+    out = tmp_path / "w.json"
+    window.main(["--window", "32", "--contexts", "32,128", "--no-steps", "--rounds", "1", "--calls", "2",
+                 "--output-json", str(out)])
+    rows = json.loads(out.read_text())["attention"]
+    assert [(r["variant"], r["context"]) for r in rows] == [
+        ("windowed", 32), ("windowed", 128), ("global", 32), ("global", 128)]
+    assert all(r["call_ms"] > 0 and r["ratio"] > 0 for r in rows)

@@ -67,14 +67,17 @@ def free_port() -> int:
 class Gateway:
     """One `smg launch` process on loopback in front of `workers`; its log is kept in memory."""
 
-    def __init__(self, workers: list[Worker], *flags: str) -> None:
+    def __init__(self, workers: list[Worker], *flags: str, pd: bool = False) -> None:
+        """`pd`: PD mode, the first worker the prefill and the second the decode."""
         self.port = free_port()
         self.workers = workers
         self.urls = [f"grpc://{w.address}" for w in workers]
+        route = (["--pd-disaggregation", "--prefill", self.urls[0], "none", "--decode",
+                  self.urls[1], "--policy", "round_robin"] if pd
+                 else ["--worker-urls", *self.urls, "--policy", "cache_aware"])
         cmd = [smg_bin(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-               "--worker-urls", *self.urls, "--policy", "cache_aware",
-               "--shutdown-grace-period-secs", "1", "--log-level", "debug", *flags]
+               *route, "--shutdown-grace-period-secs", "1", "--log-level", "debug", *flags]
         env = {**os.environ, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -67,6 +67,7 @@ VLLM_FLAGS = {  # the flag -> its LLMWORKER_* variable
     "--gpu-memory-utilization": "LLMWORKER_GPU_MEMORY_UTILIZATION",
     "--kv-cache-free-memory-fraction": "LLMWORKER_KV_CACHE_FREE_MEMORY_FRACTION",
     "--tensor-parallel-size": "LLMWORKER_TENSOR_PARALLEL_SIZE",
+    "--kv-transfer-config": "LLMWORKER_KV_TRANSFER_CONFIG",
 }
 
 

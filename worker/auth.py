@@ -9,6 +9,8 @@ method                                                 needs
 =====================================================  ===================================
 ``grpc.health.v1.Health/*``                            nothing (probes)
 ``llmworker.v1.WorkerService/Generate``                --auth-token or --admin-token
+``llmworker.v1.KVTransfer/*`` (a decode worker's pull  --auth-token or --admin-token
+of a prefill's handoff)
 ``vllm.grpc.engine.VllmEngine/`` Generate, Abort and   --auth-token or --admin-token
 what SMG reads to route (HealthCheck, GetModelInfo,
 GetServerInfo, GetLoads, GetTokenizer,
@@ -51,8 +53,14 @@ VLLM_GENERATE_METHODS = frozenset(
     f"/vllm.grpc.engine.VllmEngine/{m}"
     for m in ("Generate", "Abort", "HealthCheck", "GetModelInfo", "GetServerInfo", "GetLoads",
               "GetTokenizer", "SubscribeKvEvents"))
+# A decode worker pulls a prefill's KV blocks with the Generate token (the gateway's), as
+# the handoff came through a Generate; a handle reads only the prompt it was made for.
+KV_TRANSFER_METHODS = frozenset(f"/llmworker.v1.KVTransfer/{m}"
+                                for m in ("PullBlocks", "RenewLease", "ReleaseBlocks"))
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
-SECRET_FIELDS = ("auth_token", "admin_token")
+# (section, field) of every secret in the config tree.
+SECRET_FIELDS = (("server", "auth_token"), ("server", "admin_token"),
+                 ("kv_transfer", "kv_transfer_peer_token"))
 
 OPEN, GENERATE, ADMIN = "open", "generate", "admin"
 
@@ -60,7 +68,7 @@ OPEN, GENERATE, ADMIN = "open", "generate", "admin"
 def required_level(method: str) -> str:
     if method.startswith(OPEN_PREFIXES):
         return OPEN
-    if method == GENERATE_METHOD or method in VLLM_GENERATE_METHODS:
+    if method == GENERATE_METHOD or method in VLLM_GENERATE_METHODS or method in KV_TRANSFER_METHODS:
         return GENERATE
     return ADMIN  # deny by default: admin RPCs, reflection, anything unknown
 
@@ -68,8 +76,8 @@ def required_level(method: str) -> str:
 def redacted_config(config: WorkerConfig) -> dict[str, Any]:
     """`config.to_dict()` with the tokens replaced by ``"<set>"`` (or ``""`` when unset)."""
     d = config.to_dict()
-    for name in SECRET_FIELDS:
-        d["server"][name] = "<set>" if d["server"][name] else ""
+    for section, name in SECRET_FIELDS:
+        d[section][name] = "<set>" if d[section][name] else ""
     return d
 
 
@@ -172,7 +180,7 @@ def _refusing_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCo
 # ----- TLS -----------------------------------------------------------------------------------
 
 
-def _read_pem(flag: str, path: str) -> bytes:
+def read_pem(flag: str, path: str) -> bytes:
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -196,9 +204,9 @@ def server_credentials(sc: ServerConfig) -> grpc.ServerCredentials | None:
                                 ("--tls-client-ca", sc.tls_client_ca)) if v]
         raise ValueError(f"{' and '.join(given)} given without {missing}: TLS needs both "
                          "--tls-cert and --tls-key")
-    cert = _read_pem("--tls-cert", sc.tls_cert)
-    key = _read_pem("--tls-key", sc.tls_key)
-    ca = _read_pem("--tls-client-ca", sc.tls_client_ca) if sc.tls_client_ca else None
+    cert = read_pem("--tls-cert", sc.tls_cert)
+    key = read_pem("--tls-key", sc.tls_key)
+    ca = read_pem("--tls-client-ca", sc.tls_client_ca) if sc.tls_client_ca else None
     # gRPC reads them only when the port is bound, and says "Failed to bind" of a bad one.
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:

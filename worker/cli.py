@@ -71,7 +71,7 @@ def build_parser(with_plan: bool = True) -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    cfgmod.add_arguments(gen, skip=("server",))
+    cfgmod.add_arguments(gen, skip=("server", "kv_transfer"))
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve the gRPC API (llmworker.v1.WorkerService)")
     cfgmod.add_arguments(srv)

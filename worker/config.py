@@ -329,19 +329,27 @@ class NgramSpeculation:
                              "supported; only 'ngram' (prompt lookup, no draft model) is")
 
 
-def parse_speculative_config(text: str) -> NgramSpeculation | None:
-    """vLLM's --speculative-config JSON, e.g. ``{"method": "ngram", "num_speculative_tokens": 5,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; empty = off. As vLLM: a missing
-    lookup bound takes the other's value, and 5 when both are missing."""
+def _json_object(flag: str, text: str) -> dict[str, Any] | None:
+    """A flag's JSON object (vLLM's form of a config); None for an empty value."""
     text = text.strip()
     if not text:
         return None
     try:
-        spec = json.loads(text)
+        value = json.loads(text)
     except ValueError as e:
-        raise BadValue(f"--speculative-config is not JSON ({e}): {text[:80]!r}") from None
-    if not isinstance(spec, dict):
-        raise BadValue(f"--speculative-config must be a JSON object, got {text[:80]!r}")
+        raise BadValue(f"{flag} is not JSON ({e}): {text[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise BadValue(f"{flag} must be a JSON object, got {text[:80]!r}")
+    return value
+
+
+def parse_speculative_config(text: str) -> NgramSpeculation | None:
+    """vLLM's --speculative-config JSON, e.g. ``{"method": "ngram", "num_speculative_tokens": 5,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; empty = off. As vLLM: a missing
+    lookup bound takes the other's value, and 5 when both are missing."""
+    spec = _json_object("--speculative-config", text)
+    if spec is None:
+        return None
     method = spec.get("method")
     if method is None and spec.get("model") == "[ngram]":  # vLLM's older spelling
         method = "ngram"
@@ -424,6 +432,150 @@ class LoraConfig:
     @property
     def cpu_loras(self) -> int:
         return self.max_cpu_loras or self.max_loras
+
+
+# --kv-transfer-config's connector: ours moves a prefill's KV blocks to a decode worker over
+# gRPC (worker/kv_transfer). vLLM's NIXL and Mooncake transports need CUDA/RDMA libraries.
+KV_CONNECTORS = ("GrpcConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    """The value of --kv-transfer-config, under vLLM's KVTransferConfig names: the connector,
+    this worker's role (a prefill produces KV, a decode consumes it, kv_both does either) and
+    the engine id its handoffs name (empty: a fresh random one at start-up)."""
+
+    kv_connector: str = "GrpcConnector"
+    kv_role: str = "kv_both"
+    engine_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            hint = (" (this worker reports itself to SMG as NixlConnector so that SMG drives "
+                    "NIXL's handoff protocol, but it moves the blocks over gRPC itself)"
+                    if "nixl" in str(self.kv_connector).lower() else "")
+            raise ValueError(f"--kv-transfer-config: kv_connector {str(self.kv_connector)[:40]!r} "
+                             f"is not supported; use {' or '.join(KV_CONNECTORS)}{hint}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {str(self.kv_role)[:40]!r}")
+        if not isinstance(self.engine_id, str) or len(self.engine_id) > 128 or any(
+                not " " < c <= "~" for c in self.engine_id):
+            raise ValueError("--kv-transfer-config: engine_id must be at most 128 printable ASCII "
+                             "characters without spaces")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def parse_kv_transfer_config(text: str) -> KVTransferSpec | None:
+    """vLLM's --kv-transfer-config JSON, e.g. ``{"kv_connector": "GrpcConnector", "kv_role":
+    "kv_producer"}``; empty = no KV transfer. vLLM's keys that mean nothing here
+    (kv_buffer_device, kv_buffer_size, kv_rank, kv_parallel_size, kv_ip, kv_port) are refused,
+    never ignored; kv_load_failure_policy may only be vLLM's default, recompute (what a failed
+    pull does here: the decode computes the prompt itself)."""
+    spec = _json_object("--kv-transfer-config", text)
+    if spec is None:
+        return None
+    known = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config",
+             "kv_load_failure_policy"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise BadValue(f"--kv-transfer-config: unsupported keys {', '.join(unknown)[:120]} "
+                       f"(known: {', '.join(sorted(known))})")
+    if "kv_connector" not in spec or "kv_role" not in spec:
+        raise BadValue("--kv-transfer-config: give kv_connector and kv_role, e.g. "
+                       '\'{"kv_connector": "GrpcConnector", "kv_role": "kv_both"}\'')
+    if spec.get("kv_load_failure_policy", "recompute") != "recompute":
+        raise BadValue("--kv-transfer-config: kv_load_failure_policy may only be 'recompute' "
+                       "(a failed pull computes the prompt locally)")
+    if spec.get("kv_connector_extra_config", {}) not in ({}, None):
+        raise BadValue("--kv-transfer-config: kv_connector_extra_config is not read by "
+                       "GrpcConnector; its settings are the --kv-transfer-* flags")
+    try:
+        return KVTransferSpec(spec["kv_connector"], spec["kv_role"], spec.get("engine_id") or "")
+    except (ValueError, TypeError) as e:
+        raise BadValue(str(e)) from None
+
+
+def _peer_address(text: str) -> str:
+    """One --kv-transfer-peers entry: HOST:PORT (an IPv6 host in brackets), as given."""
+    text = text.strip()
+    host, sep, port = text.rpartition(":")
+    if (not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535
+            or any(c.isspace() or c in "/@?#" for c in host)):
+        raise BadValue(f"--kv-transfer-peers takes HOST:PORT entries, got {text[:80]!r}")
+    return f"{host.lower()}:{int(port)}"
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    # opt() returns a dataclass field (as for every leaf); ruff cannot tell for this type.
+    kv_transfer_config: KVTransferSpec | None = opt(  # noqa: RUF009
+        None, "prefill/decode disaggregation as vLLM's JSON, e.g. '{\"kv_connector\": "
+        "\"GrpcConnector\", \"kv_role\": \"kv_producer\"}': a producer (prefill) pins the KV "
+        "blocks of a prompt tagged do_remote_decode under a lease and serves them over gRPC "
+        "on its main port; a consumer (decode) pulls the blocks a do_remote_prefill handoff "
+        "names from a --kv-transfer-peers worker and computes only the rest; kv_both does "
+        "either (GetServerInfo reports the connector as NixlConnector, whose handoff protocol "
+        "SMG's PD mode drives). Empty = off", parse=parse_kv_transfer_config, metavar="JSON")
+    kv_transfer_lease_s: float = opt(30.0, "a prefill keeps a handoff's blocks pinned this long "
+                                     "unless the decode pulls, releases or renews them")
+    kv_transfer_peers: tuple[str, ...] = opt((), "HOST:PORT of the prefill workers this worker "
+                                             "may pull KV blocks from (several: "
+                                             "--kv-transfer-peers a:1 b:2; the variable: "
+                                             "space-separated); a handoff naming any other "
+                                             "address is never connected to (the prompt is "
+                                             "computed here, counted)", parse=_peer_address,
+                                             many=True, metavar="HOST:PORT")
+    kv_transfer_host: str = opt("", "the address a prefill's handoffs give for pulling from it "
+                                "(vLLM's side-channel host); empty = --host, or this machine's "
+                                "host name when that is a wildcard")
+    kv_transfer_peer_token: str = opt("", "bearer token this worker presents to its peers' KV "
+                                      "transfer service (prefer LLMWORKER_KV_TRANSFER_PEER_TOKEN); "
+                                      "empty = its own --auth-token")
+    kv_transfer_peer_ca: str = opt("", "PEM CA bundle: pull from peers over TLS, verifying their "
+                                   "certificates with it; empty = plaintext")
+    kv_transfer_peer_cert: str = opt("", "PEM certificate this worker presents to peers that "
+                                     "require client certificates (mTLS), with "
+                                     "--kv-transfer-peer-key; empty = --tls-cert")
+    kv_transfer_peer_key: str = opt("", "PEM private key of --kv-transfer-peer-cert; empty = "
+                                    "--tls-key")
+    kv_transfer_timeout_s: float = opt(30.0, "the longest one pull may take; past it the decode "
+                                       "computes the prompt itself")
+    kv_transfer_max_pinned_blocks: int = opt(0, "most KV blocks a prefill keeps pinned for "
+                                             "handoffs at once (a tagged prompt past it gets no "
+                                             "handoff: its decode recomputes); 0 = half the cache")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.kv_transfer_lease_s <= 3600:
+            raise ValueError(f"--kv-transfer-lease-s must be in (0, 3600], got "
+                             f"{self.kv_transfer_lease_s}")
+        if not 0 < self.kv_transfer_timeout_s <= 3600:
+            raise ValueError(f"--kv-transfer-timeout-s must be in (0, 3600], got "
+                             f"{self.kv_transfer_timeout_s}")
+        if self.kv_transfer_max_pinned_blocks < 0:
+            raise ValueError("--kv-transfer-max-pinned-blocks must be >= 0")
+        token = self.kv_transfer_peer_token.strip()
+        object.__setattr__(self, "kv_transfer_peer_token", token)
+        if any(not " " <= c <= "~" for c in token):
+            raise ValueError("--kv-transfer-peer-token holds a character a client cannot send in "
+                             "gRPC metadata (printable ASCII only)")
+        if bool(self.kv_transfer_peer_cert) != bool(self.kv_transfer_peer_key):
+            raise ValueError("--kv-transfer-peer-cert and --kv-transfer-peer-key go together")
+        if self.kv_transfer_peer_cert and not self.kv_transfer_peer_ca:
+            raise ValueError("--kv-transfer-peer-cert needs --kv-transfer-peer-ca (a client "
+                             "certificate is presented over TLS only)")
+        spec = self.kv_transfer_config
+        if self.kv_transfer_peers and not (spec and spec.is_consumer):
+            raise ValueError("--kv-transfer-peers needs --kv-transfer-config with kv_role "
+                             "kv_consumer or kv_both")
 
 
 CPU_THREADS_BIND = ("auto", "nobind")  # --cpu-threads-bind's choices
@@ -540,6 +692,7 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def to_dict(self) -> dict[str, Any]:

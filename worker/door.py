@@ -49,10 +49,19 @@ from typing import Any, NoReturn
 
 import grpc
 
-from scheduler.request import MAX_LOGIT_BIAS_TOKENS, Request, SamplingParams, SamplingParamsError
+from scheduler.request import (
+    MAX_LOGIT_BIAS_TOKENS,
+    RemoteKV,
+    RemoteKVState,
+    Request,
+    SamplingParams,
+    SamplingParamsError,
+)
 from worker import telemetry
 from worker.bridge import DuplicateRequestError, EngineBridge, RequestStream
 from worker.config import WorkerConfig
+from worker.kv_transfer import handoff
+from worker.kv_transfer.client import RemotePull
 from worker.load import Load, snapshot
 from worker.lora.adapter import LoraAdapterError
 from worker.lora.registry import LoraInfo, LoraInUseError, LoraRegistry, UnknownLoraError
@@ -129,6 +138,8 @@ class Submission:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     constraint: Constraint | None = None  # structured output; None = unconstrained
     lora_name: str | None = None  # a loaded LoRA adapter; None = the base model
+    # Prefill/decode disaggregation (worker.kv_transfer.handoff): the JSON as sent.
+    kv_transfer_params_json: str | None = None
     names: FieldNames = field(default_factory=FieldNames)
 
     @property
@@ -175,6 +186,8 @@ class Status:
     draining: bool
     spec_draft_tokens: int = 0  # speculative decoding since ready (after the warm-up)
     spec_accepted_tokens: int = 0
+    # Since ready: prompt tokens by the source of their keys and values (Engine's tally).
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
 
 
 class Door:
@@ -188,6 +201,7 @@ class Door:
         self.on_drain = on_drain  # e.g. health NOT_SERVING
         self.bridge: EngineBridge | None = None
         self._spec_base = (0, 0)  # the engine's speculation counters when it became ready
+        self._sources_base: dict[str, int] = {}
         self.model: ModelInfo | None = None
         self.grammars: GrammarCompiler | None = None  # with a tokenizer, at attach
         self.draining = False
@@ -203,6 +217,7 @@ class Door:
         engine = bridge.engine
         # What the warm-up drafted is left out, as the Prometheus counters leave it out.
         self._spec_base = (engine.num_draft_tokens, engine.num_accepted_tokens)
+        self._sources_base = dict(engine.prompt_tokens_by_source)  # the warm-up's
         loaded, tok = engine.loaded, engine.tokenizer
         self.model = ModelInfo(
             name=engine.model_name, architecture=loaded.config.architecture,
@@ -280,7 +295,10 @@ class Door:
             num_in_flight=bridge.num_in_flight if bridge else 0,
             draining=self.draining,
             spec_draft_tokens=bridge.engine.num_draft_tokens - self._spec_base[0] if bridge else 0,
-            spec_accepted_tokens=bridge.engine.num_accepted_tokens - self._spec_base[1] if bridge else 0)
+            spec_accepted_tokens=bridge.engine.num_accepted_tokens - self._spec_base[1] if bridge else 0,
+            prompt_tokens_by_source={
+                k: v - self._sources_base.get(k, 0)
+                for k, v in bridge.engine.prompt_tokens_by_source.copy().items()} if bridge else {})
 
     async def abort_requests(self, context: grpc.aio.ServicerContext,
                              request_ids: Sequence[str]) -> list[str]:
@@ -364,9 +382,52 @@ class Door:
                                       lora_name=sub.lora_name or None)
         except SamplingParamsError as e:  # a token id out of the vocabulary
             raise InvalidArgument(f"{n.sampling.get(e.field, e.field)} {e.problem}") from None
+        if sub.kv_transfer_params_json is not None:
+            self._kv_transfer(sub.kv_transfer_params_json, req, engine)
         if sub.constraint is not None:  # last: the cheap checks came first
             req.grammar = (await self._grammar(sub, sub.constraint, engine.model_name)).matcher()
         return req
+
+    def _kv_transfer(self, text: str, req: Request, engine: Any) -> None:
+        """Tag `req` as a handoff's prefill leg (its blocks pinned when it finishes) or give
+        it the handoff to pull as its decode leg; a handoff this worker cannot use (not
+        ours, a peer not trusted, another model or layout, n > 1, prompt logprobs) leaves
+        the prompt to be computed here, counted and logged by reason."""
+        kc = self.config.kv_transfer
+        spec = kc.kv_transfer_config
+        if spec is None:  # sent to a worker that cannot honour it: refused, never ignored
+            raise InvalidArgument(f"{handoff.FIELD} is not supported: this worker does no KV "
+                                  "transfer (start it with --kv-transfer-config)")
+        bs = engine.kv.block_size
+        params = handoff.parse(text, max_blocks=-(-engine.max_model_len // bs))
+        p = req.sampling_params
+        if params.remote_decode:
+            if not spec.is_producer:
+                raise InvalidArgument(f"{handoff.FIELD}: do_remote_decode on a worker that "
+                                      "makes no KV handoffs (start it with --kv-transfer-config "
+                                      "kv_role kv_producer or kv_both)")
+            if p.n == 1:  # as SMG: with n > 1 nothing is handed over
+                req.kv_pin_key = handoff.prompt_digest(req.prompt_token_ids, req.lora_name)
+            return
+        if params.handoff is None and not params.foreign:
+            return  # neither leg: a plain request
+        if not spec.is_consumer:
+            raise InvalidArgument(f"{handoff.FIELD}: do_remote_prefill on a worker that pulls "
+                                  "no KV (start it with --kv-transfer-config kv_role "
+                                  "kv_consumer or kv_both)")
+        h = params.handoff
+        reason = params.foreign or ("n" if p.n > 1 else "") or (
+            "prompt_logprobs" if p.prompt_logprobs is not None else "")
+        if not reason and h is not None:
+            reason = handoff.usable(h, engine.kv_layout, req.num_prompt_tokens,
+                                    kc.kv_transfer_peers) or ""
+        assert h is not None or reason
+        pull = (None if h is None else
+                RemotePull(h, handoff.prompt_digest(req.prompt_token_ids, req.lora_name)))
+        req.remote_kv = RemoteKV(req.num_prompt_tokens, pull)
+        if reason:  # kept on the request, failed, for its span
+            req.remote_kv.state, req.remote_kv.reason = RemoteKVState.FAILED, reason
+            engine.kv_fallback(req, reason, pull)
 
     async def _warm_lora(self, sub: Submission, loras: LoraRegistry | None) -> None:
         """Check the named adapter is loaded, and have its weights in host memory (read
@@ -642,6 +703,8 @@ class Generation:
                     if req.first_scheduled_time is not None:
                         gen.event("scheduled",
                                   timestamp_s=telemetry.monotonic_to_wall(req.first_scheduled_time))
+                    if req.remote_kv is not None:
+                        _pull_events(gen, req.remote_kv)
                     gen.event("first_token")
                 if record:
                     text.append(out.new_text)
@@ -687,6 +750,25 @@ class Generation:
 
 def _ms(seconds: float | None) -> float:
     return 0.0 if seconds is None else seconds * 1000.0
+
+
+def _pull_events(gen: telemetry.GenerationTrace, remote: RemoteKV) -> None:
+    """The KV handoff's pull on the request's span: when it ran, what it moved, or why the
+    prompt was computed here instead (events back-dated to when they happened)."""
+    pull: RemotePull | None = remote.handoff
+    if pull is not None and pull.started_at is not None:
+        gen.event("kv_pull_started", timestamp_s=telemetry.monotonic_to_wall(pull.started_at),
+                  peer=pull.handoff.address, blocks=len(remote.block_ids),
+                  local_prefix_tokens=remote.num_local_tokens)
+    attrs: dict[str, Any] = {"outcome": remote.state.name.lower(),
+                             "tokens": remote.num_pulled_tokens}
+    if remote.reason:
+        attrs["reason"] = remote.reason
+    ended = pull.ended_at if pull is not None else None
+    if pull is not None:
+        attrs["bytes"] = pull.num_bytes
+    gen.event("kv_pull_ended", timestamp_s=(telemetry.monotonic_to_wall(ended)
+                                            if ended is not None else None), **attrs)
 
 
 def _finished(gen: telemetry.GenerationTrace, logger: Any, rid: str, out: RequestOutput,

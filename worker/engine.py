@@ -1,5 +1,8 @@
-"""The one engine: a background thread that loops
-``schedule -> run model -> sample -> update -> publish`` while there is work.
+"""The one engine: a background thread that loops `step()` while there is work. A step
+drains the inbox, then runs its phases (`Engine._run`, each a method):
+
+    schedule -> execute (KV moves, model, sample) -> tally drafts -> advance
+             -> check stops (detokenize, stop strings, grammar) -> finish -> publish
 
 `submit()` and `abort()` are safe from any thread: they post to an inbox the
 loop drains at the top of each step. Each step's results leave once, as one
@@ -32,14 +35,24 @@ import ops
 from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
-from scheduler.request import Request, RequestStatus, SamplingParams, SamplingParamsError
+from scheduler.output import SchedulerOutput
+from scheduler.request import (
+    RemoteKVState,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    SamplingParamsError,
+)
 from scheduler.sample_group import SampleGroup, make_group
 from scheduler.scheduler import PrefixCacheReset, Scheduler
 from worker import memory
 from worker.config import NgramSpeculation, WorkerConfig
+from worker.kv_transfer.client import KVPuller, RemotePull
+from worker.kv_transfer.handoff import Layout, model_fingerprint
+from worker.kv_transfer.stats import KVTransferStats
 from worker.lora.registry import LoraRegistry
 from worker.lora.slots import LoraSlots
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, SampleResult
 from worker.outputs import OutputState, RequestOutput
 from worker.spec_decode import NgramProposer
 from worker.structured import GrammarMatcher
@@ -130,6 +143,15 @@ def _max_verify_rows(spec: NgramSpeculation | None, max_num_seqs: int) -> int:
     return min(rows, MAX_VERIFY_GRAPH_ROWS)
 
 
+@dataclass
+class _Ends:
+    """How requests end in this step besides the scheduler's own stops (`Engine._check_stops`)."""
+
+    stopped: list[str] = field(default_factory=list)  # a stop string, or a complete grammar
+    failed: dict[str, str] = field(default_factory=dict)  # the grammar refused: id -> error
+    client_faults: set[str] = field(default_factory=set)  # of `failed`: the constraint's limit
+
+
 def _wake_reader(fd: int | None) -> None:
     """One byte to the reader's wake-up pipe (Engine.start)."""
     assert fd is not None
@@ -180,11 +202,15 @@ class Engine:
         srv = config.server
         if srv.kv_events and srv.vllm_protocol and cc.enable_prefix_caching:
             self.kv.pool.record_events()  # taken every step, published by worker.kv_events
+        kc = config.kv_transfer
+        kv_spec = kc.kv_transfer_config
         self.scheduler = Scheduler(
             self.kv, sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len, sc.policy,
             aging_s=sc.priority_aging_s or None, preemption_mode=sc.preemption_mode,
             chunked_prefill=sc.enable_chunked_prefill,
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            handoff_lease_s=kc.kv_transfer_lease_s if kv_spec and kv_spec.is_producer else None,
+            max_pinned_blocks=kc.kv_transfer_max_pinned_blocks,
         )
         # LoRA adapters (worker/lora): named in host memory, the step's in device slots.
         lc = config.lora
@@ -214,6 +240,24 @@ class Engine:
             lora=lora_slots,
         )
         log.info(self.runner.describe_kernels())
+        # Prefill/decode disaggregation (worker/kv_transfer): what our blocks mean, the
+        # figures, and on a decode worker the pulls (off this thread).
+        self.kv_layout = Layout(
+            mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, cc.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
+            model_fingerprint(self.model_name, mcfg.architecture,
+                              str(loaded.dtype).removeprefix("torch."), loaded.source,
+                              (mcfg.vocab_size, mcfg.num_layers, mcfg.hidden_size,
+                               mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim,
+                               mcfg.num_params)))
+        self.kv_stats = KVTransferStats()
+        self.puller = (KVPuller(config, self.kv_layout, self.runner.kv_caches, self.kv_stats,
+                                self._pulled) if kv_spec and kv_spec.is_consumer else None)
+        # Prompt tokens by where their keys and values came from (vLLM's sources), counted
+        # when a request's prompt is done: computed here, this prefix cache, a KV handoff.
+        self.prompt_tokens_by_source = dict.fromkeys(
+            ("local_compute", "local_cache_hit", "external_kv_transfer"), 0)
+        self._stalled = False  # the last step ran nothing while pulls were under way
         spec = config.speculative.speculative_config
         self.speculation = spec
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -333,6 +377,31 @@ class Engine:
         self._wake.set()
         return fut
 
+    # ----- KV handoffs (worker/kv_transfer); safe from any thread -----
+
+    def release_pin(self, handle: str, pulled: bool = False) -> bool:
+        """End a handoff's pin (pulled, or not needed); its blocks are freed in the engine's
+        next step. False when it had ended already."""
+        done = self.kv.handoff_pins.release(handle, pulled)
+        if done:
+            self._inbox.put(("free_pins", None))
+            self._wake.set()
+        return done
+
+    def kv_fallback(self, req: Request, reason: str, pull: RemotePull | None) -> None:
+        """A request's handoff it cannot use: the prompt is computed here, counted and
+        logged; the prefill's pin is released when the peer is one this worker trusts."""
+        self.kv_stats.fallback(reason)
+        log.warning("KV handoff not used (%s) for request %r; computing the prompt here",
+                    reason, req.request_id[:64])
+        if pull is not None and reason != "untrusted_peer" and self.puller is not None:
+            self.puller.release(pull)
+
+    def _pulled(self, req: Request, ok: bool, reason: str) -> None:
+        """A pull thread's report (`KVPuller.on_done`): the engine takes it next step."""
+        self._inbox.put(("pulled", (req, ok, reason)))
+        self._wake.set()
+
     # ----- the step -----
 
     def _drain_inbox(self) -> list[RequestOutput]:
@@ -355,6 +424,7 @@ class Engine:
                             r.lora = self.loras.acquire(item.lora_key)
                     self.scheduler.add_request(item)
                 except ValueError as e:  # refused: that request fails, the engine goes on
+                    self._release_handoff(item)
                     for r in samples:
                         self._release_lora(r)
                     for r in samples:
@@ -367,6 +437,10 @@ class Engine:
                 if item.grammar is not None:
                     ck = item.grammar.kind
                     self.structured_requests[ck] = self.structured_requests.get(ck, 0) + 1
+                remote = item.remote_kv
+                if (remote is not None and remote.state is RemoteKVState.PENDING
+                        and self.puller is not None):
+                    self.puller.watch(remote.handoff)  # its lease renewed meanwhile
                 item.output_state = OutputState.create(item, self.tokenizer)
                 if group is not None:
                     self._groups[item.request_id] = group
@@ -380,11 +454,23 @@ class Engine:
                     fut.set_result(self.scheduler.reset_prefix_cache(requeue))
                 except Exception as e:  # the caller hears of it; the engine goes on
                     fut.set_exception(e)
+            elif kind == "pulled":
+                req, ok, reason = item  # type: ignore[misc]
+                pull = req.remote_kv.handoff
+                if pull.abort_pending:  # aborted during its pull: no thread writes it now
+                    for r in self.scheduler.abort_requests([req.request_id]):
+                        outputs.append(self._output(r, [], finished=True))
+                elif req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                    self.scheduler.remote_kv_done(req, ok, reason)
+            elif kind == "free_pins":
+                pass  # freed below, with the expired ones
             else:
                 assert isinstance(item, list)
                 groups = [g for rid in item if (g := self._groups.get(rid)) is not None]
                 ids = list(item) + [f.request_id for g in groups for f in g.followers]
+                ids = self._defer_pulling_aborts(ids)
                 for req in self.scheduler.abort_requests(ids):
+                    self._release_handoff(req)
                     outputs.append(self._output(req, [], finished=True))
                 for g in groups:  # followers not forked yet are in no queue
                     for f in g.followers:
@@ -392,13 +478,40 @@ class Engine:
                             f.status = RequestStatus.FINISHED_ABORTED
                             outputs.append(self._output(f, [], finished=True))
 
+    def _defer_pulling_aborts(self, ids: list[str]) -> list[str]:
+        """Of `ids`, those to abort now: a request whose pull is under way is cancelled and
+        ends when its pull thread reports (its blocks are being written)."""
+        now = []
+        for rid in ids:
+            req = self.scheduler.get_request(rid)
+            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                assert req.remote_kv is not None
+                req.remote_kv.handoff.abort_pending = True
+                req.remote_kv.handoff.cancel()
+            else:
+                now.append(rid)
+        return now
+
+    def _release_handoff(self, req: Request) -> None:
+        """A request that ended before its handoff was pulled lets the prefill free it."""
+        remote = req.remote_kv
+        if (remote is not None and remote.state in (RemoteKVState.PENDING, RemoteKVState.SKIPPED)
+                and self.puller is not None):
+            self.puller.release(remote.handoff)
+
     def has_work(self) -> bool:
         # The inbox counts: a reset or an abort must be answered even when nothing runs.
         return self.scheduler.has_unfinished_requests() or not self._inbox.empty()
 
     def step(self) -> StepOutput:
-        """One iteration; returns what it produced (possibly nothing)."""
+        """One iteration: the inbox (adds, aborts, prefix-cache resets), then the step's
+        phases (`_run`) when anything is unfinished, then the parallel samples' groups and
+        the KV events the step caused. Returns what it produced (possibly nothing), for
+        the caller to publish (`_loop`'s `on_step`, or `generate`)."""
         step = StepOutput(self._drain_inbox())
+        self._stalled = False
+        if self.kv.handoff_pins.num_live or self.kv.handoff_pins.num_ended:
+            self.kv.free_pins(time.monotonic())  # pulled, released or past their lease
         if self.scheduler.has_unfinished_requests():
             self._run(step)
         if self._groups:
@@ -439,14 +552,50 @@ class Engine:
                                   if on and decoding and plain else [])
 
     def _run(self, step: StepOutput) -> None:
-        outputs = step.outputs
+        """The step's phases, in order (each a method below that states its contract):
+
+            schedule -> remote KV (pulls started) -> execute (KV moves, model, sample)
+                     -> tally drafts -> advance -> check stops (detokenize, stop strings,
+                     grammar) -> finish -> publish
+
+        Every phase after `_execute` runs only when the model step succeeded; a failed one
+        has ended its requests (published with the error) and the step stops there."""
+        sched = self._schedule(step)
+        if sched.remote_kv:
+            self._remote_kv(sched.remote_kv)
+        if sched.is_empty:
+            # Only pulls under way (their reports wake the loop): nothing to spin for.
+            self._stalled = bool(self.scheduler.num_pulling)
+            return
+        sampled = self._execute(sched, step)
+        if sampled is None:
+            return
+        self._tally_drafts(sched, sampled, step)
+        updated, new_ids = self._advance(sched, sampled)
+        ends = self._check_stops(updated, new_ids, sampled)
+        self._finish(ends)
+        self._publish(step, updated, new_ids, ends)
+
+    def _schedule(self, step: StepOutput) -> SchedulerOutput:
+        """Phase 1: drafts for the requests that decode next (with speculation on), then the
+        scheduler's choice of requests and tokens for this step. Preemptions are counted
+        here, when made, even if the step then runs nothing."""
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
         step.num_preempted = len(sched.preempted_ids)
         self.num_preemptions += step.num_preempted  # for the metrics, when made
-        if sched.is_empty:
-            return
+        return sched
+
+    def _execute(self, sched: SchedulerOutput, step: StepOutput) -> dict[str, list[SampleResult]] | None:
+        """Phase 2: the runner's one call: the step's KV moves (swap out, swap in, copy),
+        the forward pass, and sampling (the C decoder finds greedy rows' tokens in the same
+        native call as the layers, so these stay one call). Returns each sampling request's
+        results: one, or with drafts the accepted drafts and then the model's own token.
+
+        A call that raises fails the step's requests (and those it swapped out: their CPU
+        blocks may be unwritten) with the error in their outputs, and returns None; the
+        engine goes on (`max_consecutive_failed_steps`)."""
         try:
             sampled = self.runner.execute(sched)
         except Exception as e:  # a failed step fails its requests, never hangs them
@@ -459,75 +608,141 @@ class Engine:
                      if (r := self.scheduler.get_request(rid)) is not None
                      and r.status is RequestStatus.SWAPPED]
             self.scheduler.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ERROR)
-            outputs += [self._output(r, [], finished=True, error=f"model step failed: {e}") for r in reqs]
-            return
+            step.outputs += [self._output(r, [], finished=True, error=f"model step failed: {e}")
+                             for r in reqs]
+            return None
         self.num_steps += 1
         self.num_failed_steps = 0
         step.num_batched_tokens = sched.num_batched_tokens
         self.step_tokens[step.num_batched_tokens] = self.step_tokens.get(step.num_batched_tokens, 0) + 1
-        before = {s.request_id: s.request.num_output_tokens for s in sched.scheduled if s.will_sample}
+        return sampled
+
+    def _tally_drafts(self, sched: SchedulerOutput, sampled: dict[str, list[SampleResult]],
+                      step: StepOutput) -> None:
+        """Phase 3: speculative decoding's figures: drafts verified and accepted, in all and
+        per draft position, and this step's in `step`. Nothing without drafts."""
         drafted = sum(len(s.spec_token_ids) for s in sched.scheduled)
-        if drafted:
-            accepted = 0
-            for s in sched.scheduled:
-                if s.spec_token_ids:
-                    n = len(sampled[s.request_id]) - 1
-                    accepted += n
-                    self.num_drafts += 1
-                    for j in range(n):
-                        self.accepted_per_position[j] += 1
-            self.num_draft_tokens += drafted
-            self.num_accepted_tokens += accepted
-            step.num_draft_tokens, step.num_accepted_tokens = drafted, accepted
+        if not drafted:
+            return
+        accepted = 0
+        for s in sched.scheduled:
+            if s.spec_token_ids:
+                n = len(sampled[s.request_id]) - 1
+                accepted += n
+                self.num_drafts += 1
+                for j in range(n):
+                    self.accepted_per_position[j] += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        step.num_draft_tokens, step.num_accepted_tokens = drafted, accepted
+
+    def _advance(self, sched: SchedulerOutput, sampled: dict[str, list[SampleResult]]
+                 ) -> tuple[list[Request], dict[str, list[int]]]:
+        """Phase 4: the scheduler takes the sampled tokens (`Scheduler.update_from_output`:
+        appended up to a stop token or max_tokens, which finish and free the request;
+        followers forked). Returns the requests that got tokens, and by id the tokens each
+        got this step (a list the next phase may cut at a stop string)."""
+        before = {s.request_id: s.request.num_output_tokens for s in sched.scheduled if s.will_sample}
         updated = self.scheduler.update_from_output(
             sched, {k: [r.token_id for r in v] for k, v in sampled.items()})
-        stopped: list[str] = []
-        failed: dict[str, str] = {}
-        client_faults: set[str] = set()  # of `failed`: what the request asked for failed
-        new_ids: dict[str, list[int]] = {}
+        # A follower forked this step had none before.
+        return updated, {r.request_id: r.output_token_ids[before.get(r.request_id, 0):] for r in updated}
+
+    def _check_stops(self, updated: list[Request], new_ids: dict[str, list[int]],
+                     sampled: dict[str, list[SampleResult]]) -> _Ends:
+        """Phase 5: each request's new tokens through its detokenizer (logprobs taken
+        along), in order, up to a stop string; else through its grammar. A stop string
+        ends the request at the token that completed it: later tokens (accepted drafts)
+        are cut from `new_ids` and from the request, as if never sampled. Returns who ends
+        how; the scheduler has not been told yet (`_finish`)."""
+        ends = _Ends()
         for req in updated:
-            state = req.output_state
-            first = before.get(req.request_id, 0)  # a follower forked this step: 0
-            ids = new_ids[req.request_id] = req.output_token_ids[first:]
-            for j, token in enumerate(ids):
-                if req.sampling_params.logprobs is not None:
-                    state.pending_logprobs.append(sampled[req.request_id][j])
-                stop = state.add_token(token)
-                if stop is None:
-                    continue
-                last = j == len(ids) - 1
-                if req.is_finished and last:
-                    break  # its stop token or length ended it at this very token: that stands
-                # A stop string ends the request at this token; tokens after it (accepted
-                # drafts) are dropped, as if they had never been sampled.
-                del ids[j + 1 :]
-                req.truncate_output(first + j + 1)
-                req.stop_reason = stop
-                if req.is_finished:  # ended later in the dropped tokens; already released
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    stopped.append(req.request_id)
-                break
+            ids = new_ids[req.request_id]
+            stopped = self._stop_string(req, ids, sampled[req.request_id], ends)
+            if not stopped and req.grammar is not None:
+                self._accept_grammar(req, ids, ends)
+        return ends
+
+    @staticmethod
+    def _stop_string(req: Request, ids: list[int], results: list[SampleResult], ends: _Ends) -> bool:
+        """Detokenize `ids` (the request's new tokens, the last `len(ids)` of its output);
+        True where a stop string ended the request (`ids` and its output then cut)."""
+        state = req.output_state
+        first = req.num_output_tokens - len(ids)
+        for j, token in enumerate(ids):
+            if req.sampling_params.logprobs is not None:
+                state.pending_logprobs.append(results[j])
+            stop = state.add_token(token)
+            if stop is None:
+                continue
+            if req.is_finished and j == len(ids) - 1:
+                return True  # its stop token or length ended it at this very token: that stands
+            del ids[j + 1 :]
+            req.truncate_output(first + j + 1)
+            req.stop_reason = stop
+            if req.is_finished:  # ended later in the dropped tokens; already released
+                req.status = RequestStatus.FINISHED_STOPPED
             else:
-                # No stop string ended it. A grammar's request (never drafted: one token here)
-                # advances its matcher over the token; complete, the grammar ends the request.
-                if req.grammar is not None and not req.is_finished:
-                    assert len(ids) == 1, "a constrained request got drafts"
-                    if not req.grammar.accept(ids[0]):
-                        failed[req.request_id] = (f"the grammar refused token {ids[0]}: "
-                                                  f"{req.grammar.error}")
-                        if req.grammar.over_limit:  # the constraint's doing, not ours
-                            client_faults.add(req.request_id)
-                    elif req.grammar.done:
-                        stopped.append(req.request_id)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        if failed:
-            self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ERROR)
+                ends.stopped.append(req.request_id)
+            return True
+        return False
+
+    @staticmethod
+    def _accept_grammar(req: Request, ids: list[int], ends: _Ends) -> None:
+        """A grammar's request (never drafted: one token here) advances its matcher over
+        the token: refused, the request fails (the client's fault when the constraint hit a
+        limit); complete, the grammar ends it."""
+        assert req.grammar is not None
+        if req.is_finished:
+            return
+        assert len(ids) == 1, "a constrained request got drafts"
+        if not req.grammar.accept(ids[0]):
+            ends.failed[req.request_id] = f"the grammar refused token {ids[0]}: {req.grammar.error}"
+            if req.grammar.over_limit:  # the constraint's doing, not ours
+                ends.client_faults.add(req.request_id)
+        elif req.grammar.done:
+            ends.stopped.append(req.request_id)
+
+    def _finish(self, ends: _Ends) -> None:
+        """Phase 6: the scheduler ends what a stop string or grammar stopped, and what a
+        grammar failed, freeing their blocks."""
+        if ends.stopped:
+            self.scheduler.finish_requests(ends.stopped, RequestStatus.FINISHED_STOPPED)
+        if ends.failed:
+            self.scheduler.finish_requests(list(ends.failed), RequestStatus.FINISHED_ERROR)
+
+    def _publish(self, step: StepOutput, updated: list[Request], new_ids: dict[str, list[int]],
+                 ends: _Ends) -> None:
+        """Phase 7: one output per request that got tokens (its new tokens and text,
+        finished or not, the error if it failed), in the step's order, into `step`."""
         for req in updated:
-            outputs.append(self._output(req, new_ids[req.request_id], finished=req.is_finished,
-                                        error=failed.get(req.request_id),
-                                        refused=req.request_id in client_faults))
+            rid = req.request_id
+            step.outputs.append(self._output(req, new_ids[rid], finished=req.is_finished,
+                                             error=ends.failed.get(rid),
+                                             refused=rid in ends.client_faults))
+
+    def _remote_kv(self, reqs: list[Request]) -> None:
+        """Start the pulls of requests admitted into WAITING_FOR_REMOTE_KV; let the prefill
+        free the handoffs the prefix cache here made unneeded."""
+        assert self.puller is not None
+        for req in reqs:
+            remote = req.remote_kv
+            assert remote is not None
+            if remote.state is RemoteKVState.PULLING:
+                self.puller.start(req)
+            else:
+                assert remote.state is RemoteKVState.SKIPPED
+                self.kv_stats.count("num_skipped")
+                self.puller.release(remote.handoff)
+
+    def _count_prompt_sources(self, req: Request) -> None:
+        """Where the prompt's keys and values came from, once its first token is out."""
+        remote = req.remote_kv
+        pulled = remote.num_pulled_tokens if remote is not None else 0
+        tally = self.prompt_tokens_by_source
+        tally["external_kv_transfer"] += pulled
+        tally["local_cache_hit"] += req.num_cached_tokens - pulled
+        tally["local_compute"] += req.num_prompt_tokens - req.num_cached_tokens
 
     def _release_lora(self, req: Request) -> None:
         if req.lora is not None and self.loras is not None:
@@ -543,6 +758,17 @@ class Engine:
         state.pending_logprobs = []
         leader = req.group.leader if req.group is not None else req
         first = bool(new_ids) and req.num_output_tokens == len(new_ids)
+        if first and req.sample_index == 0:
+            self._count_prompt_sources(req)
+        if finished and req.kv_pin_key is not None and error is None and req.finish_reason in (
+                "stop", "length"):
+            if req.kv_handoff is not None:
+                self.kv_stats.count("num_handoffs")
+            else:  # its decode worker recomputes the prompt
+                self.kv_stats.count("num_handoffs_refused")
+                log.warning("no KV handoff for request %r: %d blocks pinned already "
+                            "(--kv-transfer-max-pinned-blocks %d)", req.request_id[:64],
+                            self.kv.handoff_pins.num_blocks(), self.scheduler.max_pinned_blocks)
         out = RequestOutput(
             request_id=leader.request_id,
             index=req.sample_index,
@@ -599,6 +825,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.puller is not None:
+            self.puller.close()
 
     def _loop(self, on_step: StepSink, wake_fd: int | None) -> None:
         defer = wake_fd is not None and self.runner.cpu_decoder is not None
@@ -606,12 +834,17 @@ class Engine:
         unwoken = False  # a step handed to on_step that asked for no wake (yet)
         try:
             while not self._stop:
-                if not self.has_work():
+                if not self.has_work() or self._stalled:
+                    # Idle, or only pulls under way: sleep until an inbox item (a request, an
+                    # abort, a pull's report) or the next handoff pin's lease end.
                     if queued or unwoken:
                         _wake_reader(wake_fd)
                         queued = unwoken = False
-                    self._wake.wait()
+                    self._wake.wait(self._idle_timeout())
                     self._wake.clear()
+                    self._stalled = False
+                    if self.kv.handoff_pins.num_live:
+                        self.kv.free_pins(time.monotonic())
                     continue
                 if queued:
                     self.runner.wake_fd = wake_fd  # taken (reset to -1) by the step's native call
@@ -635,6 +868,15 @@ class Engine:
         finally:
             if queued or unwoken:
                 _wake_reader(wake_fd)
+
+    def _idle_timeout(self) -> float | None:
+        """How long the idle loop may sleep: until the next handoff pin expires (None:
+        until woken); stalled on pulls, a short while (their reports wake it anyway)."""
+        expiry = self.kv.handoff_pins.next_expiry()
+        timeout = None if expiry is None else max(0.0, expiry - time.monotonic()) + 0.01
+        if self._stalled:
+            timeout = 0.25 if timeout is None else min(timeout, 0.25)
+        return timeout
 
     # ----- offline API -----
 

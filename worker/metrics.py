@@ -68,6 +68,30 @@ vllm:lora_requests_info                     gauge      the scrape's time (vLLM s
 llm_worker:lora_requests_total              counter    with --enable-lora: requests served
                                                        with each loaded adapter since it was
                                                        loaded (label lora_name)
+vllm:prompt_tokens_by_source_total         counter    prompt tokens by where their keys
+                                                       and values came from (label source:
+                                                       local_compute, local_cache_hit,
+                                                       external_kv_transfer), counted as
+                                                       each prompt is done
+==========================================  =========  ===================================
+
+With --kv-transfer-config (prefill/decode disaggregation, worker/kv_transfer), ours:
+
+==========================================  =========  ===================================
+llm_worker:kv_transfer_pulls_total          counter    handoffs pulled (decode side)
+llm_worker:kv_transfer_blocks_total         counter    blocks they moved
+llm_worker:kv_transfer_bytes_total          counter    bytes they moved (keys and values)
+llm_worker:kv_transfer_seconds              histogram  one pull's time
+llm_worker:kv_transfer_fallbacks_total      counter    handoffs not pulled, the prompt
+                                                       computed here (label reason)
+llm_worker:kv_transfer_skipped_total        counter    handoffs unneeded: the prefix cache
+                                                       here held what they had
+llm_worker:kv_transfer_handoffs_total       counter    tagged prompts handed off (prefill
+                                                       side; label outcome: pinned, or
+                                                       refused at the pin limit)
+llm_worker:kv_transfer_pins_total           counter    pins ended (label outcome: pulled,
+                                                       released, expired)
+llm_worker:kv_transfer_pinned_blocks        gauge      blocks held for handoffs now
 ==========================================  =========  ===================================
 
 The prefix-cache counters come from the KV cache's own statistics, which the warm-up's one
@@ -131,6 +155,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import socket
 import threading
@@ -153,6 +178,7 @@ from prometheus_client.utils import floatToGoString
 
 from worker import telemetry
 from worker.bridge import EngineBridge, RequestStream
+from worker.kv_transfer.stats import PULL_SECONDS_BUCKETS
 from worker.load import Load, snapshot
 from worker.outputs import RequestOutput
 
@@ -207,6 +233,7 @@ class LoadCollector(Collector):
         self._last: Load | None = None
         # What the engine ran before metrics existed (the warm-up) is left out.
         self._base_step_tokens = dict(bridge.engine.step_tokens)
+        self._base_sources = dict(bridge.engine.prompt_tokens_by_source)
         self._base_spec = self._spec_tallies()
 
     def _spec_tallies(self) -> tuple[int, int, int, list[int]]:
@@ -289,6 +316,14 @@ class LoadCollector(Collector):
             for j, (n, b) in enumerate(zip(per_pos, base_per_pos, strict=True)):
                 pos.add_metric([*self.labels, str(j)], n - b)
             yield pos
+        sources = CounterMetricFamily("vllm:prompt_tokens_by_source",
+                                      "Prompt tokens by the source of their KV.",
+                                      labels=[*names, "source"])
+        for source, n in self.bridge.engine.prompt_tokens_by_source.copy().items():
+            sources.add_metric([*self.labels, source], n - self._base_sources.get(source, 0))
+        yield sources
+        if self.bridge.engine.config.kv_transfer.kv_transfer_config is not None:
+            yield from self._kv_transfer(names)
         structured = CounterMetricFamily(
             "llm_worker:structured_output_requests",
             "Requests admitted with a structured-output constraint, by its kind.",
@@ -315,6 +350,49 @@ class LoadCollector(Collector):
             for info in engine.loras.infos():
                 per.add_metric([*self.labels, info.name], info.num_requests)
             yield per
+
+    def _kv_transfer(self, names: list[str]) -> Iterator[Metric]:
+        engine = self.bridge.engine
+        k = engine.kv_stats.snapshot()
+        pins = engine.kv.handoff_pins
+
+        def family(kind: type, name: str, doc: str, value: float | None = None,
+                   label: str | None = None, values: dict[str, float] | None = None) -> Metric:
+            m = kind(name, doc, labels=[*names, label] if label else names)
+            if label:
+                for key, v in sorted((values or {}).items()):
+                    m.add_metric([*self.labels, key], v)
+            else:
+                m.add_metric(self.labels, value)
+            return m
+
+        yield family(CounterMetricFamily, "llm_worker:kv_transfer_pulls", "KV handoffs pulled.",
+                     k.num_pulls)
+        yield family(CounterMetricFamily, "llm_worker:kv_transfer_blocks",
+                     "KV blocks pulled.", k.num_pulled_blocks)
+        yield family(CounterMetricFamily, "llm_worker:kv_transfer_bytes",
+                     "KV bytes pulled.", k.num_pulled_bytes)
+        h = HistogramMetricFamily("llm_worker:kv_transfer_seconds", "Seconds of one KV pull.",
+                                  labels=names)
+        counts = list(itertools.accumulate(k.pull_seconds))
+        buckets = [(floatToGoString(le), c) for le, c in zip(PULL_SECONDS_BUCKETS, counts,
+                                                             strict=False)]
+        h.add_metric(self.labels, [*buckets, ("+Inf", counts[-1])], sum_value=k.pull_seconds_sum)
+        yield h
+        yield family(CounterMetricFamily, "llm_worker:kv_transfer_fallbacks",
+                     "KV handoffs not pulled (the prompt computed here), by reason.",
+                     label="reason", values=k.fallbacks)
+        yield family(CounterMetricFamily, "llm_worker:kv_transfer_skipped",
+                     "KV handoffs unneeded: the prefix cache held them.", k.num_skipped)
+        yield family(CounterMetricFamily, "llm_worker:kv_transfer_handoffs",
+                     "Tagged prompts handed off, by outcome.", label="outcome",
+                     values={"pinned": k.num_handoffs, "refused": k.num_handoffs_refused})
+        yield family(CounterMetricFamily, "llm_worker:kv_transfer_pins", "Pins ended, by how.",
+                     label="outcome", values={"pulled": pins.num_pulled,
+                                              "released": pins.num_released,
+                                              "expired": pins.num_expired})
+        yield family(GaugeMetricFamily, "llm_worker:kv_transfer_pinned_blocks",
+                     "KV blocks pinned for handoffs now.", pins.num_blocks())
 
     def _iteration_tokens(self) -> HistogramMetricFamily:
         # A dict copy is one C call: safe against the engine thread adding a key meanwhile.

@@ -315,7 +315,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             spec_draft_tokens=st.spec_draft_tokens,
             spec_accepted_tokens=st.spec_accepted_tokens,
             lora_adapters=self._lora_adapters(),
+            kv_transfer=self._kv_transfer(),
+            prompt_tokens_by_source=st.prompt_tokens_by_source,
         )
+
+    def _kv_transfer(self) -> pb.KVTransferStatus | None:
+        bridge = self.door.bridge
+        spec = self.door.config.kv_transfer.kv_transfer_config
+        if bridge is None or spec is None:
+            return None
+        engine = bridge.engine
+        k = engine.kv_stats.snapshot()
+        pins = engine.kv.handoff_pins
+        return pb.KVTransferStatus(
+            role=spec.kv_role, pulls=k.num_pulls, pulled_blocks=k.num_pulled_blocks,
+            pulled_bytes=k.num_pulled_bytes, pull_seconds=k.pull_seconds_sum,
+            fallbacks=k.fallbacks, skipped=k.num_skipped, pulls_aborted=k.num_pulls_aborted,
+            handoffs=k.num_handoffs, handoffs_refused=k.num_handoffs_refused,
+            pins_pulled=pins.num_pulled, pins_released=pins.num_released,
+            pins_expired=pins.num_expired, pinned_blocks=pins.num_blocks(),
+            served_bytes=k.num_served_bytes)
 
     def _lora_adapters(self) -> list[pb.LoraAdapter]:
         bridge = self.door.bridge

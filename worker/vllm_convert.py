@@ -31,11 +31,10 @@ NAMES = FieldNames(input="input (tokenized or text)", token_ids="tokenized.input
                        "json_schema", "json_object", "regex", "grammar", "structural_tag")}
                    | {"choice": "sampling_params.choice.choices"})
 
-# Request fields with no meaning here (one text model, one device, no KV transfer): sent
-# set, they are refused, never ignored.
+# Request fields with no meaning here (one text model, one device; KV transfer only through
+# kv_transfer_params_json, read by the door): sent set, they are refused, never ignored.
 _UNSUPPORTED_REQUEST_FIELDS = (
-    ("kv_transfer_params", "KV transfer (prefill/decode disaggregation)"),
-    ("kv_transfer_params_json", "KV transfer (prefill/decode disaggregation)"),
+    ("kv_transfer_params", "Mooncake's KV transfer (send kv_transfer_params_json)"),
     ("mm_inputs", "multimodal inputs (this is a text model)"),
     ("media_refs", "multimodal inputs (this is a text model)"),
 )
@@ -76,6 +75,8 @@ def submission(msg: vpb.GenerateRequest) -> Submission:
                                 if p.HasField("truncate_prompt_tokens") else None),
         sampling=sampling_fields(p),
         constraint=constraint(p),
+        kv_transfer_params_json=(msg.kv_transfer_params_json
+                                 if msg.HasField("kv_transfer_params_json") else None),
         names=NAMES,
     )
 
@@ -174,7 +175,8 @@ def chunk_response(out: RequestOutput, completion_tokens: int,
 
 def complete_response(out: RequestOutput, output_ids: list[int],
                       logprobs: list[SampleResult] | None,
-                      prompt_logprobs: list[PromptLogprob] | None = None) -> vpb.GenerateResponse:
+                      prompt_logprobs: list[PromptLogprob] | None = None,
+                      kv_transfer_params_json: str | None = None) -> vpb.GenerateResponse:
     complete = vpb.GenerateComplete(
         output_ids=output_ids,
         finish_reason=out.finish_reason or "error",
@@ -188,6 +190,8 @@ def complete_response(out: RequestOutput, output_ids: list[int],
     if out.request is not None:  # speculative decoding's usage (0 without it)
         complete.spec_accepted_tokens = out.request.num_accepted_tokens
         complete.spec_draft_tokens = out.request.num_draft_tokens
+    if kv_transfer_params_json is not None:  # a prefill's handoff (worker.kv_transfer)
+        complete.kv_transfer_params_json = kv_transfer_params_json
     if isinstance(out.stop_reason, int):
         complete.matched_token_id = out.stop_reason
     elif isinstance(out.stop_reason, str):

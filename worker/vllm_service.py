@@ -47,9 +47,21 @@ parser: a grammar always starts at the first generated token, as GetServerInfo's
 ``constrained_decoding_start`` "first_token" says); ``data_parallel_rank`` 0.
 
 Refused with INVALID_ARGUMENT naming the field: n > 16 or > max_num_seqs,
-prompt_logprobs -1 or > 20, logprobs -1 or > 20, mm_inputs, extra_mm_inputs, media_refs, kv_transfer_params(_json), a
-data_parallel_rank other than 0; and every bad value our own service refuses, with the
-same limits and messages.
+prompt_logprobs -1 or > 20, logprobs -1 or > 20, mm_inputs, extra_mm_inputs, media_refs,
+kv_transfer_params (Mooncake's typed field), a data_parallel_rank other than 0; and every
+bad value our own service refuses, with the same limits and messages.
+
+Prefill/decode disaggregation (--kv-transfer-config, worker.kv_transfer): on a producer,
+``kv_transfer_params_json`` ``{"do_remote_decode": true}`` tags the request: it pins its
+prompt's blocks as it finishes, and its ``complete.kv_transfer_params_json`` is the handoff
+(vLLM NIXL's keys and ours). On a consumer, a ``do_remote_prefill`` handoff is pulled from
+the prefill worker it names (when that is on --kv-transfer-peers) before the rest of the
+prompt is computed here; one it cannot use is computed here, counted by reason. Malformed
+JSON (over 64 KiB, wrong types, too many block ids) is INVALID_ARGUMENT, as is either leg
+on a worker without that role. GetServerInfo reports ``kv_connector`` NixlConnector (the
+connector SMG tags prefill legs for), ``kv_role``, ``kv_engine_id``, the resolved
+``kv_cache_dtype``, ``attention_backend`` LLM_WORKER_PAGED, and ``pairing_protocol`` from
+SMG_PAIRING_PROTOCOL as vLLM's servicer reads it.
 
 ==========================  =========================================================
 INVALID_ARGUMENT            a bad or unsupported field (above); bytes that do not parse
@@ -92,7 +104,9 @@ import asyncio
 import contextlib
 import datetime
 import importlib.metadata
+import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -104,6 +118,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from worker import telemetry, tokenizer_bundle, vllm_convert
 from worker.door import Door, abort
 from worker.kv_events import KvEventHub, Overflowed
+from worker.kv_transfer import handoff
 from worker.tokenizer import Tokenizer
 from worker.weights import default_model_path
 
@@ -132,6 +147,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.version = _version()
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self._tokenizer_lock = asyncio.Lock()
+        # Where a decode worker pulls this worker's handoffs from (the server sets it once
+        # the port is bound); None: no handoffs.
+        self.kv_address: tuple[str, int] | None = None
+        spec = self.config.kv_transfer.kv_transfer_config
+        self.kv_engine_id = (spec.engine_id or uuid.uuid4().hex) if spec is not None else ""
 
     # ----- Generate -----
 
@@ -166,7 +186,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                         for j in range(n):
                             yield vllm_convert.complete_response(
                                 finished[j], output_ids[j], logprobs[j] or None,
-                                None if request.stream else prompt_logprobs[j])
+                                None if request.stream else prompt_logprobs[j],
+                                self._handoff(finished[j]))
+
+    def _handoff(self, out: Any) -> str | None:
+        """A finished prefill's handoff JSON, when it pinned its prompt's blocks."""
+        req = out.request
+        pin = req.kv_handoff if req is not None else None
+        if pin is None or self.kv_address is None:
+            return None
+        engine = self.door.bridge.engine
+        host, port = self.kv_address
+        return handoff.build(handle=pin.handle, request_id=req.request_id, blocks=pin.blocks,
+                             num_tokens=pin.num_tokens, layout=engine.kv_layout, host=host,
+                             port=port, engine_id=self.kv_engine_id,
+                             lease_s=self.config.kv_transfer.kv_transfer_lease_s)
 
     # ----- management -----
 
@@ -211,7 +245,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                             context: grpc.aio.ServicerContext):
         door, cfg = self.door, self.config
         st, m = door.status(), door.model
-        return vpb.GetServerInfoResponse(
+        info = vpb.GetServerInfoResponse(
             active_requests=st.num_in_flight,
             is_paused=st.draining,
             last_receive_timestamp=door.last_receive,
@@ -223,7 +257,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             model_dtype=f"torch.{m.dtype}" if m else "",
             max_num_seqs=cfg.scheduler.max_num_seqs,
             constrained_decoding_start="first_token",  # no reasoning parser holds it back
+            # As vLLM's servicer: the operator's pairing protocol, compared whole by SMG when
+            # both workers of a pair carry one.
+            pairing_protocol=os.environ.get("SMG_PAIRING_PROTOCOL", "").strip(),
         )
+        spec = cfg.kv_transfer.kv_transfer_config
+        if spec is not None:
+            # SMG tags prefill legs and relays handoffs only for NIXL's name; the layout
+            # facts (the resolved cache dtype and our attention's name, which no vLLM backend
+            # has) keep SMG from pairing us with a vLLM worker that reports its own.
+            info.kv_connector = handoff.SMG_CONNECTOR
+            info.kv_role = spec.kv_role
+            info.kv_engine_id = self.kv_engine_id
+            info.attention_backend = handoff.ATTENTION_BACKEND
+            if door.bridge is not None:
+                info.kv_cache_dtype = door.bridge.engine.kv_layout.dtype
+        return info
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext):
         await self.door.engine(context)

@@ -8,7 +8,9 @@
  *                                           heads, k and v heads written to the paged cache
  *   attention  att = softmax(q k^T / sqrt(D)) v   every row as a decode query over its
  *                                           request's first position + 1 cached tokens
- *                                           (paged_attention.c), prefill rows included
+ *                                           (paged_attention.c), prefill rows included;
+ *                                           a layer with a sliding window w over the
+ *                                           last w of them (layer_weights.window)
  *   attn_out   r += att @ Wo^T                         per tile, into r
  *              xn = rms_norm(r) * w_post
  *              act = silu(g) * u, [g | u] = xn @ Wgu^T  per tile pair (t, t + I/32)
@@ -53,6 +55,7 @@ typedef struct {
 typedef struct {
     qlinear qkv, o, gate_up, down;
     const float *input_norm, *post_norm; /* [H] */
+    int window; /* > 0: the layer's sliding window (paged_attention.c's attn_args.window); 0: none */
 } layer_weights;
 
 enum { EMBED_TABLE = 0, EMBED_Q8_0 = 1, EMBED_Q8_0_I8 = 2 };
@@ -179,9 +182,22 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     probe.head_dim = m->head_dim;
     probe.kv_half = s->kv_half;
     probe.n = s->n_dec;
+    /* the most keys a row reads in any layer (its scores' room): its length, or the widest
+     * window where every layer has one */
+    int64_t cap = 0; /* 0: some layer reads every key */
+    for (int l = 0; l < m->num_layers; l++) {
+        const int64_t w = m->layers[l].window;
+        if (w <= 0) {
+            cap = 0;
+            break;
+        }
+        if (w > cap) cap = w;
+    }
     t->max_len = 1;
-    for (int i = 0; i < s->n_dec; i++)
-        if (s->dec_lens[i] > t->max_len) t->max_len = s->dec_lens[i];
+    for (int i = 0; i < s->n_dec; i++) {
+        const int64_t keys = cap && s->dec_lens[i] > cap ? cap : s->dec_lens[i];
+        if (keys > t->max_len) t->max_len = keys;
+    }
     t->attn_floats = ALIGN64(attention_scratch(&probe, t->max_len));
     t->private_inputs = s->M <= PRIVATE_ROWS;
     const size_t copies = 1 + (t->private_inputs ? (size_t)nthreads : 0);
@@ -475,7 +491,8 @@ static attn_args decode_args(const model_desc *m, int l, const step_desc *s) {
     const size_t Dq = (size_t)m->num_heads * m->head_dim;
     const attn_args a = {s->qkv, Dq + 2 * (size_t)m->num_kv_heads * m->head_dim, s->k_caches[l], s->v_caches[l],
                          s->kv_half, m->block_size, m->num_kv_heads, m->num_heads, m->head_dim, s->dec_rows,
-                         s->dec_tables, s->dec_lens, s->max_blocks, s->n_dec, m->scale, s->att, Dq};
+                         s->dec_tables, s->dec_lens, s->max_blocks, s->n_dec, m->scale, s->att, Dq,
+                         NULL, NULL, m->layers[l].window};
     return a;
 }
 

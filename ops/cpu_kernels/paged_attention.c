@@ -7,7 +7,12 @@
  *   caches   [num_blocks, block_size, Hkv, D]  token p of request i: block
  *            tables[i, p / block_size], offset p % block_size
  *
- * A request's keys are split in up to four chunks by its length alone (see chunk_len);
+ * A row's keys are its request's first lens[i] tokens, or with a sliding window w (`window`,
+ * a layer's own) the last w of them: keys (p - w, p] of the query at position p = lens[i] - 1,
+ * as transformers' window. The loops start at the window's first key, so a windowed layer's
+ * cost stops growing with the context, and a row's scores are kept from its first key on.
+ *
+ * A request's keys are split in up to four chunks by their count alone (see chunk_len);
  * each chunk's scores, an exact softmax over the chunk (max first) and its weighted sum of
  * values in key order, then the chunks combined in order. A work item is a whole request
  * when there are enough requests to share out, else one chunk (a request alone keeps both
@@ -50,7 +55,14 @@ typedef struct {
     size_t out_stride;
     float *parts;          /* [n][ATTN_CHUNKS] chunk partials (attention_parts floats) */
     atomic_int *pending;   /* [n] zeroed: chunks of each request done (the last combines) */
+    int64_t window;        /* > 0: a row of length L reads keys [L - window, L) only; 0: every key */
 } attn_args;
+
+/* A row of length L's first key: L - window with a window it outgrows, else 0. A row's keys
+ * are [row_start, L), its scores kept from row_start on. */
+static inline int64_t row_start(const attn_args *a, int64_t L) {
+    return a->window > 0 && L > a->window ? L - a->window : 0;
+}
 
 /* Bytes of one cached token's row (every kv head's values). */
 static inline size_t token_bytes(const attn_args *a) {
@@ -83,20 +95,22 @@ static inline __attribute__((always_inline)) __m256 kv8(const void *row, size_t 
                 : _mm256_loadu_ps((const float *)row + d);
 }
 
-/* Checks the arguments; returns the longest length (>= 1), or < 0 when they are bad. */
+/* Checks the arguments; returns the most keys a row reads (>= 1: its scores' room), or < 0
+ * when they are bad. */
 static int64_t attention_check(const attn_args *a) {
     if (a->num_heads % a->num_kv_heads || a->num_heads > MAX_HEADS || a->head_dim % 8 || a->head_dim > MAX_D ||
-        a->block_size < 1 || (a->block_size & (a->block_size - 1)))
+        a->block_size < 1 || (a->block_size & (a->block_size - 1)) || a->window < 0)
         return -1;
     int64_t max_len = 1;
     for (int i = 0; i < a->n; i++) {
         if (a->lens[i] < 1 || a->lens[i] > (int64_t)a->max_blocks * a->block_size) return -2;
-        if (a->lens[i] > max_len) max_len = a->lens[i];
+        const int64_t keys = a->lens[i] - row_start(a, a->lens[i]);
+        if (keys > max_len) max_len = keys;
     }
     return max_len;
 }
 
-/* A request's L keys in chunks (flash-decoding's split): up to ATTN_CHUNKS of one length
+/* A row's L keys in chunks (flash-decoding's split): up to ATTN_CHUNKS of one length
  * (the last shorter), at least 16 keys each. Each chunk gives every query head its max m, its sum
  * s of e^(score - m) and its sum o of e^(score - m) v; then, over the chunks in order,
  *
@@ -115,12 +129,16 @@ static inline int64_t chunk_len(int64_t L) {
 
 static inline int num_chunks(int64_t L) { return (int)((L + chunk_len(L) - 1) / chunk_len(L)); }
 
-/* Chunk c's keys of a row of length L: [*j0, *j1), empty (both L) when the row has fewer. */
-static inline void chunk_keys(int64_t L, int c, int64_t *j0, int64_t *j1) {
-    const int64_t clen = chunk_len(L), b = c * clen;
+/* Chunk c's keys of a row of length L: [*j0, *j1) (chunks of its keys from row_start),
+ * empty (both L) when the row has fewer. */
+static inline void chunk_keys(const attn_args *a, int64_t L, int c, int64_t *j0, int64_t *j1) {
+    const int64_t s = row_start(a, L), clen = chunk_len(L - s), b = s + c * clen;
     *j0 = b < L ? b : L;
     *j1 = b + clen < L ? b + clen : L;
 }
+
+/* How many chunks a row of length L has. */
+static inline int row_chunks(const attn_args *a, int64_t L) { return num_chunks(L - row_start(a, L)); }
 
 /* Floats of one chunk's partial result: o [Hq, D] | m [Hq] | s [Hq], 64-byte aligned. */
 static inline size_t part_floats(const attn_args *a) {
@@ -144,8 +162,8 @@ static inline int rows_max(const attn_args *a, int64_t max_len) {
     return fit < 1 ? 1 : fit > ATTN_ROWS ? ATTN_ROWS : (int)fit;
 }
 
-/* Floats of per-thread scratch an item needs for lengths up to max_len: for each of up to
- * rows_max rows, its scores [Hq][max_len + 8] and its chunks' partials. */
+/* Floats of per-thread scratch an item needs for rows of up to max_len keys: for each of up
+ * to rows_max rows, its scores [Hq][max_len + 8] and its chunks' partials. */
 static size_t attention_scratch(const attn_args *a, int64_t max_len) {
     const size_t widened = a->kv_half ? (size_t)ATTN_TILE * a->num_kv_heads * a->head_dim + 16 : 0; /* tile_buffer */
     return rows_max(a, max_len) * ((size_t)a->num_heads * (size_t)(max_len + 8) + ATTN_CHUNKS * part_floats(a)) + 16 +
@@ -174,8 +192,9 @@ static inline __attribute__((always_inline)) __m256 dot1(const float *qa, const 
     return _mm256_add_ps(a0, a1);
 }
 
-/* Row i's scores against key token j, every query head: scores[h * stride + j] = scale *
- * q_h . k_j. `kt`: the token's keys, every kv head (one contiguous run of the cache). */
+/* Row i's scores against one key token, every query head: scores[h * stride + j] = scale *
+ * q_h . k (j: the key's place from the row's first key). `kt`: the token's keys, every kv
+ * head (one contiguous run of the cache). */
 static inline void key_scores(const attn_args *a, int i, const void *kt, int64_t j, float *scores, size_t stride,
                               int half) {
     const int group = a->num_heads / a->num_kv_heads, D = a->head_dim, nh = a->num_heads;
@@ -238,7 +257,8 @@ static void chunk_softmax(const attn_args *a, int64_t j0, int64_t j1, float *sco
     }
 }
 
-/* o_h += e_hj v_j for every query head (o: [Hq, D], aligned): key j's turn in its chunk. */
+/* o_h += e_hj v_j for every query head (o: [Hq, D], aligned): key j's turn in its chunk (j:
+ * its place from the row's first key, as its score is kept). */
 static inline void key_values(const attn_args *a, const void *vt, int64_t j, const float *scores, size_t stride,
                               float *o, int half) {
     const int group = a->num_heads / a->num_kv_heads, D = a->head_dim, nh = a->num_heads;
@@ -318,12 +338,13 @@ static inline __attribute__((always_inline)) __m256 q64_dot(const q64 *q, const 
 }
 
 /* Rows of a run, head_dim 64: row r's scores against keys lo[r]..hi[r]-1 of the tile (from
- * t0), key_scores' arithmetic with the query head held in registers and eight keys' sums
+ * t0; its scores kept from its first key base[r] on), key_scores' arithmetic with the query head held in registers and eight keys' sums
  * reduced together (hsum8x8). With pf_len (> 0), the first row's first head of each kv head
  * also fetches that kv head's keys a tile on (below pf_len) into L2, eight keys a step: the
  * fetches spread over the tile's work instead of tile_rows' burst (tile_rows' note). */
 static inline __attribute__((always_inline)) void tile_scores64(const attn_args *a, int i0, int R, const int64_t *lo,
-                                                               const int64_t *hi, const void *const *kt, int64_t t0,
+                                                               const int64_t *hi, const int64_t *base,
+                                                               const void *const *kt, int64_t t0,
                                                                float *scratch, size_t sh, size_t stride, int half,
                                                                const int64_t *table, int64_t pf_len) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads;
@@ -333,6 +354,7 @@ static inline __attribute__((always_inline)) void tile_scores64(const attn_args 
         for (int h = 0; lo[r] < hi[r] && h < nh; h++) {
             const q64 q = q64_load(qi + (size_t)h * 64);
             float *sc = scratch + r * sh + (size_t)h * stride;
+            const int64_t b = base[r];
             const size_t off = (size_t)(h / group) * 64;
             int64_t j = lo[r];
             const int fetch = r == 0 && h % group == 0;
@@ -340,9 +362,9 @@ static inline __attribute__((always_inline)) void tile_scores64(const attn_args 
                 if (fetch) fetch_slices(a, a->k_cache, table, j + ATTN_TILE, j + ATTN_TILE + 8 < pf_len ? j + ATTN_TILE + 8 : pf_len, off);
                 __m256 v[8];
                 for (int u = 0; u < 8; u++) v[u] = q64_dot(&q, kt[j + u - t0], off, half);
-                _mm256_storeu_ps(sc + j, _mm256_mul_ps(hsum8x8(v), scale));
+                _mm256_storeu_ps(sc + (j - b), _mm256_mul_ps(hsum8x8(v), scale));
             }
-            for (; j < hi[r]; j++) sc[j] = hsum8(q64_dot(&q, kt[j - t0], off, half)) * a->scale;
+            for (; j < hi[r]; j++) sc[j - b] = hsum8(q64_dot(&q, kt[j - t0], off, half)) * a->scale;
         }
     }
 }
@@ -366,7 +388,8 @@ static inline __attribute__((always_inline)) void dot4(const float *qa, const vo
 /* Rows of a run, head_dim a multiple of 64 above 64 (Llama 3's 128): tile_scores64 with the
  * query read from L1 (dot4), eight keys' sums reduced together (hsum8x8); key_scores' bits. */
 static inline __attribute__((always_inline)) void tile_scores_wide(const attn_args *a, int i0, int R, const int64_t *lo,
-                                                                  const int64_t *hi, const void *const *kt, int64_t t0,
+                                                                  const int64_t *hi, const int64_t *base,
+                                                                  const void *const *kt, int64_t t0,
                                                                   float *scratch, size_t sh, size_t stride, int half) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads, D = a->head_dim;
     const __m256 scale = _mm256_set1_ps(a->scale);
@@ -375,15 +398,16 @@ static inline __attribute__((always_inline)) void tile_scores_wide(const attn_ar
         for (int h = 0; lo[r] < hi[r] && h < nh; h++) {
             const float *qa = qi + (size_t)h * D;
             float *sc = scratch + r * sh + (size_t)h * stride;
+            const int64_t b = base[r];
             const size_t off = (size_t)(h / group) * D;
             int64_t j = lo[r];
             for (; j + 8 <= hi[r]; j += 8) {
                 __m256 v[8];
                 dot4(qa, kt + (j - t0), off, D, half, v);
                 dot4(qa, kt + (j + 4 - t0), off, D, half, v + 4);
-                _mm256_storeu_ps(sc + j, _mm256_mul_ps(hsum8x8(v), scale));
+                _mm256_storeu_ps(sc + (j - b), _mm256_mul_ps(hsum8x8(v), scale));
             }
-            for (; j < hi[r]; j++) sc[j] = hsum8(dot1(qa, kt[j - t0], off, D, half)) * a->scale;
+            for (; j < hi[r]; j++) sc[j - b] = hsum8(dot1(qa, kt[j - t0], off, D, half)) * a->scale;
         }
     }
 }
@@ -395,16 +419,16 @@ static inline __attribute__((always_inline)) void tile_scores_wide(const attn_ar
  * With pf_len (> 0), the first row's first head of each kv head fetches that slice's values a
  * tile on (below pf_len) into L2 before its keys, as tile_scores64 does. */
 static inline __attribute__((always_inline)) void tile_values(const attn_args *a, int R, int64_t L0,
-                                                               const int64_t *lo, const int64_t *hi,
+                                                               const int64_t *lo, const int64_t *hi, const int64_t *base,
                                                                const void *const *vt, int64_t t0, const float *scratch,
                                                                size_t sh, size_t stride, float *const *part, int half,
                                                                const int64_t *table, int64_t pf_len) {
     const int group = a->num_heads / a->num_kv_heads, nh = a->num_heads, D = a->head_dim;
     const size_t pf = part_floats(a);
     for (int r = 0; r < R; r++) {
-        const int64_t clen = chunk_len(L0 + r);
+        const int64_t b = base[r], clen = chunk_len(L0 + r - b);
         for (int64_t js = lo[r]; js < hi[r];) { /* [js, je): one chunk's keys within the tile */
-            const int64_t c = js / clen, je = (c + 1) * clen < hi[r] ? (c + 1) * clen : hi[r];
+            const int64_t c = (js - b) / clen, je = b + (c + 1) * clen < hi[r] ? b + (c + 1) * clen : hi[r];
             for (int hs = 0; hs < nh * (D / 64); hs++) { /* head h, its slice of 64: hs = h D/64 + slice */
                 const int h = hs / (D / 64), slice = hs % (D / 64);
                 float *o = part[r] + c * pf + (size_t)h * D + (size_t)slice * 64;
@@ -416,7 +440,7 @@ static inline __attribute__((always_inline)) void tile_values(const attn_args *a
                 if (r == 0 && h % group == 0)
                     fetch_slices(a, a->v_cache, table, js + ATTN_TILE, je + ATTN_TILE < pf_len ? je + ATTN_TILE : pf_len, off);
                 for (int64_t j = js; j < je; j++) {
-                    const __m256 p = _mm256_set1_ps(sc[j]);
+                    const __m256 p = _mm256_set1_ps(sc[j - b]);
                     const void *vp = vt[j - t0];
                     o0 = _mm256_fmadd_ps(p, kv8(vp, off, half), o0);
                     o1 = _mm256_fmadd_ps(p, kv8(vp, off + 8, half), o1);
@@ -482,7 +506,7 @@ static inline void tile_part(int64_t j0, int64_t j1, int64_t t0, int64_t t1, int
     if (*hi < *lo) *hi = *lo;
 }
 
-/* A run: rows i0..i0+R-1 of one request, row r over lens[i0] + r keys (their tables agree on
+/* A run: rows i0..i0+R-1 of one request, row r of length lens[i0] + r (their tables agree on
  * every block they read: attention_blocks). Row r's keys [j0[r], j1[r]) (whole chunks of it)
  * a tile at a time for every row, so each key and value token is read once for all R rows (a
  * row alone reads them all again: from L3, past ~300 tokens): the scores, each chunk's
@@ -493,8 +517,9 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
     const size_t sh = (size_t)a->num_heads * stride, pf = part_floats(a);
     const int64_t L0 = a->lens[i0];
     const int64_t *table = a->tables + (size_t)(i0 + R - 1) * a->max_blocks;
-    int64_t U0 = INT64_MAX, U1 = 0, lo[ATTN_ROWS], hi[ATTN_ROWS];
+    int64_t U0 = INT64_MAX, U1 = 0, lo[ATTN_ROWS], hi[ATTN_ROWS], base[ATTN_ROWS];
     for (int r = 0; r < R; r++) {
+        base[r] = row_start(a, L0 + r); /* where row r's scores begin */
         if (j0[r] >= j1[r]) continue;
         U0 = j0[r] < U0 ? j0[r] : U0;
         U1 = j1[r] > U1 ? j1[r] : U1;
@@ -517,24 +542,24 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
         if (widened) widen_tile(a, tile, (int)(t1 - t0), widened);
         for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
         if (d64) {
-            if (half) tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 1, table, pf_len);
-            else tile_scores64(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 0, table, pf_len);
+            if (half) tile_scores64(a, i0, R, lo, hi, base, tile, t0, scratch, sh, stride, 1, table, pf_len);
+            else tile_scores64(a, i0, R, lo, hi, base, tile, t0, scratch, sh, stride, 0, table, pf_len);
             continue;
         }
         if (tiled) {
-            if (half) tile_scores_wide(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 1);
-            else tile_scores_wide(a, i0, R, lo, hi, tile, t0, scratch, sh, stride, 0);
+            if (half) tile_scores_wide(a, i0, R, lo, hi, base, tile, t0, scratch, sh, stride, 1);
+            else tile_scores_wide(a, i0, R, lo, hi, base, tile, t0, scratch, sh, stride, 0);
             continue;
         }
         for (int r = 0; r < R; r++)
             for (int64_t j = lo[r]; j < hi[r]; j++)
-                key_scores(a, i0 + r, tile[j - t0], j, scratch + r * sh, stride, half);
+                key_scores(a, i0 + r, tile[j - t0], j - base[r], scratch + r * sh, stride, half);
     }
     for (int r = 0; r < R; r++) {
-        const int64_t clen = chunk_len(L0 + r);
+        const int64_t b = base[r], clen = chunk_len(L0 + r - b);
         for (int64_t c0 = j0[r]; c0 < j1[r]; c0 += clen) {
-            float *p = part[r] + (c0 / clen) * pf;
-            chunk_softmax(a, c0, c0 + clen < j1[r] ? c0 + clen : j1[r], scratch + r * sh, stride, p);
+            float *p = part[r] + ((c0 - b) / clen) * pf;
+            chunk_softmax(a, c0 - b, (c0 + clen < j1[r] ? c0 + clen : j1[r]) - b, scratch + r * sh, stride, p);
             memset(p, 0, sizeof(float) * (size_t)a->num_heads * a->head_dim);
         }
     }
@@ -544,13 +569,14 @@ static void run_keys(const attn_args *a, int i0, int R, const int64_t *j0, const
         if (widened) widen_tile(a, tile, (int)(t1 - t0), widened);
         for (int r = 0; r < R; r++) tile_part(j0[r], j1[r], t0, t1, &lo[r], &hi[r]);
         if (tiled) {
-            if (half) tile_values(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 1, table, pf_len);
-            else tile_values(a, R, L0, lo, hi, tile, t0, scratch, sh, stride, part, 0, table, pf_len);
+            if (half) tile_values(a, R, L0, lo, hi, base, tile, t0, scratch, sh, stride, part, 1, table, pf_len);
+            else tile_values(a, R, L0, lo, hi, base, tile, t0, scratch, sh, stride, part, 0, table, pf_len);
             continue;
         }
         for (int r = 0; r < R; r++)
             for (int64_t j = lo[r]; j < hi[r]; j++)
-                key_values(a, tile[j - t0], j, scratch + r * sh, stride, part[r] + (j / chunk_len(L0 + r)) * pf, half);
+                key_values(a, tile[j - t0], j - base[r], scratch + r * sh, stride,
+                           part[r] + ((j - base[r]) / chunk_len(L0 + r - base[r])) * pf, half);
     }
 }
 
@@ -559,9 +585,10 @@ static void attention_rows(const attn_args *a, int64_t max_len, int i0, int R, f
     const size_t stride = (size_t)(max_len + 8), pf = part_floats(a);
     float *parts = scratch_parts(a, scratch, stride, rows_max(a, max_len)), *part[ATTN_ROWS];
     int64_t j0[ATTN_ROWS], j1[ATTN_ROWS];
-    for (int r = 0; r < R; r++) j0[r] = 0, j1[r] = a->lens[i0] + r, part[r] = parts + (size_t)r * ATTN_CHUNKS * pf;
+    for (int r = 0; r < R; r++)
+        j1[r] = a->lens[i0] + r, j0[r] = row_start(a, j1[r]), part[r] = parts + (size_t)r * ATTN_CHUNKS * pf;
     run_keys(a, i0, R, j0, j1, scratch, stride, part);
-    for (int r = 0; r < R; r++) combine_chunks(a, i0 + r, part[r], num_chunks(a->lens[i0] + r));
+    for (int r = 0; r < R; r++) combine_chunks(a, i0 + r, part[r], row_chunks(a, a->lens[i0] + r));
 }
 
 /* Chunk c of every row of a run (a row with fewer chunks has none), into the shared partials;
@@ -573,12 +600,12 @@ static void attention_rows_chunk(const attn_args *a, int64_t max_len, int i0, in
     float *part[ATTN_ROWS];
     int64_t j0[ATTN_ROWS], j1[ATTN_ROWS];
     for (int r = 0; r < R; r++) {
-        chunk_keys(a->lens[i0] + r, c, &j0[r], &j1[r]);
+        chunk_keys(a, a->lens[i0] + r, c, &j0[r], &j1[r]);
         part[r] = a->parts + (size_t)(i0 + r) * ATTN_CHUNKS * pf;
     }
     run_keys(a, i0, R, j0, j1, scratch, stride, part);
     for (int r = 0; r < R; r++)
-        if (j0[r] < j1[r]) chunk_done(a, i0 + r, part[r], num_chunks(a->lens[i0] + r));
+        if (j0[r] < j1[r]) chunk_done(a, i0 + r, part[r], row_chunks(a, a->lens[i0] + r));
 }
 
 /* One item (of a->n * split): request i whole, or one of its chunks, as a run of one row
@@ -627,10 +654,10 @@ static void attention_team(const attn_args *a, int64_t max_len, int nthreads, fl
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int block_size,
                            int num_kv_heads, int num_heads, int head_dim, const int64_t *rows,
                            const int64_t *tables, int max_blocks, const int64_t *lens, int n,
-                           float scale, float *out, int nthreads) {
+                           float scale, float *out, int nthreads, int64_t window) {
     attn_args a = {q, (size_t)num_heads * head_dim, k_cache, v_cache, 0, block_size, num_kv_heads,
                    num_heads, head_dim, rows, tables, lens, max_blocks, n, scale, out,
-                   (size_t)num_heads * head_dim, NULL, NULL};
+                   (size_t)num_heads * head_dim, NULL, NULL, window};
     const int64_t max_len = attention_check(&a);
     if (max_len < 0) return (int)max_len;
     a.parts = aligned_alloc(64, sizeof(float) * attention_parts(&a));

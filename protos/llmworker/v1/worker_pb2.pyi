@@ -305,7 +305,7 @@ class Counter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
 
 class GetServerStatusResponse(_message.Message):
-    __slots__ = ("uptime_s", "config_json", "versions", "requests_by_finish_reason", "num_preemptions", "prefix_cache_hit_tokens", "num_steps", "draining", "spec_draft_tokens", "spec_accepted_tokens", "lora_adapters")
+    __slots__ = ("uptime_s", "config_json", "versions", "requests_by_finish_reason", "num_preemptions", "prefix_cache_hit_tokens", "num_steps", "draining", "spec_draft_tokens", "spec_accepted_tokens", "lora_adapters", "kv_transfer", "prompt_tokens_by_source")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,13 @@ class GetServerStatusResponse(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     class RequestsByFinishReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PromptTokensBySourceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +338,8 @@ class GetServerStatusResponse(_message.Message):
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     uptime_s: float
     config_json: str
     versions: _containers.ScalarMap[str, str]
@@ -342,7 +351,50 @@ class GetServerStatusResponse(_message.Message):
     spec_draft_tokens: int
     spec_accepted_tokens: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
-    def __init__(self, uptime_s: _Optional[float] = ..., config_json: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., requests_by_finish_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., draining: _Optional[bool] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+    kv_transfer: KVTransferStatus
+    prompt_tokens_by_source: _containers.ScalarMap[str, int]
+    def __init__(self, uptime_s: _Optional[float] = ..., config_json: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., requests_by_finish_reason: _Optional[_Mapping[str, int]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., draining: _Optional[bool] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., kv_transfer: _Optional[_Union[KVTransferStatus, _Mapping]] = ..., prompt_tokens_by_source: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class KVTransferStatus(_message.Message):
+    __slots__ = ("role", "pulls", "pulled_blocks", "pulled_bytes", "pull_seconds", "fallbacks", "skipped", "pulls_aborted", "handoffs", "handoffs_refused", "pins_pulled", "pins_released", "pins_expired", "pinned_blocks", "served_bytes")
+    class FallbacksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PINS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    PINS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PINS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    pulls: int
+    pulled_blocks: int
+    pulled_bytes: int
+    pull_seconds: float
+    fallbacks: _containers.ScalarMap[str, int]
+    skipped: int
+    pulls_aborted: int
+    handoffs: int
+    handoffs_refused: int
+    pins_pulled: int
+    pins_released: int
+    pins_expired: int
+    pinned_blocks: int
+    served_bytes: int
+    def __init__(self, role: _Optional[str] = ..., pulls: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., pulled_bytes: _Optional[int] = ..., pull_seconds: _Optional[float] = ..., fallbacks: _Optional[_Mapping[str, int]] = ..., skipped: _Optional[int] = ..., pulls_aborted: _Optional[int] = ..., handoffs: _Optional[int] = ..., handoffs_refused: _Optional[int] = ..., pins_pulled: _Optional[int] = ..., pins_released: _Optional[int] = ..., pins_expired: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., served_bytes: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()
