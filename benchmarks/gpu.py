@@ -85,6 +85,20 @@ def attention_decode(batch: int, context: int, tunables: list[dict[str, Any]]) -
     return rows
 
 
+def median_step_ms(engine, steps: int, warmup: int = 5) -> float:
+    """Median wall milliseconds of `steps` engine steps after `warmup` (each step ends with
+    the sampled tokens on the host: a full sync)."""
+    for _ in range(warmup):
+        engine.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
 def decode_step(model: str, context: int, steps: int) -> dict[str, Any]:
     from scheduler.request import SamplingParams
     from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
@@ -108,16 +122,8 @@ def decode_step(model: str, context: int, steps: int) -> dict[str, Any]:
         params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True)
         engine.submit(engine.make_request([(13 * j) % 100000 + 100 for j in range(context)], params))
         engine.step()  # prefill
-        for _ in range(5):
-            engine.step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()  # ends with the sampled token on the host: a full sync
-            times.append((time.perf_counter() - t0) * 1000)
         key = "graphs" if graphs else "eager"
-        result[f"{key}_step_ms"] = statistics.median(times)
+        result[f"{key}_step_ms"] = median_step_ms(engine, steps)
         result[f"{key}_engine_config"] = json.loads(conf.to_json())
         if graphs:
             assert engine.runner.graphs is not None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.gpu import _bench, copy_bandwidth
+from benchmarks.gpu import _bench, copy_bandwidth, median_step_ms
 from clients.bench.environment import command, git_commit, recorded
 from ops.scaled_linear import FP8_MAX, ScaledLinear, ScaledWeight, pack_int4
 
@@ -104,17 +103,10 @@ def decode_step(loaded, context: int, steps: int, batch: int = 1, kv: str = "aut
         engine.submit(engine.make_request([(13 * j + b) % 100000 + 100 for j in range(context)], params))
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # the prefills
-    for _ in range(5):
-        engine.step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append((time.perf_counter() - t0) * 1000)
+    ms = median_step_ms(engine, steps)
     del engine
     torch.cuda.empty_cache()
-    return statistics.median(times)
+    return ms
 
 
 def throughput(loaded, requests: int, prompt: int, output: int) -> float:

@@ -82,7 +82,8 @@ def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm, u
 
 @triton.jit
 def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (row block, column block), grouped so neighbours share columns."""
+    """This program's output rows and columns (and which exist), its (row block, column
+    block) grouped so neighbours share columns."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -91,7 +92,9 @@ def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.conste
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
-    return pid_m, pid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
 
 
 @triton.jit
@@ -100,12 +103,8 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K,
                  A_GROUP: tl.constexpr, B_BLOCK_N: tl.constexpr, B_BLOCK_K: tl.constexpr,
                  IN_LOOP: tl.constexpr, IS_INT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, m_ok, n_ok = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn
     if IS_INT and not IN_LOOP:
@@ -150,12 +149,8 @@ def _w16_kernel(a_ptr, b_ptr, s_ptr, z_ptr, bias_ptr, c_ptr, M, N, K,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """INT4: b [N, K/8] int32, scales/zeros [N, K/GROUP]. 8-bit: b [N, K], scales [N]
     (S_BLOCK_K = 0) or [N/S_BLOCK_N, K/S_BLOCK_K]."""
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, m_ok, n_ok = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
