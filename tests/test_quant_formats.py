@@ -168,3 +168,32 @@ def test_a_reordering_g_idx_is_refused(made, tmp_path) -> None:
         state[f"{Q}.weight_g_idx"] = (torch.arange(256) // 128).to(torch.int32)
 
     assert load_model(str(_tampered(made, "w4", tmp_path / "ok", trivial))).quantization is not None
+
+
+def test_bad_patterns_are_refused() -> None:
+    with pytest.raises(UnsupportedQuantization, match=r"ignore entry 're:\(' is not a regular expression"):
+        detect(_ct(ignore=["re:("]))
+    with pytest.raises(UnsupportedQuantization, match="targets must be a list of module names"):
+        detect(_ct(**{"config_groups": {"g": {**FP8_DYNAMIC["config_groups"]["group_0"], "targets": "Linear"}}}))
+
+
+def test_kv_cache_scales_from_the_checkpoint(made, tmp_path) -> None:
+    """A compressed-tensors kv_cache_scheme: each layer's k_scale / v_scale go to its
+    attention (for --kv-cache-dtype fp8); bad ones are refused naming the tensor."""
+    def edit(state, cfg):
+        cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+        for i in range(2):
+            state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.25 + i)
+            state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.5 + i])
+
+    loaded = load_model(str(_tampered(made, "fp8", tmp_path, edit)))
+    attn = [layer.self_attn for layer in loaded.model.layers]
+    assert [(a.k_scale, a.v_scale) for a in attn] == [(0.25, 0.5), (1.25, 1.5)]
+
+    def bad(state, cfg):
+        edit(state, cfg)
+        state["model.layers.1.self_attn.v_scale"] = torch.tensor(float("nan"))
+
+    with pytest.raises(ModelLoadError, match=r"tensor model\.layers\.1\.self_attn\.v_scale must be one positive finite"):
+        load_model(str(_tampered(made, "fp8", tmp_path / "bad", bad)))

@@ -130,9 +130,16 @@ def detect(cfg: dict[str, Any]) -> QuantFormat | None:
 
 
 def _names(qc: dict[str, Any], key: str) -> tuple[str, ...]:
+    """A list of module names (and compressed-tensors' "re:" patterns, compiled here)."""
     value = qc.get(key) or []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise _refuse(f"{key} must be a list of module names, not {_bounded(value)}")
+    for v in value:
+        if v.startswith("re:"):
+            try:
+                re.compile(v[3:])
+            except re.error as e:
+                raise _refuse(f"{key} entry {v[:60]!r} is not a regular expression ({e})") from None
     return tuple(value)
 
 
@@ -208,10 +215,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantFormat:
         key = repr((g.get("weights"), g.get("input_activations"), g.get("output_activations"),
                     g.get("format", fmt)))
         schemes[key] = g
-        t = g.get("targets") or []
-        if not isinstance(t, list) or not all(isinstance(x, str) for x in t):
-            raise _refuse(f"compressed-tensors targets of {str(name)[:40]!r} must be a list of names")
-        targets += t
+        targets += _names({"targets": g.get("targets")}, "targets")
     if len(schemes) != 1:
         raise _refuse(f"compressed-tensors with {len(schemes)} different schemes is not supported (one scheme "
                       "for every quantized linear)" if schemes else "compressed-tensors without config_groups")
