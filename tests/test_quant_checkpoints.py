@@ -155,3 +155,44 @@ def test_the_planner_holds_what_the_loader_holds(fmt, folder) -> None:
     assert kind in gpu.how or info.quantization.name in gpu.how
     cpu = plan.weights(info, plan.Device("cpu", "cpu", 1 << 34, 1e10, {"float32": 1e11}), "float32")
     assert kind not in cpu.held and "dequantized at load" in cpu.how
+
+
+@torch.inference_mode()
+def _logits_with_cache(model, ids: list[int], kv_dtype: torch.dtype, block_size: int = 16) -> torch.Tensor:
+    """A whole-prompt forward through a private paged cache of `kv_dtype`; every position's logits."""
+    from worker.models.llama import AttentionMetadata
+
+    cfg = model.config
+    n = len(ids)
+    nblk = -(-n // block_size)
+    kv = [tuple(torch.zeros(nblk, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype) for _ in range(2))
+          for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(nblk, dtype=torch.int32)[None],
+                             seq_lens=torch.tensor([n]), query_start_loc=torch.tensor([0, n]), max_query_len=n,
+                             max_seq_len=n)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta, kv))
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8-block", "ct-w8a8", "gptq"])
+def test_the_gpu_path_end_to_end_in_the_interpreter(fmt, folder) -> None:
+    """The model as CUDA runs it (ScaledLinear on the Triton kernels, Triton attention and
+    cache writes over an fp8 KV cache with the layers' scales), in Triton's interpreter,
+    against the same model on the torch references: every position's logits within 1e-3
+    of their largest and the same argmax (each kernel matches its reference; a float32
+    sum's last bit may still move one fp8 activation by an ulp)."""
+    pytest.importorskip("triton")
+    path = folder(fmt)
+    cfg = hf_folder.read_config(path)
+    files = hf_folder.safetensors_files(path)
+    model = hf_quantized.load_quantized(cfg, hf_folder.read_quantization(path), hf_folder.tensor_names(files),
+                                        hf_folder.iter_safetensors(files), torch.device("cpu"), torch.float32,
+                                        dequantize_on_cpu=False)
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.k_scale, layer.self_attn.v_scale = 0.05 * (i + 1), 0.03 * (i + 1)
+    ids = PROMPTS[1]
+    with ops.use_backend("torch"):
+        want = _logits_with_cache(model, ids, torch.float8_e4m3fn)
+    with ops.use_backend("triton"):
+        got = _logits_with_cache(model, ids, torch.float8_e4m3fn)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
