@@ -13,6 +13,9 @@ The GPU's arithmetic (activations quantized as the checkpoint says) is the Trito
 a whole model on the CPU against transformers + compressed-tensors, which quantizes
 activations likewise (FP8 per token and per group). INT8 is not compared that way:
 compressed-tensors' int8 activation scale is amax / 127.5, vLLM's and ours amax / 127.
+And the GPU's whole path (the Triton linears, attention and cache writes over an fp8 KV
+cache) runs in Triton's interpreter against the torch references; the planner's bytes are
+the loader's.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ def _engine(loaded, **over) -> Engine:
     return Engine(WorkerConfig(**conf), loaded=loaded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["ct-fp8-block", "ct-w4a16-asym"])
 def test_lora_on_a_quantized_base_is_peft_on_the_dequantized_base(fmt, folder, tmp_path) -> None:
     path = folder(fmt)
