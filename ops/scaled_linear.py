@@ -96,6 +96,16 @@ class ScaledWeight:
         return f"{how}, {act}"
 
 
+def for_device(w: ScaledWeight, device: torch.device) -> ScaledWeight:
+    """`w` as `device` runs it: a GPU without fp8 tensor cores (compute capability below 8.9:
+    A100, A10) multiplies fp8 weights weight-only, dequantized into 16-bit tiles, its
+    activations unquantized (vLLM runs them weight-only there too)."""
+    if w.kind == "fp8" and w.act is not None and device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            return replace(w, act=None)
+    return w
+
+
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """[N, K/8] int32 -> [N, K] uint8 nibbles (input 8j + i is nibble i of word j)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)

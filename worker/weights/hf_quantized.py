@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import ops
-from ops.scaled_linear import ScaledLinear, ScaledWeight, cat, dequantize, pack_int4
+from ops.scaled_linear import ScaledLinear, ScaledWeight, cat, dequantize, for_device, pack_int4
 from worker.models.llama import LlamaConfig, LlamaForCausalLM, fuse_shards, our_name
 from worker.weights.quant_config import QuantFormat
 
@@ -307,7 +307,7 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
         if meta.bias is not None and meta.bias.is_meta:
             raise ValueError(f"weights missing from the checkpoint: {path}.bias")
         parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent), child, ScaledLinear(w.to(device), meta.bias))
+        setattr(model.get_submodule(parent), child, ScaledLinear(for_device(w.to(device), device), meta.bias))
     for (layer, which), scale in kv_scales.items():
         if layer >= cfg.num_layers:
             raise BadCheckpoint(f"{fmt.name}: a KV cache scale for layer {layer}; the model has {cfg.num_layers}")
