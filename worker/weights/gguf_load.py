@@ -199,9 +199,11 @@ class _Builder:
     def hold_floats(self, shards: list[_Shard], note: str = "", count_file: bool = True) -> None:
         size = torch.empty((), dtype=self.dtype).element_size()
         for s in shards:
+            why = note or self.why_float([s])
+            if not note and self.policy.quantized and supports(s.qtype, s.shape):
+                why = "fused with a type no native kernel takes"
             self.held.append(Held(s.tensor.name, s.qtype, s.tensor.n_bytes if count_file else 0,
-                                  int(np.prod(s.shape)) * size, str(self.dtype).removeprefix("torch."),
-                                  note or self.why_float(shards)))
+                                  int(np.prod(s.shape)) * size, str(self.dtype).removeprefix("torch."), why))
 
     def release(self, shards: list[_Shard]) -> None:
         for s in shards:
