@@ -102,12 +102,9 @@ def readable(qtype: str) -> bool:
 
 def lookup_supported(qtype: str, shape: tuple[int, int]) -> bool:
     """Whether `QuantEmbedding` looks rows up in a weight of this type (its records shared
-    with a tied head's `QuantLinear`): Q8_0 until ops.quantized_linear says more with
-    `embedding_supports`."""
-    takes = getattr(quantized_linear, "embedding_supports", None)
-    if takes is not None:
-        return bool(takes(qtype, shape))
-    return qtype == "Q8_0" and supports(qtype, shape)
+    with a tied head's `QuantLinear`): every type `supports` takes (ops/quantized_linear.py's
+    interface)."""
+    return supports(qtype, shape)
 
 
 @dataclass(frozen=True)
