@@ -192,3 +192,37 @@ def test_the_planner_holds_what_the_runner_holds(default_variants, kquant, which
                     loaded=load_model(str(path)))
     w = plan.weights(plan.read_model(str(path)), CPU, "float32")
     assert sum(w.held.values()) == _held_bytes(engine.runner.model)
+
+
+# ----- elsewhere than the CPU kernels: every tensor dequantized at load, one at a time -----
+
+def _all_dequantized(loaded: LoadedModel, dtype: str, why: str) -> None:
+    assert {h.how for h in loaded.held} == {dtype}, {h.how for h in loaded.held}
+    assert all(why in h.note for h in loaded.held if len(h.name) and "norm" not in h.name), loaded.held[:3]
+    assert f"as {dtype} ({why}" in loaded.describe_weights()
+
+
+def test_a_k_quant_file_in_bfloat16_is_dequantized_per_tensor(kquant) -> None:
+    """The path CUDA takes (no GGUF kernels there), on the CPU in bfloat16: the same logits
+    as the float32 load within bfloat16's precision."""
+    path = str(kquant["Q4_K_M"])
+    ours = load_model(path, "cpu", torch.bfloat16)
+    _all_dequantized(ours, "bfloat16", "--no-cpu-quantized-linear")
+    ref = load_model(path, cpu_quantized_linear=False)
+    ids = list(range(100, 160))
+    a, b = last_logits(ours.model, ids).float(), last_logits(ref.model, ids)
+    assert ((a - b).abs().max() / b.abs().max()).item() < 5e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_k_quant_file_loads_on_cuda_dequantized(kquant) -> None:
+    from worker.config import ModelConfig, WorkerConfig
+    from worker.engine import Engine
+
+    path = str(kquant["Q4_K_M"])
+    engine = Engine(WorkerConfig(model=ModelConfig(model=path, device="cuda", max_model_len=512)))
+    _all_dequantized(engine.loaded, "bfloat16", "no GGUF kernels on cuda: dequantized at load")
+    ref = load_model(path, cpu_quantized_linear=False)
+    ids = list(range(100, 160))
+    a, b = last_logits(engine.loaded.model, ids).float().cpu(), last_logits(ref.model, ids)
+    assert ((a - b).abs().max() / b.abs().max()).item() < 5e-2

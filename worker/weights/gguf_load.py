@@ -31,7 +31,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf.quants import _type_traits
 from torch import nn
 
-from ops import quantized_linear
+from ops import huge_pages, quantized_linear
 from ops.quantized_linear import (
     QuantEmbedding,
     QuantizedWeight,
@@ -348,6 +348,7 @@ def load_gguf(reader: GGUFFile, cfg: LlamaConfig, arch: str, device: torch.devic
                 if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.is_meta]
     if missing:
         raise ValueError(f"weights missing from the checkpoint: {', '.join(sorted(set(missing)))[:500]}")
+    huge_pages.trim_heap()  # the repacking's freed temporaries: not the process's to keep
     return model.eval().requires_grad_(False), build.held
 
 
