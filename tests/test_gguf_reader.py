@@ -207,34 +207,22 @@ def test_a_truncated_file_is_refused_at_load(tiny: Path, tmp_path: Path) -> None
         _refused(cut, "is not a readable GGUF file: (truncated|tensor .* run past|.* cannot fit)")
 
 
-def test_an_unknown_type_id_is_refused_at_load(tiny: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("tensor", "type_id", "complaint"), [
+    ("blk.0.ffn_up.weight", 99, "tensor 'blk.0.ffn_up.weight' has unknown type 99"),
+    # attn_q retyped F32: its 64 x 64 values then need 16 KiB, the file holds its Q8_0's 4.25,
+    # so it would read the next tensors' bytes.
+    ("blk.0.attn_q.weight", 0, "tensor 'blk.0.attn_q.weight': 16384 bytes \\(F32, shape \\[64, 64\\]\\) at .* overlap"),
+    # A norm stored as I8 (it fits) has no dequantizer: refused by name before anything is built.
+    ("output_norm.weight", 24, "tensor 'output_norm.weight' has type I8, which this worker cannot read"),
+])
+def test_a_tensor_of_a_wrong_type_is_refused_at_load(tiny: Path, tmp_path: Path, tensor: str, type_id: int,
+                                                     complaint: str) -> None:
+    """An unknown type id, a size the type and shape disagree with, a type no one reads."""
     data = bytearray(tiny.read_bytes())
-    struct.pack_into("<I", data, _tensor_infos(tiny)["blk.0.ffn_up.weight"], 99)
+    struct.pack_into("<I", data, _tensor_infos(tiny)[tensor], type_id)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(data)
-    _refused(bad, "tensor 'blk.0.ffn_up.weight' has unknown type 99")
-
-
-def test_a_size_the_type_and_shape_disagree_with_is_refused_at_load(tiny: Path, tmp_path: Path) -> None:
-    """attn_q retyped F32 (its 64 x 64 values then need 16 KiB, the file holds its Q8_0's
-    4.25): it would read the next tensors' bytes."""
-    data = bytearray(tiny.read_bytes())
-    struct.pack_into("<I", data, _tensor_infos(tiny)["blk.0.attn_q.weight"], 0)
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(data)
-    _refused(bad, "tensor 'blk.0.attn_q.weight': 16384 bytes \\(F32, shape \\[64, 64\\]\\) at .* overlap")
-
-
-def test_a_type_no_one_reads_is_refused_at_load(tiny: Path, tmp_path: Path) -> None:
-    """A weight stored as I8 (same bytes as its Q8_0 minus the scales: it fits) has no
-    dequantizer: refused by name, before anything is built."""
-    from tests.gguf_tiny import write_tiny_llama
-
-    path = write_tiny_llama(tmp_path / "t.gguf")
-    data = bytearray(path.read_bytes())
-    struct.pack_into("<I", data, _tensor_infos(path)["output_norm.weight"], 24)  # I8
-    path.write_bytes(data)
-    _refused(path, "tensor 'output_norm.weight' has type I8, which this worker cannot read")
+    _refused(bad, complaint)
 
 
 def test_a_megabyte_chat_template_is_refused_at_load(tmp_path: Path) -> None:
