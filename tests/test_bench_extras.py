@@ -237,11 +237,12 @@ def test_linear_ab_repacks_with_each_checkouts_own_code(tmp_path: Path) -> None:
         pytest.skip("no gcc or no AVX2/FMA/F16C here")
     other = tmp_path / "other"
     shutil.copytree(ROOT / "ops", other / "ops", ignore=shutil.ignore_patterns("__pycache__"))
-    py = other / "ops" / "quantized_linear.py"
-    py.write_text(py.read_text().replace(
-        "    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))\n\n\nclass QuantLinear",
-        "    return torch.cat([torch.from_numpy(np.ascontiguousarray(out).reshape(-1)), torch.zeros(64, dtype=torch.uint8)])"
-        "\n\n\nclass QuantLinear"))
+    py = other / "ops" / "quant_records.py"  # its own, not this checkout's, is the one it repacks with
+    patched = py.read_text().replace(
+        "part.reshape(part.shape[0], tile)\n    return out\n",
+        "part.reshape(part.shape[0], tile)\n    return torch.cat([out, torch.zeros(64, dtype=torch.uint8)]) if integer else out\n")
+    assert patched != py.read_text()
+    py.write_text(patched)
     for activations in ("int8", "float32"):
         out = tmp_path / f"ab-{activations}.json"
         linear_ab.main(["--against", str(other), "--weight", "blk.0.attn_output.weight", "--rows", "3",
