@@ -39,9 +39,8 @@ from ops import cpu_kernels
 from ops.lora import LoraStack
 from ops.quantized_linear import QuantEmbedding, QuantLinear
 
-# qtype codes in decoder.c (quant_matmul*.c): by (type, integer layout)
-_QTYPE = {("Q4_1", False): 0, ("Q8_0", False): 1, ("Q4_1", True): 2, ("Q8_0", True): 3}
-_EMBED_TABLE, _EMBED_Q8_0, _EMBED_Q8_0_I8 = 0, 1, 2
+# decoder.c's embed_kind for a float32 table (else the lookup's records' qtype code)
+_EMBED_TABLE = -1
 
 _p, _i32, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -130,14 +129,13 @@ def unsupported(model: nn.Module) -> str | None:
     if not isinstance(embed, QuantEmbedding) and not (
         isinstance(embed, nn.Embedding) and embed.weight.dtype == torch.float32
     ):
-        return "an embedding of neither Q8_0 blocks nor a float32 table"
+        return "an embedding of neither GGUF blocks nor a float32 table"
     return None
 
 
 def _qlinear(lin: QuantLinear) -> _QLinear:
     bias = lin.bias.data_ptr() if lin.bias is not None else None
-    return _QLinear(lin.packed.data_ptr(), _QTYPE[lin.qtype, lin.integer_layout], lin.planes, lin.out_features,
-                    lin.in_features, bias)
+    return _QLinear(lin.packed.data_ptr(), lin.code, lin.planes, lin.out_features, lin.in_features, bias)
 
 
 class CpuDecoder:
@@ -165,7 +163,7 @@ class CpuDecoder:
                                min(attn.window or 0, 2**31 - 1))  # (past any context a cache holds)
         embed = model.embed_tokens
         if isinstance(embed, QuantEmbedding):
-            kind, table = (_EMBED_Q8_0_I8 if embed.integer_layout else _EMBED_Q8_0), embed.packed
+            kind, table = embed.code, embed.packed
         else:
             kind, table = _EMBED_TABLE, embed.weight.detach().contiguous()
         final_norm = model.norm.detach().contiguous()

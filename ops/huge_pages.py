@@ -17,6 +17,7 @@ pages the mapping is plain memory: the same bits, the old speed.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
@@ -111,15 +112,42 @@ def move_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> tuple[in
     dest = arena(total)
     dest_storage = dest.untyped_storage()
     base = dest.data_ptr() - dest_storage.data_ptr()  # 0: the tensor starts its storage
-    for ptr, s in storages.items():
-        off = base + offsets[ptr]
-        source = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),), (1,))
-        dest[offsets[ptr] : offsets[ptr] + s.nbytes()].copy_(source)
-        for t in by_storage[ptr]:
+    # One storage at a time, each old one freed (and its pages given back) once its tensors
+    # point into the arena: the move holds the weights once and a storage, not twice.
+    for ptr in list(storages):
+        s = storages.pop(ptr)
+        off, n = base + offsets[ptr], s.nbytes()
+        source = torch.empty(0, dtype=torch.uint8).set_(s, 0, (n,), (1,))
+        dest[offsets[ptr] : offsets[ptr] + n].copy_(source)
+        for t in by_storage.pop(ptr):
             size = t.element_size()
             assert off % size == 0
             t.set_(dest_storage, off // size + t.storage_offset(), t.size(), t.stride())
+        del source, s
+        if n >= TRIM_BYTES:
+            trim_heap()
+    trim_heap()
     return held + total, huge + max(0, huge_bytes_at(dest.data_ptr()))
+
+
+TRIM_BYTES = 1 << 20  # a freed storage of at least this many bytes is given back at once
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim: whole free pages
+    anywhere in the heap, not only at its top); nothing elsewhere. Freed weights of the
+    sizes the dynamic mmap threshold keeps in the heap otherwise stay resident."""
+    fn = _malloc_trim()
+    if fn is not None:
+        fn(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 def huge_bytes_at(ptr: int) -> int:

@@ -1,15 +1,18 @@
-"""Linear layers on the CPU over GGUF-quantized weights (Q4_1, Q8_0).
+"""Linear layers and embeddings on the CPU over GGUF-quantized weights, computed on the file's
+own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, F16 and BF16.
 
 A decode step reads every weight once, so on the CPU its floor is the weights' bytes over
 memory bandwidth: 538 MB in float32 for the default model, 96 MB as the GGUF stores it.
-`QuantLinear` keeps the file's blocks, repacked into tiles, and multiplies them with the
-activations in one of these `ACTIVATIONS`:
+`QuantLinear` keeps the file's blocks, repacked into tiles of 32 output rows
+(`ops/quant_records.py`; the layouts in `cpu_kernels/quant_matmul.c`, `quant_matmul_int8.c`
+and `quant_types.h`), and multiplies them with the activations in one of these `ACTIVATIONS`:
 
 - "float32" (`cpu_kernels/quant_matmul.c`): the quants converted to float exactly and
   multiplied with x in float32, one sum per output and block of 32 taken over k in order,
-  then scaled by the block's d (and its m times the block's sum of x added, for Q4_1), as
-  the integer kernels do: one FMA per weight and row, where multiplying gguf-py's
-  dequantized weight (d*q + m) first took two.
+  then scaled by the block's d (and its m times the block's sum of x added, for the types
+  with one), as the integer kernels do: one FMA per weight and row, where multiplying
+  gguf-py's dequantized weight (d*q + m) first took two. F16/BF16 take this arithmetic
+  only (their values, exact in float32, a block's sum then added to y).
 - "int8", "int16", "int24" (`cpu_kernels/quant_matmul_int8.c`): each row of x written per
   block of 32 as integers of 1, 2 or 3 bytes (relative to the block's largest) and multiplied
   with exact integer dot products (vpdpbusd, vpmaddubsw), as llama.cpp does with int8: a few
@@ -23,10 +26,35 @@ activations in one of these `ACTIVATIONS`:
 
 "auto" is int16 where the CPU has AVX-512 VNNI (there it is faster than float32 at one row
 and at 64), float32 elsewhere (without VNNI the integer kernels take more instructions than
-float32 for many rows). Either way a row's result does not depend on its batch, and the AVX2 and AVX-512 builds of
-a kernel give the same bits. The kernels are C, built on first use for the CPU's ISA
-(`ops/cpu_kernels`); `available()` is False where there is no compiler or no AVX2, and the
-runner then falls back to float32 weights.
+float32 for many rows). Either way a row's result does not depend on its batch, and every
+ISA's build of a kernel gives the same bits. The kernels are C, built on first use for the
+CPU's ISA (`ops/cpu_kernels`); `available()` is False where there is no compiler or no AVX2,
+and the runner then falls back to float32 weights.
+
+The K-quants' and IQ4_XS's sub-block scales (d times a 6-bit scale, dmin times a 6-bit min)
+are formed in float32 in the kernels, where they are exact, from the file's fp16 and integer
+fields; Q6_K has a scale per 16 weights. How each type's weights enter the arithmetic is in
+`cpu_kernels/quant_types.h`.
+
+The interface the loader and the capacity planner use (worker/weights, worker/plan.py):
+
+- `QuantizedWeight(qtype, blocks, shape)`: the file's blocks, uint8 [out_features, bytes per
+  row] (F16 also as float16 [out_features, in_features], as the GGUF reader gives it).
+- `supports(qtype, shape)`: a native kernel runs it; the loader keeps such tensors quantized
+  (no float32 copy) and dequantizes the rest. Every type needs out_features % 32 == 0 (the
+  tile); in_features % 32 == 0 for the 32-blocks and F16/BF16, % 256 == 0 for Q4_K, Q5_K,
+  Q6_K and IQ4_XS.
+- `QuantLinear(weight, bias, activations)`, `QuantEmbedding(weight)` and
+  `QuantEmbedding.of_head(head, weight)` (a tied head's records, held once), for every type;
+  `activations_for(weight, activations)` (float32 for F16/BF16 and a Q8_0 weight with a -128
+  quant, else the asked-for arithmetic); `supports_int8(weight)`;
+  `held_bytes(qtype, gguf_nbytes, activations)`: the records' bytes, `HELD_RATIO[qtype]`
+  times the file's (1 for most types; Q4_K 1.028, Q5_K 1.023, IQ4_XS 1.015: their 6-bit
+  sub-scales held a byte each); `dequantize(weight)`: gguf-py's float32 weight (the
+  reference); `quantize_linears(model, quantized, activations)`.
+- A QuantLinear keeps no reference to `weight.blocks` once built (the loader releases the
+  file's pages tensor by tensor), and repacks a few hundred rows at a time (temporaries of a
+  few MB whatever the weight's size).
 """
 
 from __future__ import annotations
@@ -41,29 +69,33 @@ import torch
 from torch import nn
 
 from ops import cpu_kernels
+from ops.quant_records import TILE, TYPES, blocks_of, q8_0_has_minus_128, q_fields, repacked
 
-TILE = 32  # output rows per tile
-QBLOCK = 32  # weights per quantization block (both types)
-# Bytes of one GGUF block, and of one repacked (tile, block) record.
-_GGUF_BLOCK = {"Q4_1": 20, "Q8_0": 34}
-_RECORD = {"Q4_1": 640, "Q8_0": 1088}
-_RECORD_INT8 = {"Q4_1": 640, "Q8_0": 1088}
 # Activation arithmetic -> bytes per activation in the integer kernels (0: float32).
 ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2, "int24": 3}
-
+# Held records' bytes per byte of the file's blocks, by type.
+HELD_RATIO = {name: t.record / t.file_record for name, t in TYPES.items()}
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A GGUF weight as the file stores it: `blocks` is [out_features, bytes per row]."""
+    """A GGUF weight as the file stores it: `blocks` is [out_features, bytes per row] uint8
+    (F16 may be float16 [out_features, in_features]); `qtype` is gguf's type name."""
 
-    qtype: str  # "Q4_1" | "Q8_0"
-    blocks: np.ndarray  # uint8
+    qtype: str  # "Q4_K", "Q6_K", "IQ4_XS", "F16", ... (a key of quant_records.TYPES)
+    blocks: np.ndarray
     shape: tuple[int, int]  # (out_features, in_features)
 
 
 def supports(qtype: str, shape: tuple[int, ...]) -> bool:
-    return qtype in _RECORD and len(shape) == 2 and shape[0] % TILE == 0 and shape[1] % QBLOCK == 0
+    """Whether a native kernel takes a `qtype` weight of `shape` (see the top)."""
+    t = TYPES.get(qtype)
+    return (t is not None and len(shape) == 2 and shape[0] > 0 and shape[0] % TILE == 0
+            and shape[1] > 0 and shape[1] % t.k_multiple == 0)
+
+
+def _kernel_name(qtype: str, integer: bool) -> str:
+    return f"{qtype.lower()}{'_i8' if integer else ''}_matmul"
 
 
 @functools.cache
@@ -71,10 +103,14 @@ def _library() -> ctypes.CDLL | None:
     lib = cpu_kernels.load("quant_matmul")
     if lib is not None:
         p, i32 = ctypes.c_void_p, ctypes.c_int  # pointers as the tensors' data_ptr()
-        for name in ("q4_1_matmul", "q8_0_matmul"):
-            fn = getattr(lib, name)
+        for qtype in TYPES:
+            fn = getattr(lib, _kernel_name(qtype, False))
             fn.argtypes = [p, i32, i32, p, i32, p, i32]
             fn.restype = ctypes.c_int
+        lib.quant_rows.argtypes = [p, i32, i32, p, i32, p]
+        lib.quant_rows.restype = ctypes.c_int
+        lib.quant_tile_bytes.argtypes = [i32, i32]
+        lib.quant_tile_bytes.restype = ctypes.c_int
     return lib
 
 
@@ -83,10 +119,11 @@ def _library_int8() -> ctypes.CDLL | None:
     lib = cpu_kernels.load("quant_matmul_int8")
     if lib is not None:
         p, i32 = ctypes.c_void_p, ctypes.c_int
-        for name in ("q4_1_i8_matmul", "q8_0_i8_matmul"):
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i32, i32, p, i32, p, i32, i32]
-            fn.restype = ctypes.c_int
+        for qtype, t in TYPES.items():
+            if t.int_code >= 0:
+                fn = getattr(lib, _kernel_name(qtype, True))
+                fn.argtypes = [p, i32, i32, p, i32, p, i32, i32]
+                fn.restype = ctypes.c_int
     return lib
 
 
@@ -94,80 +131,37 @@ def available() -> bool:
     return _library() is not None
 
 
-def repack(w: QuantizedWeight) -> torch.Tensor:
-    """GGUF blocks [N, K/32 blocks] -> tile records (layout in quant_matmul.c), as uint8."""
-    n, k = w.shape
+def _check_supported(w: QuantizedWeight) -> None:
     if not supports(w.qtype, w.shape):
         raise ValueError(f"cannot repack a {w.qtype} weight of shape {w.shape}")
-    nb, size = k // QBLOCK, _GGUF_BLOCK[w.qtype]
-    blocks = np.ascontiguousarray(w.blocks).reshape(n // TILE, TILE, nb, size)
-
-    def halves(lo: int) -> np.ndarray:  # the fp16 scale at bytes lo:lo+2 -> [T, nb, 32 n] bytes
-        h = blocks[..., lo : lo + 2].copy().view(np.uint16)[..., 0].transpose(0, 2, 1)
-        return np.ascontiguousarray(h).view(np.uint8)
-
-    d = halves(0)
-    if w.qtype == "Q4_1":
-        m = halves(2)
-        qs = blocks[..., 4:20]  # [T, n, nb, 16]: byte j holds k = j (low) and k = j + 16 (high)
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [T, n, nb, 32 k]
-        q = q.transpose(0, 2, 3, 1)  # [T, nb, k, n]
-        packed = q[..., :16] | (q[..., 16:] << 4)  # [T, nb, k, 16]
-        parts = [d, m, packed.reshape(*packed.shape[:2], -1)]
-    else:
-        q = blocks[..., 2:34].transpose(0, 2, 3, 1)  # [T, nb, k, n] int8 as uint8
-        parts = [d, np.ascontiguousarray(q).reshape(*q.shape[:2], -1)]
-    parts = [np.ascontiguousarray(p).reshape(n // TILE, nb, -1) for p in parts]
-    out = np.concatenate(parts, axis=-1)
-    assert out.shape[-1] == _RECORD[w.qtype], out.shape
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
 
 
-def _quants(w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Block scales d [T, nb, 32 n] fp16, offsets m (Q4_1) and quants [T, nb, 32 n, 32 k]."""
-    n, k = w.shape
-    nb, size = k // QBLOCK, _GGUF_BLOCK[w.qtype]
-    blocks = np.ascontiguousarray(w.blocks).reshape(n // TILE, TILE, nb, size).transpose(0, 2, 1, 3)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if w.qtype == "Q4_1":
-        qs = blocks[..., 4:20]  # byte j holds k = j (low nibble) and k = j + 16 (high)
-        return d, blocks[..., 2:4].copy().view(np.float16)[..., 0], np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-    return d, None, blocks[..., 2:34].view(np.int8)
+def repack(w: QuantizedWeight) -> torch.Tensor:
+    """GGUF blocks -> the float32 kernels' tile records (the layouts: quant_matmul.c for Q4_1
+    and Q8_0, quant_types.h for the others), as uint8."""
+    _check_supported(w)
+    return repacked(w, integer=False)
 
 
-def _bytes(a: np.ndarray) -> np.ndarray:
-    """The bytes of `a` in its index order: [..., last] -> [..., last * itemsize] uint8."""
-    return np.ascontiguousarray(a).view(np.uint8)
+def _quants(w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Q4_1/Q8_0: block scales d [T, nb, 32 n] fp16, offsets m (Q4_1) and quants [T, nb, 32 n, 32 k]."""
+    return q_fields(blocks_of(w), w.qtype, w.shape[1])
 
 
 def supports_int8(w: QuantizedWeight) -> bool:
-    """Whether `repack_int8` takes `w` (AVX2's sign trick cannot take a Q8_0 quant of -128,
-    which gguf's own quantizer never writes)."""
-    if not supports(w.qtype, w.shape):
+    """Whether `repack_int8` takes `w`: every type but F16/BF16, and a Q8_0 weight only without
+    a quant of -128 (AVX2's sign trick cannot take one; gguf's own quantizer never writes it)."""
+    if not supports(w.qtype, w.shape) or TYPES[w.qtype].int_code < 0:
         return False
-    return w.qtype == "Q4_1" or not (_quants(w)[2] == -128).any()
+    return w.qtype != "Q8_0" or not q8_0_has_minus_128(w)
 
 
 def repack_int8(w: QuantizedWeight) -> torch.Tensor:
-    """GGUF blocks -> the int8 kernel's tile records (layout in quant_matmul_int8.c), as
-    uint8: chunks of 16 outputs x 4 consecutive k, one output's 4 quants to a 32-bit lane."""
+    """GGUF blocks -> the integer kernels' tile records (layouts in quant_matmul_int8.c for Q4_1
+    and Q8_0, quant_types.h for the others, the float32 kernels' own), as uint8."""
     if not supports_int8(w):
         raise ValueError(f"cannot repack a {w.qtype} weight of shape {w.shape} for integer activations")
-    d, m, q = _quants(w)
-    t, nb = d.shape[:2]
-    if w.qtype == "Q4_1":
-        # k = 8p + 4s + j: s = 0 goes to the low nibble, s = 1 to the high one.
-        q = q.reshape(t, nb, 2, 16, 4, 2, 4).transpose(0, 1, 2, 4, 3, 6, 5)  # [t, nb, h, p, n, j, s]
-        chunks = (q[..., 0] | (q[..., 1] << 4)).astype(np.uint8)
-        parts = [_bytes(d), _bytes(m), chunks]
-    else:
-        # q + 128: the unsigned side of vpdpbusd (quant_matmul_int8.c's top)
-        q = (q.astype(np.int16) + 128).astype(np.uint8)
-        q = q.reshape(t, nb, 2, 16, 8, 4).transpose(0, 1, 2, 4, 3, 5)  # [t, nb, h, p, n, j], k = 4p + j
-        parts = [_bytes(d), q]
-    out = np.concatenate([np.ascontiguousarray(p).reshape(t, nb, -1) for p in parts], axis=-1)
-    assert out.shape[-1] == _RECORD_INT8[w.qtype], out.shape
-    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))
+    return repacked(w, integer=True)
 
 
 class QuantLinear(nn.Module):
@@ -184,13 +178,13 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.qtype = weight.qtype
         self.activations = activations
+        t = TYPES[weight.qtype]
+        # the kernels' qtype code (decoder.c's qlinear): Q4_1/Q8_0 have a layout per arithmetic
+        self.code = t.int_code if self.planes else t.code
         self.packed = repack_int8(weight) if self.planes else repack(weight)
         self.bias = None if bias is None else bias.detach().to(torch.float32).clone()
-        if self.planes:
-            fn = lib.q4_1_i8_matmul if weight.qtype == "Q4_1" else lib.q8_0_i8_matmul
-            self._fn = functools.partial(_with_planes, fn, self.planes)
-        else:
-            self._fn = lib.q4_1_matmul if weight.qtype == "Q4_1" else lib.q8_0_matmul
+        fn = getattr(lib, _kernel_name(weight.qtype, self.planes > 0))
+        self._fn = functools.partial(_with_planes, fn, self.planes) if self.planes else fn
 
     @property
     def integer_layout(self) -> bool:
@@ -222,33 +216,29 @@ def _with_planes(fn: Callable[..., int], planes: int, *args: int) -> int:
 
 
 class QuantEmbedding(nn.Module):
-    """`nn.Embedding` over a Q8_0 weight's tile records (`repack` or `repack_int8`), the same
+    """`nn.Embedding` over a weight's tile records (`repack` or `repack_int8`), the same
     records a tied head's `QuantLinear` multiplies with, so a tied model holds its table once.
-    A looked-up row is dequantized as gguf-py does (`d*q`, exact in float32): the float32
-    table's row bit for bit. Row r lives in tile r // 32, lane n = r % 32 of every block's
-    record::
-
-        float32 layout:  d[32 lanes] fp16 | q[32 k][32 lanes] int8
-                         row r, block b: d[t, b, n] * q[t, b, :, n]
-        integer layout:  d[32 lanes] fp16 | u[2 h][8 p][16 n'][4 j] uint8 (u = q + 128)
-                         row r, block b: d[t, b, n] * (u[t, b, n // 16, :, n % 16, :] - 128)  (k = 4p + j)
-    """
+    A looked-up row is dequantized as gguf-py does (its products and sums in its order, in
+    float32): the float32 table's row bit for bit (`quant_rows` in cpu_kernels/quant_matmul.c,
+    which decoder.c's lookup also calls). Any type `supports` takes."""
 
     def __init__(self, weight: QuantizedWeight, packed: torch.Tensor | None = None,
                  integer_layout: bool = False) -> None:
         super().__init__()
-        assert weight.qtype == "Q8_0", weight.qtype
+        _check_supported(weight)
+        lib = _library()
+        assert lib is not None, "QuantEmbedding needs the compiled kernel (see available())"
+        self._lib = lib
+        self.qtype = weight.qtype
         self.num_embeddings, self.embedding_dim = weight.shape
         self.integer_layout = integer_layout
+        t = TYPES[weight.qtype]
+        self.code = t.int_code if integer_layout else t.code
+        assert self.code >= 0, f"{weight.qtype} has no integer layout"
         if packed is None:
             packed = repack_int8(weight) if integer_layout else repack(weight)
+        assert packed.numel() == weight.shape[0] // TILE * lib.quant_tile_bytes(self.code, weight.shape[1])
         self.packed = packed
-        records = self.packed.view(self.num_embeddings // TILE, self.embedding_dim // QBLOCK, -1)
-        self._d = records[:, :, : 2 * TILE].view(torch.float16)  # [T, nb, 32 lanes]
-        if integer_layout:
-            self._q = records[:, :, 2 * TILE :].unflatten(-1, (2, 8, 16, 4))  # uint8: q + 128
-        else:
-            self._q = records[:, :, 2 * TILE :].view(torch.int8).unflatten(-1, (QBLOCK, TILE))
 
     @classmethod
     def of_head(cls, head: QuantLinear, weight: QuantizedWeight) -> QuantEmbedding:
@@ -257,17 +247,18 @@ class QuantEmbedding(nn.Module):
         return cls(weight, head.packed, head.integer_layout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        tile, lane = flat // TILE, flat % TILE
-        if self.integer_layout:
-            q = self._q[tile, :, lane // 16, :, lane % 16, :].flatten(-2).to(torch.int16) - 128  # [R, nb, 32 k]
-        else:
-            q = self._q[tile, :, :, lane]
-        rows = self._d[tile, :, lane].float().unsqueeze(-1) * q.float()
-        return rows.reshape(*ids.shape, self.embedding_dim)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.num_embeddings):
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
+        out = torch.empty(flat.numel(), self.embedding_dim)
+        if flat.numel():
+            rc = self._lib.quant_rows(self.packed.data_ptr(), self.code, self.embedding_dim, flat.data_ptr(),
+                                      flat.numel(), out.data_ptr())
+            assert rc == 0, rc
+        return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, Q8_0"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype}"
 
 
 def quantize_linears(model: nn.Module, quantized: Mapping[str, QuantizedWeight],
@@ -305,11 +296,13 @@ def resolve_activations(activations: str) -> str:
 
 def held_bytes(qtype: str, gguf_nbytes: int, activations: str) -> int:
     """Bytes a GGUF weight of `gguf_nbytes` holds once repacked into the tile records of
-    `activations` (resolved). Every layout holds the GGUF blocks' scales, mins and quants in
-    another order, so today this is `gguf_nbytes` (the integer kernels' Q8_0 records held each
-    block's sums too until session 25); a layout that adds bytes changes it here."""
-    record = _RECORD_INT8 if ACTIVATIONS[activations] else _RECORD
-    return gguf_nbytes * record[qtype] // (_GGUF_BLOCK[qtype] * TILE)
+    `activations` (resolved; every type's records are the same size in both arithmetics):
+    `HELD_RATIO[qtype]` times the file's bytes. The layouts hold the blocks' scales, mins and
+    quants in another order, the file's bytes for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q6_K,
+    F16 and BF16; Q4_K (+2.8%), Q5_K (+2.3%) and IQ4_XS (+1.5%) hold their 6-bit sub-block
+    scales and mins a byte each."""
+    t = TYPES[qtype]
+    return gguf_nbytes * t.record // t.file_record
 
 
 def activations_for(weight: QuantizedWeight, activations: str) -> str:
@@ -323,5 +316,5 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    w = gguf_dequantize(weight.blocks, GGMLQuantizationType[weight.qtype])
+    w = gguf_dequantize(blocks_of(weight), GGMLQuantizationType[weight.qtype])
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(weight.shape))

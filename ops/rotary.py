@@ -4,6 +4,7 @@ paged KV write they are fused with on the GPU."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,15 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None,
+                  freq_factors: Sequence[float] | None = None) -> torch.Tensor:
+    """Each pair of rotary dimensions' frequency. `freq_factors` (a GGUF's rope_freqs tensor,
+    llama.cpp's freq_factors): a divisor per pair, as llama.cpp applies it (theta_i / factor_i),
+    in place of `scaling`."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if freq_factors is not None:
+        assert scaling is None and len(freq_factors) == head_dim // 2, (scaling, len(freq_factors))
+        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
     if scaling is None:
         return inv_freq
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the
@@ -38,10 +46,11 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
 
 
 def rope_cos_sin_cache(
-    head_dim: int, max_positions: int, base: float, scaling: RopeScaling | None = None
+    head_dim: int, max_positions: int, base: float, scaling: RopeScaling | None = None,
+    freq_factors: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
-    inv_freq = rope_inv_freq(head_dim, base, scaling)
+    inv_freq = rope_inv_freq(head_dim, base, scaling, freq_factors)
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 

@@ -47,6 +47,20 @@ def hf_greedy(hf_model, ids: list[int], max_new_tokens: int, **generate_kwargs) 
     return out[0, len(ids):].tolist()
 
 
+def engine_greedy(loaded, prompts: list[list[int]], max_tokens: int, config=None) -> list[list[int]]:
+    """Our engine's greedy continuations of `prompts` (one batch, stopping at EOS), on `loaded`;
+    every block is freed after."""
+    from scheduler.request import SamplingParams
+    from worker.config import WorkerConfig
+    from worker.engine import Engine
+
+    engine = Engine(config or WorkerConfig(), loaded=loaded)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    done = engine.generate([engine.make_request(ids, params) for ids in prompts])
+    assert engine.kv.num_free_blocks == engine.budget.num_blocks
+    return [c.token_ids for c in done]
+
+
 def kernel_device() -> torch.device:
     """Where kernel tests run: the GPU when there is one, else the CPU under the interpreter."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

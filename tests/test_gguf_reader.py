@@ -115,6 +115,13 @@ def _string(s: bytes, n: int | None = None) -> bytes:
     (_header(1, 0) + _string(b"t") + struct.pack("<IQIQ", 1, 2**40, 0, 0) + bytes(64), "run past"),
     (_header(1, 0) + _string(b"t") + struct.pack("<IQIQ", 1, 33, 8, 0) + bytes(64), "not whole Q8_0 blocks"),
     (_header(0, 1) + _string(b"general.alignment") + struct.pack("<II", 4, 24) + bytes(8), "power of two"),
+    # A string of megabytes (a chat template, say) is refused before it is decoded.
+    (_header(0, 1) + _string(b"k") + struct.pack("<I", 8) + _string(b"x" * (2 << 20)), "a metadata string of 2097152"),
+    # Two F32 tensors where the second's data begins 32 bytes after the first's 16 values:
+    # the size the first's type and shape give (64 bytes) overlaps the second.
+    (_header(2, 0) + _string(b"a") + struct.pack("<IQIQ", 1, 16, 0, 0) + _string(b"b")
+     + struct.pack("<IQIQ", 1, 8, 0, 32) + bytes(128), "'a': 64 bytes .* overlap tensor 'b'"),
+    (_header(1, 0) + _string(b"t") + struct.pack("<IQIQ", 1, 8, 0, 4) + bytes(128), "not a multiple of the alignment"),
 ])
 def test_damaged_files_name_what_is_wrong(tmp_path: Path, data: bytes, complaint: str) -> None:
     path = tmp_path / "bad.gguf"
@@ -154,3 +161,81 @@ def test_the_default_model_dequantizes_to_the_gguf_package_s_bits() -> None:
     for t in GGUFFile(default_model_path()).tensors:
         ref = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         assert np.array_equal(dequantize_tensor(t.data, t.tensor_type).view(np.uint32), ref.view(np.uint32)), t.name
+
+
+# ----- at load: the same files through load_model, refused with the file named -----
+
+def _tensor_infos(path: Path) -> dict[str, int]:
+    """Where each tensor's type field (u32) sits in the file, by name."""
+    f = GGUFFile(path)
+    data, out = path.read_bytes(), {}
+    for t in f.tensors:
+        name = struct.pack("<Q", len(t.name)) + t.name.encode()
+        at = data.index(name) + len(name)
+        (n_dims,) = struct.unpack_from("<I", data, at)
+        out[t.name] = at + 4 + 8 * n_dims
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from tests.gguf_tiny import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+def test_the_tiny_model_loads(tiny: Path) -> None:
+    from worker.weights import load_model
+
+    loaded = load_model(str(tiny))
+    assert loaded.source == "gguf" and loaded.config.num_layers == 1
+
+
+def _refused(path: Path, complaint: str) -> None:
+    from worker.weights import ModelLoadError, load_model
+
+    with pytest.raises(ModelLoadError, match=complaint) as e:
+        load_model(str(path))
+    assert str(path) in str(e.value)
+
+
+def test_a_truncated_file_is_refused_at_load(tiny: Path, tmp_path: Path) -> None:
+    data = tiny.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    for n in (len(data) - 1, len(data) // 2, 40):
+        cut.write_bytes(data[:n])
+        _refused(cut, "is not a readable GGUF file: (truncated|tensor .* run past|.* cannot fit)")
+
+
+@pytest.mark.parametrize(("tensor", "type_id", "complaint"), [
+    ("blk.0.ffn_up.weight", 99, "tensor 'blk.0.ffn_up.weight' has unknown type 99"),
+    # attn_q retyped F32: its 64 x 64 values then need 16 KiB, the file holds its Q8_0's 4.25,
+    # so it would read the next tensors' bytes.
+    ("blk.0.attn_q.weight", 0, "tensor 'blk.0.attn_q.weight': 16384 bytes \\(F32, shape \\[64, 64\\]\\) at .* overlap"),
+    # A norm stored as I8 (it fits) has no dequantizer: refused by name before anything is built.
+    ("output_norm.weight", 24, "tensor 'output_norm.weight' has type I8, which this worker cannot read"),
+])
+def test_a_tensor_of_a_wrong_type_is_refused_at_load(tiny: Path, tmp_path: Path, tensor: str, type_id: int,
+                                                     complaint: str) -> None:
+    """An unknown type id, a size the type and shape disagree with, a type no one reads."""
+    data = bytearray(tiny.read_bytes())
+    struct.pack_into("<I", data, _tensor_infos(tiny)[tensor], type_id)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data)
+    _refused(bad, complaint)
+
+
+def test_a_megabyte_chat_template_is_refused_at_load(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_chat_template("{{ x }}" * (300 << 10))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _refused(tmp_path / "t.gguf", "a metadata string of 2150400 bytes")
+
+
+def test_an_unknown_pre_tokenizer_is_refused_at_load(tmp_path: Path) -> None:
+    from tests.gguf_tiny import write_tiny_llama
+
+    _refused(write_tiny_llama(tmp_path / "t.gguf", pre="gpt9"), "GGUF pre-tokenizer 'gpt9' is not supported")

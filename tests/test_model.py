@@ -10,10 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler.request import SamplingParams
-from tests.helpers import hf_greedy, last_logits
-from worker.config import WorkerConfig
-from worker.engine import Engine
+from tests.helpers import engine_greedy, hf_greedy, last_logits
 from worker.weights import ModelLoadError, default_model_path, load_model
 
 NEW_TOKENS = 32
@@ -44,11 +41,7 @@ def hf_greedy_outputs(hf_model, chat_prompt_ids) -> list[list[int]]:
 
 
 def _engine_greedy(loaded, prompts: list[list[int]]) -> list[list[int]]:
-    engine = Engine(WorkerConfig(), loaded=loaded)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    done = engine.generate([engine.make_request(ids, params) for ids in prompts])
-    assert engine.kv.num_free_blocks == engine.budget.num_blocks
-    return [c.token_ids for c in done]
+    return engine_greedy(loaded, prompts, NEW_TOKENS)
 
 
 def test_greedy_tokens_match_transformers(default_model, chat_prompt_ids, hf_greedy_outputs) -> None:

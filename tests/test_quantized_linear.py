@@ -195,12 +195,18 @@ def test_an_unwritable_cache_falls_back_to_the_temp_dir(fresh_kernel_cache, monk
 
 @pytest.fixture(scope="module")
 def fresh_default():
-    """A load of its own: the engine swaps layers in place, and the session's model is shared."""
+    """A load of its own: an engine takes the load it runs on, and the session's is shared."""
     return load_model("default")
 
 
+@pytest.fixture(scope="module")
+def float_default():
+    """The default model dequantized to float32 (--no-cpu-quantized-linear)."""
+    return load_model("default", cpu_quantized_linear=False)
+
+
 @needs_kernel
-def test_every_linear_of_the_default_model_runs_quantized(fresh_default) -> None:
+def test_every_linear_of_the_default_model_runs_quantized(fresh_default, float_default) -> None:
     quantized = fresh_default.quantized
     cfg = fresh_default.config
     assert set(quantized) == {"embed_tokens"} | {
@@ -209,18 +215,20 @@ def test_every_linear_of_the_default_model_runs_quantized(fresh_default) -> None
     }
     # q/k rows were unpermuted in the blocks as in the float32 weights: same products.
     for name in ("layers.0.self_attn.qkv_proj", "layers.29.mlp.down_proj", "embed_tokens"):
-        dense = fresh_default.model.get_submodule(name).weight
+        dense = float_default.model.get_submodule(name).weight
         x = torch.randn(3, dense.shape[1])
         ref = x @ dense.T
         torch.testing.assert_close(ql.QuantLinear(quantized[name])(x), ref, rtol=1e-4,
                                    atol=1e-5 * float(ref.abs().max()))
     # The lookup on the Q8_0 blocks gives the float32 table's rows bit for bit, in either layout.
-    table = fresh_default.model.embed_tokens.weight
+    table = float_default.model.embed_tokens.weight
     for integer_layout in (False, True):
         lookup = ql.QuantEmbedding(quantized["embed_tokens"], integer_layout=integer_layout)
         assert torch.equal(lookup(torch.arange(cfg.vocab_size)), table)
     ids = torch.tensor([[5, 49151], [0, 5]])
     assert torch.equal(lookup(ids), table[ids])
+    # The load built the linears on the blocks: no float32 weight, and the engine runs them.
+    assert not [n for n, p in fresh_default.model.named_parameters() if p.dim() == 2]
     engine = Engine(WorkerConfig(), loaded=fresh_default)
     # 4 per layer and the tied head; the start-up log line says so.
     kernels = engine.runner.describe_kernels()
@@ -231,7 +239,6 @@ def test_every_linear_of_the_default_model_runs_quantized(fresh_default) -> None
     # The lookup reads the tied head's records: the table is held once.
     assert fresh_default.model.embed_tokens.packed is fresh_default.model.tied_head.packed
     assert torch.equal(fresh_default.model.embed_tokens(ids), table[ids])
-    assert "embed_tokens.weight" not in dict(fresh_default.model.named_parameters())  # table gone
 
 
 def test_the_flag_turns_the_kernel_off() -> None:
@@ -244,8 +251,10 @@ def test_the_flag_turns_the_kernel_off() -> None:
 
 @needs_kernel
 def test_a_load_quantized_for_one_arithmetic_refuses_another() -> None:
-    """The runner swaps a load's linears in place: a second engine on the same load with other
-    activations is refused (it would run the first one's arithmetic), the same ones are fine."""
+    """A load's linears are built for one arithmetic: an engine asking another of a load no
+    engine runs on gets it loaded again; a second engine on a load an engine runs on with
+    other activations is refused (it would run the first one's arithmetic), the same ones
+    are fine."""
     from worker.config import ModelConfig, WorkerConfig
     from worker.engine import Engine
     from worker.weights import load_model
@@ -253,6 +262,7 @@ def test_a_load_quantized_for_one_arithmetic_refuses_another() -> None:
     loaded = load_model("default")
     Engine(WorkerConfig(model=ModelConfig(cpu_activations="int24")), loaded=loaded)
     Engine(WorkerConfig(model=ModelConfig(cpu_activations="int24")), loaded=loaded)
-    with pytest.raises(ValueError, match="quantized for int24 activations by an earlier engine on this load; "
-                                         "int16 needs a load of its own"):
+    assert loaded.linears.activations == "int24"
+    with pytest.raises(ValueError, match="this load's linear layers are quantized, int24 activations and an "
+                                         "engine runs on them; quantized, int16 activations needs a load of its own"):
         Engine(WorkerConfig(model=ModelConfig(cpu_activations="int16")), loaded=loaded)

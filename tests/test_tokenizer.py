@@ -19,6 +19,7 @@ import gguf
 import pytest
 import regex
 
+from worker import tokenizer as tk
 from worker.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -425,3 +426,49 @@ def test_detokenizer_random_ids(ours: Tokenizer) -> None:
     for _ in range(20):
         ids = [rng.choice(byte_tokens) for _ in range(60)]
         _check_stream(ours, ids, _stream(ours, ids, [1] * len(ids)))
+
+
+# ---------------------------------------------------------------------------- llama.cpp's pre-types
+
+
+def _llamacpp_pieces(text: str, splits: tuple[str, ...]) -> list[str]:
+    """llama.cpp's unicode_regex_split, re-implemented with the `regex` module: each regex in
+    turn splits every piece the ones before left, matches and the text between them each a
+    piece."""
+    pieces = [text] if text else []
+    for pattern in splits:
+        rx = regex.compile(pattern)
+        out = []
+        for piece in pieces:
+            pos = 0
+            for m in rx.finditer(piece):
+                if m.start() > pos:
+                    out.append(piece[pos : m.start()])
+                if m.end() > m.start():
+                    out.append(m.group())
+                pos = m.end()
+            if pos < len(piece):
+                out.append(piece[pos:])
+        pieces = out
+    return pieces
+
+
+@pytest.mark.parametrize("group", sorted(tk.PRE_SPLITS))
+def test_each_pre_tokenizer_splits_as_llamacpp_does(group: str) -> None:
+    """Our pre-tokenizer of each group of tokenizer.ggml.pre names against llama.cpp's
+    sequence of regexes (llama-vocab.cpp), as byte-level pieces, over the corpus."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    pre = tk._pre(group)()
+    to_bytes = bytes_to_unicode()
+    for text in CORPUS + SMALL_TEXTS:
+        ours = [p for p, _ in pre.pre_tokenize_str(text)]
+        ref = ["".join(to_bytes[b] for b in p.encode()) for p in _llamacpp_pieces(text, tk.PRE_SPLITS[group])]
+        assert ours == ref, (group, text)
+
+
+def test_every_llamacpp_pre_name_builds(tmp_path: Path) -> None:
+    for name, group in tk.PRE_GROUP.items():
+        tok = Tokenizer.from_gguf(_write_gguf(tmp_path / f"{name}.gguf", name))
+        pieces = tok._tok.pre_tokenizer.pre_tokenize_str("x 123  4")
+        assert pieces == tk._pre(group)().pre_tokenize_str("x 123  4"), name

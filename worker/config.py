@@ -149,11 +149,11 @@ class ModelConfig:
                                   "with weights packed once at start-up (faster for decode batches, "
                                   "and a row's result does not depend on its batch); "
                                   "--no-cpu-packed-linear uses torch's F.linear")
-    cpu_quantized_linear: bool = opt(True, "on the CPU in float32, keep a GGUF model's Q4_1/Q8_0 "
-                                     "linear weights quantized in memory and compute on them in "
-                                     "float32 (needs gcc and AVX2; the same weights, a fraction of "
-                                     "the bytes a decode step reads); --no-cpu-quantized-linear "
-                                     "dequantizes them at load")
+    cpu_quantized_linear: bool = opt(True, "on the CPU in float32, keep a GGUF model's linear "
+                                     "weights quantized in memory, as the file stores them, and "
+                                     "compute on them (every type the CPU kernels take; needs gcc "
+                                     "and AVX2; the same weights, a fraction of the bytes a decode "
+                                     "step reads); --no-cpu-quantized-linear dequantizes them at load")
     cpu_activations: str = opt("auto", "with --cpu-quantized-linear, the arithmetic of the "
                                "quantized layers: float32 (the quants converted exactly, each block's "
                                "sum scaled by its d), or the "

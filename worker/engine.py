@@ -56,7 +56,7 @@ from worker.model_runner import ModelRunner, SampleResult
 from worker.outputs import OutputState, RequestOutput
 from worker.spec_decode import NgramProposer
 from worker.structured import GrammarMatcher
-from worker.weights import LoadedModel, load_model
+from worker.weights import LinearPolicy, LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,15 @@ class Engine:
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         device = resolve_device(config.model.device)
+        mc = config.model
         if loaded is None:
-            loaded = load_model(config.model.model, device, resolve_dtype(config.model.dtype, device))
+            loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), mc.cpu_quantized_linear,
+                                mc.cpu_activations)
+        else:  # a load made for other linears is made again, unless an engine runs on it
+            loaded.hold_linears(LinearPolicy.of(loaded.device, loaded.dtype, mc.cpu_quantized_linear,
+                                                mc.cpu_activations))
+        log.info(loaded.describe_weights())
+        loaded.taken = True
         self.loaded = loaded
         self.model_name = config.model.served_model_name or loaded.name  # the id clients see
         self.tokenizer = loaded.tokenizer
@@ -182,10 +189,6 @@ class Engine:
                 f"--max-model-len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {mcfg.max_position_embeddings}"
             )
-        if loaded.quantization is not None:
-            log.info("weights: %s, %s", loaded.quantization.name,
-                     "kept quantized for the Triton kernels" if loaded.device.type == "cuda"
-                     else f"dequantized at load to {str(loaded.dtype).removeprefix('torch.')} (weight-only on the CPU)")
         self.kv_dtype = memory.kv_cache_dtype(config.cache.kv_cache_dtype, loaded.device, loaded.dtype)
         self.budget = self._kv_budget()
         log.info(self.budget.describe())
@@ -234,8 +237,6 @@ class Engine:
             max_decode_rows=_max_verify_rows(config.speculative.speculative_config, sc.max_num_seqs),
             num_cpu_blocks=num_cpu_blocks,
             cpu_packed_linear=config.model.cpu_packed_linear,
-            quantized=loaded.quantized if config.model.cpu_quantized_linear else None,
-            cpu_activations=config.model.cpu_activations,
             cpu_huge_pages=config.model.cpu_huge_pages,
             lora=lora_slots,
         )

@@ -37,7 +37,6 @@ logits of its chunk's prompt positions (worker/prompt_logprobs.py).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +46,6 @@ from torch import nn
 import ops
 from ops import cpu_attention, cpu_decoder, cpu_sampling, huge_pages, quantized_linear
 from ops.linear import PackedLinear, can_pack, pack_linears
-from ops.quantized_linear import QuantizedWeight
 from ops.sampling import PenaltyTokens, SamplingTensors, greedy_ids_cpu
 from ops.scaled_linear import ScaledLinear
 from scheduler.output import ScheduledRequest, SchedulerOutput
@@ -82,8 +80,6 @@ class ModelRunner:
         max_decode_rows: int = 0,
         num_cpu_blocks: int = 0,
         cpu_packed_linear: bool = False,
-        quantized: Mapping[str, QuantizedWeight] | None = None,
-        cpu_activations: str = "auto",
         cpu_huge_pages: bool = False,
         lora: LoraSlots | None = None,
     ) -> None:
@@ -92,31 +88,17 @@ class ModelRunner:
         verification steps too, up to `max_decode_rows` rows (a row per drafted position
         and one per request; worker/cuda_graphs.py). `num_cpu_blocks`
         sizes the swap space in host memory (pinned on CUDA, so swaps are DMA copies).
-        `cpu_packed_linear` (CPU, float32) packs the model's linear weights for oneDNN
-        (ops/linear.py), in place: a model shared by several runners is packed once.
-        `quantized` (CPU, float32, where the kernel compiles) runs the linears it names on
-        their GGUF blocks instead (ops/quantized_linear.py), also in place; it goes first;
-        `cpu_activations` is the arithmetic they multiply in. `cpu_huge_pages` (CPU) moves
+        `cpu_packed_linear` (CPU, float32) packs the model's float linear weights for oneDNN
+        (ops/linear.py), in place: a model shared by several runners is packed once. A GGUF
+        load's linears come already on their blocks where the CPU kernels take them
+        (worker/weights/gguf_load.py: `QuantLinear`, in the load's activation arithmetic).
+        `cpu_huge_pages` (CPU) moves
         the weights into 2 MB pages (ops/huge_pages.py). `kv_dtype`: what the KV cache holds
         (None: `dtype`; float16 on the CPU: --kv-cache-dtype). A model whose layers
         are all quantized then runs as a few native calls per step (ops/cpu_decoder.py).
         `lora` (--enable-lora) holds the device slots of the LoRA adapters; requests that
         name one get its delta on every adapted linear (ops/lora.py)."""
         cfg = model.config
-        if quantized and device.type == "cpu" and dtype == torch.float32 and quantized_linear.available():
-            quantized_linear.quantize_linears(model, quantized, cpu_activations)
-            embed = quantized.get("embed_tokens")
-            if model.lm_head is None and model.tied_head is None and embed is not None:
-                model.tied_head = quantized_linear.QuantLinear(
-                    embed, activations=quantized_linear.activations_for(embed, cpu_activations))
-            if embed is not None and embed.qtype == "Q8_0" and isinstance(model.embed_tokens, nn.Embedding):
-                # The lookup reads the head's records (or its own); the float32 table goes.
-                head = model.tied_head
-                model.embed_tokens = (
-                    quantized_linear.QuantEmbedding.of_head(head, embed)
-                    if isinstance(head, quantized_linear.QuantLinear)
-                    else quantized_linear.QuantEmbedding(embed)
-                )
         if cpu_packed_linear and can_pack(device, dtype):
             pack_linears(model)
             if model.lm_head is None and model.tied_head is None:

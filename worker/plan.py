@@ -6,11 +6,13 @@ replicas a load needs, from the model's config alone (no weights are loaded).
 
 How this is estimated (a roofline; the output repeats it in one line):
 
-- Weights: a GGUF's tensors as stored; held in memory as the worker holds them: on the CPU
-  in float32 its Q4_1/Q8_0 linears stay quantized (the same bytes, ops/quantized_linear.py;
-  this assumes gcc and AVX2 for the C kernel) and the rest is float32; elsewhere every
-  weight in --dtype. A decode step reads every weight once except the embedding table
-  (only a few rows are looked up), unless the table is the head (tied).
+- Weights: a GGUF's tensors as stored; held in memory as the loader holds them
+  (worker/weights/gguf_load.py): on the CPU in float32 every linear of a type the CPU
+  kernels take (`ops.quantized_linear.supports`) stays quantized (the file's bytes, as
+  `held_bytes` repacks them; this assumes gcc and AVX2 for the C kernel), a fused q/k/v of
+  several such types too, and the rest is float32; elsewhere every weight in --dtype. A
+  decode step reads every weight once except the embedding table (only a few rows are
+  looked up), unless the table is the head (tied).
 - KV cache: 2 (K and V) x layers x KV heads x head dim x dtype bytes per token; the budget
   and blocks as the engine sizes them (`kvcache.budget.budget_bytes` and `fit_budget`, the
   same functions): 1 GiB on the CPU, else --gpu-memory-utilization of the memory left after
@@ -68,6 +70,7 @@ from worker.config import (
 )
 from worker.models.llama import LlamaConfig, fuse_shards, our_name
 from worker.weights import default_model_path, dummy, gguf_file, hf_folder, hf_quantized
+from worker.weights.gguf_load import lookup_supported
 from worker.weights.quant_config import QuantFormat
 
 CUDA_CONTEXT_BYTES = GIB // 2  # CUDA context + torch's allocator, taken before the KV budget
@@ -145,9 +148,14 @@ def parse_device(spec: str, dtype: str) -> Device:
 @dataclass(frozen=True)
 class Tensor:
     name: str  # this worker's module name, fused as the model fuses ("layers.0.self_attn.qkv_proj.weight")
-    dtype: str  # as stored: "Q4_1", "F32", "BF16", ... (the --dtype for dummy weights)
+    dtype: str  # as stored: "Q4_1", "F32", "BF16", ... (the --dtype for dummy weights); "mixed": parts'
     shape: tuple[int, ...]  # (out, in) for a matrix
     nbytes: int
+    parts: tuple[Tensor, ...] = ()  # a fused weight's shards, in row order
+
+    @property
+    def pieces(self) -> tuple[Tensor, ...]:
+        return self.parts or (self,)
 
 
 @dataclass(frozen=True)
@@ -217,14 +225,9 @@ def _by_dtype(tensors: list[Tensor]) -> dict[str, int]:
 def _gguf_tensors(reader: Any) -> list[Tensor]:
     out = []
     for t in reader.tensors:
-        layer, _, rest = t.name.removeprefix("blk.").partition(".")
-        if t.name.startswith("blk.") and rest in gguf_file._LAYER_NAMES:
-            hf = f"model.layers.{layer}.{gguf_file._LAYER_NAMES[rest]}"
-        elif t.name in gguf_file._GLOBAL_NAMES:
-            hf = gguf_file._GLOBAL_NAMES[t.name]
-        else:
-            raise ValueError(f"unexpected GGUF tensor {t.name[:100]!r}")
-        ours = our_name(hf)
+        if t.name in gguf_file.CONFIG_TENSORS:
+            continue
+        ours = our_name(gguf_file.hf_name(t.name))
         if ours is not None:
             shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
             out.append(Tensor(ours, t.tensor_type.name, shape, int(t.n_bytes)))
@@ -232,17 +235,15 @@ def _gguf_tensors(reader: Any) -> list[Tensor]:
 
 
 def _fused(tensors: list[Tensor]) -> tuple[Tensor, ...]:
-    """q/k/v and gate/up joined as the model joins them. A set of mixed types, or with a shard
-    the kernel cannot take, gets type "mixed": the loader dequantizes it (as
-    gguf_file.quantized_linears leaves it out)."""
+    """q/k/v and gate/up joined as the model joins them, keeping their shards (`parts`); a set
+    of several types gets type "mixed"."""
     def cat(ts: list[Tensor]) -> Tensor:
         kinds = {t.dtype for t in ts}
-        whole = len(kinds) == 1 and all(supports(t.dtype, t.shape) for t in ts)
-        return Tensor("", kinds.pop() if whole else "mixed",
-                      (sum(t.shape[0] for t in ts), *ts[0].shape[1:]), sum(t.nbytes for t in ts))
+        return Tensor("", kinds.pop() if len(kinds) == 1 else "mixed",
+                      (sum(t.shape[0] for t in ts), *ts[0].shape[1:]), sum(t.nbytes for t in ts), tuple(ts))
 
     unfinished: set[str] = set()
-    fused = tuple(Tensor(n, t.dtype, t.shape, t.nbytes) for n, t in fuse_shards(
+    fused = tuple(Tensor(n, t.dtype, t.shape, t.nbytes, t.parts) for n, t in fuse_shards(
         ((t.name, t) for t in tensors), cat, unfinished))
     if unfinished:
         raise ValueError(f"incomplete fused weights: {', '.join(sorted(unfinished))[:200]}")
@@ -303,11 +304,12 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
     on_cpu_f32 = device.kind == "cpu" and dtype == "float32"
     by_name = {t.name.removesuffix(".weight"): t for t in model.tensors}
 
-    def quantized(name: str) -> Tensor | None:
+    def quantized(name: str) -> tuple[Tensor, ...] | None:
+        """The shards of a weight the loader holds on its blocks (gguf_load._Builder.native)."""
         t = by_name.get(name)
-        ok = (on_cpu_f32 and cpu_quantized and model.source == "gguf" and t is not None
-              and len(t.shape) == 2 and supports(t.dtype, t.shape))
-        return t if ok else None
+        if not (on_cpu_f32 and cpu_quantized and model.source == "gguf" and t is not None and len(t.shape) == 2):
+            return None
+        return t.pieces if all(supports(p.dtype, p.shape) for p in t.pieces) else None
 
     held: dict[str, int] = {}
 
@@ -315,8 +317,8 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
         held[kind] = held.get(kind, 0) + nbytes
         return nbytes
 
-    def qbytes(t: Tensor) -> int:  # as repacked for the kernel of `activations`
-        return held_bytes(t.dtype, t.nbytes, activations)
+    def hold_records(parts: tuple[Tensor, ...]) -> int:  # as repacked for the kernel of `activations`
+        return sum(hold(p.dtype, held_bytes(p.dtype, p.nbytes, activations)) for p in parts)
 
     # A pre-quantized folder's linears on CUDA, as stored (the CPU dequantizes them: dtype).
     scaled = _scaled_linears(model) if device.kind == "cuda" else {}
@@ -326,15 +328,17 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
         if name in scaled:
             read += hold(*scaled[name])
         else:
-            read += hold(q.dtype, qbytes(q)) if q else hold(dtype, o * i * size)
+            read += hold_records(q) if q else hold(dtype, o * i * size)
     read += hold(dtype, (bias + norms) * size)
     embed = quantized("embed_tokens")
+    lookup = embed is not None and lookup_supported(embed[0].dtype, embed[0].shape)
     if cfg.tie_word_embeddings:
         # The head multiplies with the embedding's weights: its GGUF blocks where the kernel
-        # takes them; else (CPU float32) a oneDNN-packed float32 copy; else the table itself.
+        # takes them (the lookup reads them too where it takes the type, else a table of its
+        # own); else (CPU float32) a oneDNN-packed float32 copy and the table; else the table.
         if embed:
-            read += hold(embed.dtype, qbytes(embed))
-            if embed.dtype != "Q8_0":  # only a Q8_0 table is looked up in its blocks
+            read += hold_records(embed)
+            if not lookup:
                 hold(dtype, head * size)
         elif on_cpu_f32:
             read += hold(dtype, head * size)  # the packed head
@@ -346,13 +350,14 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
         hold(dtype, head * size)  # the embedding table
     else:
         lm = quantized("lm_head")
-        read += hold(lm.dtype, qbytes(lm)) if lm else hold(dtype, head * size)
-        if embed and embed.dtype == "Q8_0":
-            hold(embed.dtype, qbytes(embed))
+        read += hold_records(lm) if lm else hold(dtype, head * size)
+        if embed and lookup:
+            hold_records(embed)
         else:
             hold(dtype, head * size)
-    how = (f"CPU {dtype}: Q4_1/Q8_0 linears kept quantized for the C kernel, the rest {dtype}"
-           if any(k in ("Q4_1", "Q8_0") for k in held) else f"every weight in {dtype}")
+    kept = sorted(k for k in held if k != dtype)
+    how = (f"CPU {dtype}: {'/'.join(kept)} linears kept quantized for the C kernels, the rest {dtype}"
+           if kept else f"every weight in {dtype}")
     if scaled:
         assert model.quantization is not None
         how = f"{model.quantization.name}: linears as stored (scales in float32), the rest {dtype}"

@@ -214,6 +214,7 @@ async def serve(config: WorkerConfig) -> int:
             for name in health_names:
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             loaded = engine.loaded
+            _say(loaded.describe_weights())
             _say(f"{engine.budget.describe()}")
             _say(f"serving {loaded.name} on {_address(sc.host, port)} ({loaded.source}, "
                  f"{loaded.device}, {str(loaded.dtype).removeprefix('torch.')})")

@@ -37,53 +37,74 @@ class TokenizerError(ValueError):
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
 
-# Pre-tokenizer regexes, copied from llama.cpp's llama-vocab.cpp (and transformers' tokenizers).
+# Pre-tokenizer regexes as llama.cpp's llama-vocab.cpp writes them (llm_tokenizer_bpe):
+# each type is a sequence of regexes, every one splitting the pieces the one before left
+# (matches and the text between them each a piece), then byte-level BPE on each piece.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# llama.cpp's form of Llama 3's tokenizer.json regex: (?i:'s|...) spelled out per letter.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35_SPLIT = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}")
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_FALCON_SPLITS = (r"[\p{P}\$\+<=>\^~\|`]+",
+                  r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                  "[0-9][0-9][0-9]")
+
+# The regex sequence of each pre-tokenizer group (the GPT-2 regex is byte-level's own).
+PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    "gpt2": (_GPT2_SPLIT,), "smollm": (r"\p{N}", _GPT2_SPLIT), "llama3": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,), "qwen35": (_QWEN35_SPLIT,), "deepseek-coder": _DEEPSEEK_CODER_SPLITS,
+    "deepseek-v3": _DEEPSEEK3_SPLITS, "falcon": _FALCON_SPLITS,
+}
 
 
-def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
-    # ByteLevel's own regex is _GPT2_SPLIT.
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+def _pre(group: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    splits = PRE_SPLITS[group]
 
-
-def _digits_gpt2_pre() -> pre_tokenizers.PreTokenizer:
-    # llama.cpp first isolates every \p{N} character, then applies the GPT-2 regex: the
-    # `Digits(individual_digits=True)` + `ByteLevel` of SmolLM's and StarCoder's tokenizer.json.
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()])
-
-
-def _split_pre(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
     def build() -> pre_tokenizers.PreTokenizer:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+        parts = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in splits if p != _GPT2_SPLIT]
+        # ByteLevel's own regex is _GPT2_SPLIT.
+        parts.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=_GPT2_SPLIT in splits))
+        return parts[0] if len(parts) == 1 else pre_tokenizers.Sequence(parts)
 
     return build
 
 
-# tokenizer.ggml.pre -> pre-tokenizer, grouped as llama.cpp groups them.
-_GGUF_PRE: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-    **dict.fromkeys(("gpt2", "mpt", "olmo", "jais"), _gpt2_pre),
-    **dict.fromkeys(
-        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-        _digits_gpt2_pre,
-    ),
-    **dict.fromkeys(
-        ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"), _split_pre(_LLAMA3_SPLIT)
-    ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _split_pre(_QWEN2_SPLIT)),
+# tokenizer.ggml.pre -> its group, as llama-vocab.cpp maps the names (those whose only
+# difference is the regex; "gpt2": ours for a file without the key).
+_PRE_NAMES = {
+    "gpt2": ("gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+             "a.x-4.0", "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4",
+             "mpt", "olmo", "jais"),
+    "smollm": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "minicpm5"),
+    "llama3": ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+               "jina-v5-nano", "smaug-bpe", "dbrx", "chatglm-bpe", "glm4", "glm5"),
+    "qwen2": ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2"),
+    "qwen35": ("qwen35",),
+    "deepseek-coder": ("deepseek-coder",),
+    "deepseek-v3": ("deepseek-v3",),
+    "falcon": ("falcon",),
 }
+_GGUF_PRE: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    name: _pre(group) for group, names in _PRE_NAMES.items() for name in names
+}
+PRE_GROUP = {name: group for group, names in _PRE_NAMES.items() for name in names}
 
 
 class Tokenizer:

@@ -46,8 +46,8 @@
 
 typedef struct {
     const uint8_t *w; /* tile records */
-    int qtype;        /* QT_Q4_1, QT_Q8_0 (float32) or QT_Q4_1_I8, QT_Q8_0_I8 (integer activations) */
-    int planes;       /* integer activations: bytes per activation (quant_matmul_int8.c) */
+    int qtype;        /* QT_* (quant_types.h): Q4_1's and Q8_0's codes name their layout's arithmetic */
+    int planes;       /* integer activations: bytes per activation (quant_matmul_int8.c); 0: float32 */
     int N, K;
     const float *bias; /* [N] or NULL */
 } qlinear;
@@ -58,7 +58,7 @@ typedef struct {
     int window; /* > 0: the layer's sliding window (paged_attention.c's attn_args.window); 0: none */
 } layer_weights;
 
-enum { EMBED_TABLE = 0, EMBED_Q8_0 = 1, EMBED_Q8_0_I8 = 2 };
+#define EMBED_TABLE (-1) /* else embed_kind is the records' QT_* code */
 
 typedef struct {
     int hidden, intermediate, num_heads, num_kv_heads, head_dim, num_layers;
@@ -66,7 +66,8 @@ typedef struct {
     const layer_weights *layers;
     const float *final_norm;
     const float *cos_sin; /* [max_positions, head_dim]: cos in the first half, sin in the second */
-    int embed_kind;       /* EMBED_*: a float table [V, H], or a tied head's Q8_0 records */
+    int embed_kind;       /* EMBED_TABLE: a float table [V, H]; else the QT_* code of its records
+                           * (a tied head's, or its own: quant_row) */
     const void *embed;
     int block_size;
     const lora_layer *lora; /* [num_layers] adapter slots (lora.c), or NULL: LoRA off */
@@ -109,7 +110,7 @@ typedef struct {
 typedef struct {
     float *x;       /* [M, H] */
     int8_t *xq;     /* [M, MAX_PLANES Kmax] */
-    int32_t *xt;    /* [M, MAX_PLANES Kmax / 32]: the digits' block sums */
+    int32_t *xt;    /* [2, M, MAX_PLANES Kmax / 32]: the digits' block sums, then their first halves' */
     float *xd, *xs; /* [M, Kmax / 32]: the integer rows' scales; block sums (both kernels) */
     qact *views;    /* [M] */
 } input_buf;
@@ -143,16 +144,16 @@ typedef struct {
     void *block;
 } temps;
 
-static inline int is_integer(int qtype) { return qtype == QT_Q4_1_I8 || qtype == QT_Q8_0_I8; }
+static inline int is_integer(const qlinear *L) { return L->planes > 0; }
 
-/* Whether linear L's float kernel needs its input's block sums (Q4_1's m term). */
-static inline int needs_sums(const qlinear *L) { return L->qtype == QT_Q4_1; }
+/* Whether linear L's float kernel needs its input's block sums (the m term of the types with one). */
+static inline int needs_sums(const qlinear *L) { return !is_integer(L) && has_block_min(L->qtype); }
 
 #define ALIGN64(n) (((n) + 63) & ~(size_t)63)
 
 static size_t input_bytes(size_t M, size_t H, size_t kmax) {
     return ALIGN64(M * H * sizeof(float)) + ALIGN64(M * MAX_PLANES * kmax)
-           + ALIGN64(M * MAX_PLANES * (kmax / QBLOCK) * sizeof(int32_t))
+           + ALIGN64(2 * M * MAX_PLANES * (kmax / QBLOCK) * sizeof(int32_t))
            + 2 * ALIGN64(M * (kmax / QBLOCK) * sizeof(float)) + ALIGN64(M * sizeof(qact));
 }
 
@@ -162,7 +163,7 @@ static char *input_carve(char *p, size_t M, size_t H, size_t kmax, input_buf *b)
     p += ALIGN64((count) * sizeof(type));
     CARVE(x, float, M * H)
     CARVE(xq, int8_t, M * MAX_PLANES * kmax)
-    CARVE(xt, int32_t, M * MAX_PLANES * (kmax / QBLOCK))
+    CARVE(xt, int32_t, 2 * M * MAX_PLANES * (kmax / QBLOCK))
     CARVE(xd, float, M * (kmax / QBLOCK))
     CARVE(xs, float, M * (kmax / QBLOCK))
     CARVE(views, qact, M)
@@ -291,32 +292,19 @@ static void silu_mul_row(const float *g, const float *u, int n, float *y) {
 }
 
 static void embed_row(const model_desc *m, int64_t id, float *y) {
-    const int H = m->hidden, nb = H / QBLOCK;
+    const int H = m->hidden;
     if (m->embed_kind == EMBED_TABLE) {
         memcpy(y, (const float *)m->embed + (size_t)id * H, sizeof(float) * (size_t)H);
         return;
     }
-    const int t = (int)(id / TILE), n = (int)(id % TILE);
-    const int record = m->embed_kind == EMBED_Q8_0 ? Q8_0_RECORD : Q8_0_I8_RECORD;
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *rec = (const uint8_t *)m->embed + ((size_t)t * nb + b) * record;
-        uint16_t half;
-        memcpy(&half, rec + 2 * n, 2);
-        const float d = _cvtsh_ss(half);
-        for (int k = 0; k < QBLOCK; k++) {
-            const int8_t q = m->embed_kind == EMBED_Q8_0
-                                 ? (int8_t)rec[64 + 32 * k + n]
-                                 : (int8_t)(rec[64 + ((n / 16) * 8 + k / 4) * 64 + 4 * (n % 16) + k % 4] ^ 0x80);
-            y[b * QBLOCK + k] = d * (float)q;
-        }
-    }
+    quant_row((const uint8_t *)m->embed, m->embed_kind, H, id, y);
 }
 
 /* ---- team pieces ---- */
 
 /* Row r of a matmul's input into b: normed by w (when w), written in `planes` integer
  * planes (when planes > 0), its block sums for the float kernel (when sums). */
-static void prepare_row(const float *src, size_t ld, int r, int K, const float *w, float eps, int planes,
+static void prepare_row(const float *src, size_t ld, int r, int M, int K, const float *w, float eps, int planes,
                         int sums, input_buf *b) {
     const float *x = src + (size_t)r * ld;
     if (w) {
@@ -325,7 +313,7 @@ static void prepare_row(const float *src, size_t ld, int r, int K, const float *
     }
     if (sums) block_sums(x, K, b->xs + (size_t)r * (K / QBLOCK));
     if (!planes) return;
-    b->views[r] = qa_view(b->xq, b->xd, b->xs, b->xt, r, K, planes);
+    b->views[r] = qa_view(b->xq, b->xd, b->xs, b->xt, r, M, K, planes);
     qa_row(x, K, planes, b->views[r]);
 }
 
@@ -351,7 +339,7 @@ static matmul_input prepare(const float *src, size_t ld, int M, int K, const flo
     const int planes = L->planes, sums = needs_sums(L);
     input_buf *b = t->private_inputs ? &t->priv[omp_get_thread_num()] : &t->shared;
     if ((w || planes || sums) && !t->private_inputs) {
-        WS_FOR(ws, r, mine, M) prepare_row(src, ld, r, K, w, eps, planes, sums, b);
+        WS_FOR(ws, r, mine, M) prepare_row(src, ld, r, M, K, w, eps, planes, sums, b);
     }
     const matmul_input in = {w ? b->x : src, w ? (size_t)K : ld, sums ? b->xs : NULL, b, src, w, ld, M, K,
                              planes, sums, eps};
@@ -363,7 +351,7 @@ static void prepare_mine(const matmul_input *in, const temps *t) {
     if (!t->private_inputs || !(in->w || in->planes || in->sums)) return;
     input_buf *b = (input_buf *)in->b;
     for (int r = 0; r < in->M; r++)
-        prepare_row(in->src, in->ld, r, in->K, in->w, in->eps, in->planes, in->sums, b);
+        prepare_row(in->src, in->ld, r, in->M, in->K, in->w, in->eps, in->planes, in->sums, b);
 }
 
 /* Tiles t0..t1-1 of linear L for M rows into y (the first tile's columns, stride ldy):
@@ -375,7 +363,7 @@ static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float 
 #endif
     for (int tile = t0; tile < t1; tile++) {
         float *yt = y + (size_t)(tile - t0) * TILE;
-        if (is_integer(L->qtype)) qi_tile(L->w, L->qtype, L->K, in->b->views, L->planes, M, yt, ldy, tile);
+        if (is_integer(L)) qi_tile(L->w, L->qtype, L->K, in->b->views, L->planes, M, yt, ldy, tile);
         else qf_tile(L->w, L->qtype, L->K, in->x, in->ldx, in->xs, (size_t)(L->K / QBLOCK), M, yt, ldy, tile);
         if (L->bias)
             for (int r = 0; r < M; r++)
@@ -399,14 +387,14 @@ static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float 
 #define WARM_BYTES 0
 #endif
 static void warm_next(ws_local *ws, const step_desc *s, const qlinear *L, int items, int per, int second) {
-    if (!WARM_BYTES || s->M != 1 || !is_integer(L->qtype)) return;
-    const size_t tile_bytes = qi_record_bytes(L->qtype) * (size_t)(L->K / QBLOCK);
+    if (!WARM_BYTES || s->M != 1 || !is_integer(L)) return;
+    const size_t tile = tile_bytes(L->qtype, L->K);
     int lo, hi; /* the thread's own block, which it takes first (workshare.h) */
     ws_block(items, ws->tid, ws->nthreads, &lo, &hi);
-    size_t n = (size_t)(hi - lo) * per * tile_bytes, cap = second ? WARM_BYTES / 2 : WARM_BYTES;
+    size_t n = (size_t)(hi - lo) * per * tile, cap = second ? WARM_BYTES / 2 : WARM_BYTES;
     if (n > cap) n = cap;
     for (int j = 0; j < 1 + (second > 0); j++) {
-        ws->warm[j] = L->w + ((size_t)lo * per + (size_t)j * second) * tile_bytes;
+        ws->warm[j] = L->w + ((size_t)lo * per + (size_t)j * second) * tile;
         ws->warm_n[j] = n;
     }
 }

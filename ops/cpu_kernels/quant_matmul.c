@@ -34,17 +34,13 @@
 #ifndef LLMWORKER_QUANT_MATMUL_C
 #define LLMWORKER_QUANT_MATMUL_C
 
-#include "simd.h"
+#include "quant_types.h"
 
 #define TILE 32
 #define QBLOCK 32
-#define Q4_1_RECORD 640
-#define Q8_0_RECORD 1088
 #ifndef FEW_ROWS_MAX
 #define FEW_ROWS_MAX 4  /* rows up to this many take few_rows (see there) */
 #endif
-
-enum { QT_Q4_1 = 0, QT_Q8_0 = 1 };
 
 /* ---- one k's 32 quants as floats in four ymm (lanes n = 0..7, ..., 24..31) ----
  * Q4_1: a k's quant bytes are broadcast to both 128-bit halves of a ymm as they load, and
@@ -145,11 +141,11 @@ QUANT_FNS(Q8_0, 0)
 #define ROW_FMA(a, r) { const __m256 xb = _mm256_broadcast_ss(x + (size_t)(r) * ldx + k); ACC_FMA_BUF(a, xb, wk) }
 #define ROW_END(a, r) ACC_END(a, dm, has_m, sx ? sx[(size_t)(r) * ldsx] : 0.0f, y + (size_t)(r) * ldy, first)
 #define MICRO_ARGS const float *x, size_t ldx, const float *w, const float *dm, int has_m, const float *sx, \
-                   size_t ldsx, float *y, size_t ldy, int first
+                   size_t ldsx, float *y, size_t ldy, int first, int nk
 
 static inline void micro_1(MICRO_ARGS) {
     ACC_DECL(a) ACC_ZERO(a)
-    for (int k = 0; k < QBLOCK; k++) {
+    for (int k = 0; k < nk; k++) {
         const float *wk = w + k * TILE;
         ROW_FMA(a, 0)
     }
@@ -158,7 +154,7 @@ static inline void micro_1(MICRO_ARGS) {
 
 static inline void micro_2(MICRO_ARGS) {
     ACC_DECL(a) ACC_DECL(b) ACC_ZERO(a) ACC_ZERO(b)
-    for (int k = 0; k < QBLOCK; k++) {
+    for (int k = 0; k < nk; k++) {
         const float *wk = w + k * TILE;
         ROW_FMA(a, 0) ROW_FMA(b, 1)
     }
@@ -167,7 +163,7 @@ static inline void micro_2(MICRO_ARGS) {
 
 static inline void micro_3(MICRO_ARGS) {
     ACC_DECL(a) ACC_DECL(b) ACC_DECL(c) ACC_ZERO(a) ACC_ZERO(b) ACC_ZERO(c)
-    for (int k = 0; k < QBLOCK; k++) {
+    for (int k = 0; k < nk; k++) {
         const float *wk = w + k * TILE;
         ROW_FMA(a, 0) ROW_FMA(b, 1) ROW_FMA(c, 2)
     }
@@ -247,7 +243,7 @@ FEW_FNS(Q8_0, 0)
 static inline void micro_6(MICRO_ARGS) {
     for (int h = 0; h < 2; h++) {
         HALF_DECL(a) HALF_DECL(b) HALF_DECL(c) HALF_DECL(e) HALF_DECL(f) HALF_DECL(g)
-        for (int k = 0; k < QBLOCK; k++) {
+        for (int k = 0; k < nk; k++) {
             const __m256 wa = _mm256_load_ps(w + k * TILE + 16 * h), wb = _mm256_load_ps(w + k * TILE + 16 * h + 8);
             HALF_FMA(a, 0) HALF_FMA(b, 1) HALF_FMA(c, 2) HALF_FMA(e, 3) HALF_FMA(f, 4) HALF_FMA(g, 5)
         }
@@ -269,12 +265,167 @@ static inline void few_rows(const uint8_t *rec, const float *dm, int qtype, cons
     }
 }
 
+/* M rows against one converted block buf[k][TILE] (its first nk k): sixes, threes, the rest. */
+static inline void micro_rows(const float *xb, size_t ldx, const float *buf, const float *dm, int has_m,
+                              const float *sxb, size_t ldsx, int M, float *yt, size_t ldy, int first, int nk) {
+    int r = 0;
+    for (; r + 6 <= M; r += 6)
+        micro_6(xb + r * ldx, ldx, buf, dm, has_m, sxb ? sxb + r * ldsx : NULL, ldsx, yt + r * ldy, ldy, first, nk);
+    for (; r + 3 <= M; r += 3)
+        micro_3(xb + r * ldx, ldx, buf, dm, has_m, sxb ? sxb + r * ldsx : NULL, ldsx, yt + r * ldy, ldy, first, nk);
+    if (M - r == 2)
+        micro_2(xb + r * ldx, ldx, buf, dm, has_m, sxb ? sxb + r * ldsx : NULL, ldsx, yt + r * ldy, ldy, first, nk);
+    else if (M - r == 1)
+        micro_1(xb + r * ldx, ldx, buf, dm, has_m, sxb ? sxb + r * ldsx : NULL, ldsx, yt + r * ldy, ldy, first, nk);
+}
+
 static inline int qf_record(int qtype) { return qtype == QT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD; }
 
+/* ---- the qn types (quant_types.h): one layout for both arithmetics ----
+ *
+ * The same arithmetic as above, per sub-block of 32 k (Q6_K: per half of 16, each with its
+ * own D): s = 0; s = fma(x[k], float(v[n, k]), s) over its k in order; y = fma(D, s, y); then,
+ * for Q5_1/Q4_K/Q5_K, y = fma(M, sx, y). v is a small integer (q - zero, or IQ4's kv[q]),
+ * exact as a float; D and M are formed exactly in float32 from the record's fp16 scales and
+ * integer sub-scales (quant_types.h). The quants come as the 32-bit lanes of the records'
+ * chunks, one output's four consecutive k a lane: each k's byte of the lane is shifted to the
+ * top and back (sign-extending), all within each lane. */
+
+/* The signed values of outputs 8e..8e+7 for k = 8p + 4s + j (j: the lanes' bytes). */
+QN_INLINE __m256i qn_vals8(const uint8_t *body, int qt, int p, int s, int e) {
+    __m256i lo, hi;
+    qn_quants8(body, qt, p, e, &lo, &hi);
+    return qn_values8(s ? hi : lo, qt);
+}
+
+/* One row against sub-block b of a tile: 32 sums in registers, then the block's end. */
+QN_INLINE void qn_fused1(const uint8_t *tile, int qt, int b, const float *x, float sx, float *y, int first) {
+    const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
+    const int j = b % qn_group(qt), halves = 1 + qn_split(qt), has_m = qn_has_m(qt);
+    _Pragma("GCC unroll 2")
+    for (int kh = 0; kh < halves; kh++) {
+        ACC_DECL(a) ACC_ZERO(a)
+        _Pragma("GCC unroll 4")
+        for (int p = kh * 4 / halves; p < (kh + 1) * 4 / halves; p++) {
+            _Pragma("GCC unroll 2")
+            for (int s = 0; s < 2; s++) {
+                const __m256i X0 = qn_vals8(body, qt, p, s, 0), X1 = qn_vals8(body, qt, p, s, 1);
+                const __m256i X2 = qn_vals8(body, qt, p, s, 2), X3 = qn_vals8(body, qt, p, s, 3);
+                _Pragma("GCC unroll 4")
+                for (int i = 0; i < 4; i++) {
+                    const __m256 xb = _mm256_broadcast_ss(x + 8 * p + 4 * s + i);
+                    a0 = _mm256_fmadd_ps(xb, byte_f8(X0, i), a0);
+                    a1 = _mm256_fmadd_ps(xb, byte_f8(X1, i), a1);
+                    a2 = _mm256_fmadd_ps(xb, byte_f8(X2, i), a2);
+                    a3 = _mm256_fmadd_ps(xb, byte_f8(X3, i), a3);
+                }
+            }
+        }
+        const int f = first && kh == 0;
+#define QN_END8(e, acc) block_end8(qn_d8(hdr, qt, j, kh, 8 * (e)), has_m ? qn_m8(hdr, qt, j, 8 * (e)) : _mm256_setzero_ps(), \
+                                   has_m, acc, sx, y + 8 * (e), f);
+        QN_END8(0, a0) QN_END8(1, a1) QN_END8(2, a2) QN_END8(3, a3)
+#undef QN_END8
+    }
+}
+
+/* Sub-block b's values as floats w[k * TILE + n], and its scales: dm[0..31] D (of the first
+ * half for Q6_K), dm[32..63] Q6_K's second half's D or M. */
+QN_INLINE void qn_dequant(const uint8_t *tile, int qt, int b, float *w, float *dm) {
+    const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
+    const int j = b % qn_group(qt);
+    for (int e = 0; e < 4; e++) {
+        _mm256_store_ps(dm + 8 * e, qn_d8(hdr, qt, j, 0, 8 * e));
+        if (qn_split(qt)) _mm256_store_ps(dm + 32 + 8 * e, qn_d8(hdr, qt, j, 1, 8 * e));
+        if (qn_has_m(qt)) _mm256_store_ps(dm + 32 + 8 * e, qn_m8(hdr, qt, j, 8 * e));
+    }
+    _Pragma("GCC unroll 4")
+    for (int p = 0; p < 4; p++)
+        for (int s = 0; s < 2; s++)
+            for (int e = 0; e < 4; e++) {
+                const __m256i X = qn_vals8(body, qt, p, s, e);
+                _Pragma("GCC unroll 4")
+                for (int i = 0; i < 4; i++) _mm256_store_ps(w + (8 * p + 4 * s + i) * TILE + 8 * e, byte_f8(X, i));
+            }
+}
+
+/* F16/BF16: w[k][n] two bytes each; a block's sums end as y = fma(1, s, y), y + s rounded once. */
+QN_INLINE __m256 f16_w8(const uint8_t *rec, int qt, int k, int e) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(rec + 64 * k + 16 * e));
+    if (qt == QT_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+QN_INLINE void f16_fused1(const uint8_t *rec, int qt, const float *x, float *y, int first) {
+    ACC_DECL(a) ACC_ZERO(a)
+    _Pragma("GCC unroll 4")
+    for (int k = 0; k < QBLOCK; k++) {
+        const __m256 xb = _mm256_broadcast_ss(x + k);
+        a0 = _mm256_fmadd_ps(xb, f16_w8(rec, qt, k, 0), a0);
+        a1 = _mm256_fmadd_ps(xb, f16_w8(rec, qt, k, 1), a1);
+        a2 = _mm256_fmadd_ps(xb, f16_w8(rec, qt, k, 2), a2);
+        a3 = _mm256_fmadd_ps(xb, f16_w8(rec, qt, k, 3), a3);
+    }
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    block_end8(one, zero, 0, a0, 0.0f, y, first);
+    block_end8(one, zero, 0, a1, 0.0f, y + 8, first);
+    block_end8(one, zero, 0, a2, 0.0f, y + 16, first);
+    block_end8(one, zero, 0, a3, 0.0f, y + 24, first);
+}
+
+/* qf_tile for a qn or F16/BF16 code qt (a constant: one copy per type). */
+QN_INLINE void qn_tile_f(const uint8_t *w, int qt, int K, const float *x, size_t ldx, const float *sx, size_t ldsx,
+                         int M, float *yt, size_t ldy, int t) {
+    const int nb = K / QBLOCK, f16 = is_f16(qt), has_m = !f16 && qn_has_m(qt), halves = f16 ? 1 : 1 + qn_split(qt);
+    const uint8_t *tile = w + (size_t)t * tile_bytes(qt, K);
+    const size_t stride = f16 ? F16_RECORD : qn_stride(qt), ahead = f16 ? F16_AHEAD_L2 : qn_ahead(qt);
+    float buf[QBLOCK * TILE] __attribute__((aligned(64)));
+    float dm[2 * TILE] __attribute__((aligned(32)));
+    if (f16)
+        for (int i = 0; i < TILE; i++) dm[i] = 1.0f;
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + (size_t)b * QBLOCK, *sxb = has_m ? sx + b : NULL;
+        const int first = b == 0;
+        prefetch_bytes_l2(tile + (size_t)b * stride + ahead, stride);
+        if (M == 1) {
+            if (f16) f16_fused1(tile + (size_t)b * F16_RECORD, qt, xb, yt, first);
+            else qn_fused1(tile, qt, b, xb, has_m ? *sxb : 0.0f, yt, first);
+            continue;
+        }
+        if (f16) {
+            const uint8_t *rec = tile + (size_t)b * F16_RECORD;
+            for (int k = 0; k < QBLOCK; k++)
+                for (int e = 0; e < 4; e++) _mm256_store_ps(buf + k * TILE + 8 * e, f16_w8(rec, qt, k, e));
+        } else {
+            qn_dequant(tile, qt, b, buf, dm);
+        }
+        const int nk = QBLOCK / halves;
+        for (int kh = 0; kh < halves; kh++)
+            micro_rows(xb + kh * nk, ldx, buf + kh * nk * TILE, dm + kh * TILE, has_m, sxb, ldsx, M, yt, ldy,
+                       first && kh == 0, nk);
+    }
+}
+
+static void qn_tile_f_any(const uint8_t *w, int qt, int K, const float *x, size_t ldx, const float *sx, size_t ldsx,
+                          int M, float *yt, size_t ldy, int t) {
+    switch (qt) {
+#define QN_CASE(T) case T: qn_tile_f(w, T, K, x, ldx, sx, ldsx, M, yt, ldy, t); break;
+    QN_CASE(QT_Q4_0) QN_CASE(QT_Q5_0) QN_CASE(QT_Q5_1) QN_CASE(QT_IQ4_NL) QN_CASE(QT_Q4_K) QN_CASE(QT_Q5_K)
+    QN_CASE(QT_Q6_K) QN_CASE(QT_IQ4_XS) QN_CASE(QT_F16) QN_CASE(QT_BF16)
+#undef QN_CASE
+    default: break;
+    }
+}
+
 /* Tile t (outputs 32t..32t+31) for rows 0..M-1 into yt[r * ldy + n], from x[r * ldx + k]
- * and, for Q4_1, the rows' block sums sx[r * ldsx + b] (block_sum32; NULL for Q8_0). */
+ * and, for the types with an M, the rows' block sums sx[r * ldsx + b] (block_sum32; NULL
+ * for the others). */
 static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t ldx, const float *sx, size_t ldsx,
                     int M, float *yt, size_t ldy, int t) {
+    if (qtype > QT_Q8_0_I8) {
+        qn_tile_f_any(w, qtype, K, x, ldx, sx, ldsx, M, yt, ldy, t);
+        return;
+    }
     const int nb = K / QBLOCK, record = qf_record(qtype), has_m = qtype == QT_Q4_1;
     const uint8_t *rec = w + (size_t)t * nb * record;
     /* One converted block, 32 x 32 floats: 4 KB, stays in L1. */
@@ -300,15 +451,7 @@ static void qf_tile(const uint8_t *w, int qtype, int K, const float *x, size_t l
         }
         if (has_m) dequant_Q4_1(rec, buf);
         else dequant_Q8_0(rec, buf);
-        int r = 0;
-        for (; r + 6 <= M; r += 6)
-            micro_6(xb + r * ldx, ldx, buf, dm, has_m, sxb ? sxb + r * ldsx : NULL, ldsx, yt + r * ldy, ldy, first);
-        for (; r + 3 <= M; r += 3)
-            micro_3(xb + r * ldx, ldx, buf, dm, has_m, sxb ? sxb + r * ldsx : NULL, ldsx, yt + r * ldy, ldy, first);
-        if (M - r == 2)
-            micro_2(xb + r * ldx, ldx, buf, dm, has_m, sxb ? sxb + r * ldsx : NULL, ldsx, yt + r * ldy, ldy, first);
-        else if (M - r == 1)
-            micro_1(xb + r * ldx, ldx, buf, dm, has_m, sxb ? sxb + r * ldsx : NULL, ldsx, yt + r * ldy, ldy, first);
+        micro_rows(xb, ldx, buf, dm, has_m, sxb, ldsx, M, yt, ldy, first, QBLOCK);
     }
 }
 
@@ -318,8 +461,9 @@ static inline void block_sums(const float *x, int K, float *sx) {
 }
 
 static int qf_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype) {
-    if (K % QBLOCK || N % TILE || M < 1) return -1;
-    const int nb = K / QBLOCK, has_m = qtype == QT_Q4_1;
+    if (qtype < 0 || qtype >= QT_COUNT || qtype == QT_Q4_1_I8 || qtype == QT_Q8_0_I8) return -1;
+    if (K % record_k(qtype) || N % TILE || M < 1) return -1;
+    const int nb = K / QBLOCK, has_m = has_block_min(qtype);
     float *sx = has_m ? malloc(sizeof(float) * (size_t)M * nb) : NULL;
     if (has_m && !sx) return -3;
 #pragma omp parallel num_threads(nthreads)
@@ -342,6 +486,29 @@ int q4_1_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y,
 
 int q8_0_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) {
     return qf_matmul(x, M, K, w, N, y, nthreads, QT_Q8_0);
+}
+
+/* Every other type's: <type>_matmul (ops/quantized_linear.py, benchmarks/linear_ab.py). */
+#define QF_EXPORT(name, T)                                                                  \
+    int name##_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads) { \
+        return qf_matmul(x, M, K, w, N, y, nthreads, T);                                     \
+    }
+QF_EXPORT(q4_0, QT_Q4_0) QF_EXPORT(q5_0, QT_Q5_0) QF_EXPORT(q5_1, QT_Q5_1) QF_EXPORT(iq4_nl, QT_IQ4_NL)
+QF_EXPORT(q4_k, QT_Q4_K) QF_EXPORT(q5_k, QT_Q5_K) QF_EXPORT(q6_k, QT_Q6_K) QF_EXPORT(iq4_xs, QT_IQ4_XS)
+QF_EXPORT(f16, QT_F16) QF_EXPORT(bf16, QT_BF16)
+#undef QF_EXPORT
+
+/* Bytes of one tile of K columns (the tests check the repacker's against it). */
+int quant_tile_bytes(int qtype, int K) {
+    return qtype < 0 || qtype >= QT_COUNT || K % record_k(qtype) ? -1 : (int)tile_bytes(qtype, K);
+}
+
+/* Rows ids[0..n-1] of a weight's records (K columns, rows < 32 * tiles) into y[n][K], as gguf-py
+ * dequantizes them (the embedding lookup, ops/quantized_linear.py QuantEmbedding). */
+int quant_rows(const uint8_t *w, int qtype, int K, const int64_t *ids, int n, float *y) {
+    if (qtype < 0 || qtype >= QT_COUNT || K % record_k(qtype)) return -1;
+    for (int i = 0; i < n; i++) quant_row(w, qtype, K, ids[i], y + (size_t)i * K);
+    return 0;
 }
 
 #endif

@@ -33,26 +33,25 @@
 #ifndef LLMWORKER_QUANT_MATMUL_INT8_C
 #define LLMWORKER_QUANT_MATMUL_INT8_C
 
-#include "simd.h"
+#include "quant_types.h"
 
 #define I8_TILE 32
 #define I8_QBLOCK 32
 #define Q4_1_I8_RECORD 640
 #define Q8_0_I8_RECORD 1088
 
-enum { QT_Q4_1_I8 = 2, QT_Q8_0_I8 = 3 };
-
 /* Bytes of one (tile, block) record of an integer-kernel weight. */
 static inline size_t qi_record_bytes(int qtype) { return qtype == QT_Q4_1_I8 ? Q4_1_I8_RECORD : Q8_0_I8_RECORD; }
 
 /* One row's activations as integers: planes q[P][K] (most significant first), per block
  * the scale d and float sum s, and per plane and block the digits' sum t[P][K / 32] (the Q8_0
- * kernels' offset, see the top). */
+ * kernels' offset, see the top) and th, that of the block's first 16 (Q6_K's halves). */
 typedef struct {
     int8_t *q;
     float *d;
     float *s;
     int32_t *t;
+    int32_t *th;
 } qact;
 
 /* Bytes of one row's planes (q). */
@@ -106,6 +105,8 @@ static void qa_row(const float *x, int K, int P, qact a) {
             int8_t *dst = a.q + (size_t)p * K + (size_t)b * I8_QBLOCK;
             store_bytes(dst, dgt[0], dgt[1], dgt[2], dgt[3]);
             a.t[(size_t)p * (K / I8_QBLOCK) + b] = hsum_i32x32(dgt[0], dgt[1], dgt[2], dgt[3]);
+            a.th[(size_t)p * (K / I8_QBLOCK) + b] = hsum_i32x32(dgt[0], dgt[1], _mm256_setzero_si256(),
+                                                                _mm256_setzero_si256());
         }
         a.s[b] = block_sum32(xb);
     }
@@ -423,7 +424,7 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
     qact v[FEW_ROWS];
     for (int b = 0; b < nb; b++) {
         for (int r = 0; r < M; r++) /* the rows from block b on: the kernel's block 0 */
-            v[r] = (qact){a[r].q + b * I8_QBLOCK, a[r].d + b, a[r].s + b, a[r].t + b};
+            v[r] = (qact){a[r].q + b * I8_QBLOCK, a[r].d + b, a[r].s + b, a[r].t + b, a[r].th + b};
         const uint8_t *rec = rec0 + b * record;
         int r = 0;
         for (; r + I8_R(P) <= M; r += I8_R(P))
@@ -433,10 +434,236 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
 }
 #endif
 
+/* ---- the qn types (quant_types.h): Q4_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS ----
+ *
+ * Their records hold unsigned quants q in Q4_1's chunks (plus Q5's and Q6_K's high-bit planes),
+ * the unsigned side of vpdpbusd as they are (IQ4's as kv[q] + 128, a vpshufb of the nibbles);
+ * per sub-block of 32 (Q6_K: per half of 16) the exact int32 sum of q times the digits, less
+ * zero times the digits' sum (Q4_0 8, Q5_0 16, Q6_K 32, IQ4 128), and then, as Q4_1's:
+ *
+ *   y = fma(float(sum v m), D dx, y)      [Q6_K: once per half, its own D]
+ *   y = fma(M, sx, y)                     (Q5_1, Q4_K, Q5_K)
+ *
+ * with D, M the sub-block's scales in float32 (quant_types.h). AVX2 without VNNI sums
+ * vpmaddubsw's pairs in int16 for as many chunks as cannot overflow (4 for 4-bit quants, 2
+ * for 5-bit, 1 for 6-bit), then in int32; IQ4's values go signed there, with the digits'
+ * signs (as Q8_0's). The sums are exact either way: every build gives the same bits. */
+
+/* The digits' sum of plane p over sub-block b's half kh (the whole block when halves == 1). */
+INLINE int32_t qn_digits(const qact *a, int p, size_t nt, int b, int halves, int kh) {
+    const int32_t t = a->t[(size_t)p * nt + b];
+    if (halves == 1) return t;
+    const int32_t th = a->th[(size_t)p * nt + b];
+    return kh ? t - th : th;
+}
+
+#if defined(__AVX512VNNI__)
+INLINE void qn_i8_rows(const uint8_t *tile, int qt, int b0, int b1, int K, const qact *a, int R, int P, float *y,
+                       size_t ldy, int pf, int acc_y) {
+    const int halves = 1 + qn_split(qt), has_m = qn_has_m(qt), z = qn_table(qt) ? 128 : qn_zero(qt);
+    const size_t nt = (size_t)K / I8_QBLOCK;
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(IQ4_UVALUES));
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = acc_y ? _mm512_loadu_ps(y + r * ldy + 16 * h) : _mm512_setzero_ps();
+    for (int b = b0; b < b1; b++) {
+        const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
+        const int j = b % qn_group(qt);
+        if (pf) prefetch_bytes_l2(tile + (size_t)b * qn_stride(qt) + qn_ahead(qt), qn_stride(qt));
+        for (int kh = 0; kh < halves; kh++) {
+            __m512i s[4][3][2];
+            for (int r = 0; r < R; r++)
+                for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+            for (int c = kh * 4 / halves; c < (kh + 1) * 4 / halves; c++) {
+                __m512i u[2][2];
+                for (int h = 0; h < 2; h++) {
+                    qn_quants16(body, qt, c, h, &u[h][0], &u[h][1]);
+                    if (qn_table(qt)) {
+                        u[h][0] = _mm512_shuffle_epi8(tab, u[h][0]);
+                        u[h][1] = _mm512_shuffle_epi8(tab, u[h][1]);
+                    }
+                }
+                for (int r = 0; r < R; r++)
+                    for (int p = 0; p < P; p++) {
+                        const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                        const __m512i xl = _mm512_set1_epi32(load_i32(xq)), xh = _mm512_set1_epi32(load_i32(xq + 4));
+                        for (int h = 0; h < 2; h++)
+                            s[r][p][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r][p][h], u[h][0], xl), u[h][1], xh);
+                    }
+            }
+            if (z)
+                for (int r = 0; r < R; r++)
+                    for (int p = 0; p < P; p++) {
+                        const __m512i off = _mm512_set1_epi32(z * qn_digits(a + r, p, nt, b, halves, kh));
+                        s[r][p][0] = _mm512_sub_epi32(s[r][p][0], off);
+                        s[r][p][1] = _mm512_sub_epi32(s[r][p][1], off);
+                    }
+            for (int h = 0; h < 2; h++) {
+                const __m512 d = qn_d16(hdr, qt, j, kh, 16 * h);
+                for (int r = 0; r < R; r++) {
+                    const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
+                    const __m512 tot = combine16(s[r][0][h], s[r][P > 1 ? 1 : 0][h], s[r][P > 2 ? 2 : 0][h], P);
+                    acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
+                }
+            }
+        }
+        if (has_m)
+            for (int h = 0; h < 2; h++) {
+                const __m512 m = qn_m16(hdr, qt, j, 16 * h);
+                for (int r = 0; r < R; r++) acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[r].s[b]), acc[r][h]);
+            }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]);
+    }
+}
+#else
+#if defined(__AVXVNNI__)
+#define QN_VNNI 1
+#else
+#define QN_VNNI 0
+#endif
+
+/* The exact sums s[r][p] (the offset out) of outputs 8e..8e+7 over half kh of sub-block b. */
+INLINE void qn_dots8(const uint8_t *body, int qt, int kh, int e, int b, int K, const qact *a, int R, int P,
+                     __m256i s[4][3]) {
+    const int halves = 1 + qn_split(qt), c0 = kh * 4 / halves, c1 = (kh + 1) * 4 / halves;
+    const size_t nt = (size_t)K / I8_QBLOCK;
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) s[r][p] = _mm256_setzero_si256();
+#if !QN_VNNI
+    const int F = qn_bits(qt) == 4 ? 4 : qn_bits(qt) == 5 ? 2 : 1; /* chunks an int16 sum takes */
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s16[4][3];
+#endif
+    for (int c = c0; c < c1; c++) {
+        __m256i lo, hi;
+        qn_quants8(body, qt, c, e, &lo, &hi);
+        if (qn_table(qt)) {
+#if QN_VNNI
+            const __m256i tab = _mm256_setr_epi8(IQ4_UVALUES, IQ4_UVALUES);
+#else
+            const __m256i tab = _mm256_setr_epi8(IQ4_VALUES, IQ4_VALUES);
+#endif
+            lo = _mm256_shuffle_epi8(tab, lo);
+            hi = _mm256_shuffle_epi8(tab, hi);
+        }
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) {
+                const int8_t *xq = a[r].q + (size_t)p * K + b * I8_QBLOCK + 8 * c;
+                const __m256i xl = _mm256_set1_epi32(load_i32(xq)), xh = _mm256_set1_epi32(load_i32(xq + 4));
+#if QN_VNNI
+                s[r][p] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][p], lo, xl), hi, xh);
+#else
+                if (qn_table(qt)) { /* |digit| times v with the digit's sign (v > -128) */
+                    s[r][p] = _mm256_add_epi32(s[r][p], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(xl, xl), _mm256_sign_epi8(lo, xl)), ones));
+                    s[r][p] = _mm256_add_epi32(s[r][p], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(xh, xh), _mm256_sign_epi8(hi, xh)), ones));
+                } else {
+                    const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+                    s16[r][p] = (c - c0) % F ? _mm256_add_epi16(s16[r][p], pair) : pair;
+                    if ((c - c0) % F == F - 1 || c == c1 - 1)
+                        s[r][p] = _mm256_add_epi32(s[r][p], _mm256_madd_epi16(s16[r][p], ones));
+                }
+#endif
+            }
+    }
+    const int z = qn_table(qt) ? (QN_VNNI ? 128 : 0) : qn_zero(qt);
+    if (z)
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++)
+                s[r][p] = _mm256_sub_epi32(s[r][p], _mm256_set1_epi32(z * qn_digits(a + r, p, nt, b, halves, kh)));
+}
+
+/* One row: its sums in registers; more: their float sums in y between blocks (as Q4_1's). */
+INLINE void qn_i8_rows(const uint8_t *tile, int qt, int b0, int b1, int K, const qact *a, int R, int P, float *y,
+                       size_t ldy, int pf, int acc_y) {
+    const int halves = 1 + qn_split(qt), has_m = qn_has_m(qt);
+    __m256 acc[4];
+    for (int e = 0; R == 1 && e < 4; e++) acc[e] = acc_y ? _mm256_loadu_ps(y + 8 * e) : _mm256_setzero_ps();
+    for (int b = b0; b < b1; b++) {
+        const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
+        const int j = b % qn_group(qt);
+        if (pf) prefetch_bytes_l2(tile + (size_t)b * qn_stride(qt) + qn_ahead(qt), qn_stride(qt));
+        for (int e = 0; e < 4; e++)
+            for (int kh = 0; kh < halves; kh++) {
+                __m256i s[4][3];
+                qn_dots8(body, qt, kh, e, b, K, a, R, P, s);
+                const __m256 d8 = qn_d8(hdr, qt, j, kh, 8 * e);
+                const int with_m = has_m && kh == halves - 1;
+                const __m256 m8 = with_m ? qn_m8(hdr, qt, j, 8 * e) : _mm256_setzero_ps();
+                if (R == 1) {
+                    acc[e] = _mm256_fmadd_ps(combine8(s[0], P), _mm256_mul_ps(d8, _mm256_set1_ps(a[0].d[b])), acc[e]);
+                    if (with_m) acc[e] = _mm256_fmadd_ps(m8, _mm256_set1_ps(a[0].s[b]), acc[e]);
+                    continue;
+                }
+                const int from_y = b > b0 || kh > 0 || acc_y;
+                for (int r = 0; r < R; r++)
+                    epilogue8(y + (size_t)r * ldy + 8 * e, from_y, combine8(s[r], P), d8, a[r].d[b], with_m ? &m8 : NULL,
+                              a[r].s[b]);
+            }
+    }
+    for (int e = 0; R == 1 && e < 4; e++) _mm256_storeu_ps(y + 8 * e, acc[e]);
+}
+#endif
+
+/* One copy of the kernel per (type, rows, planes), each a function of its own: the tile loop
+ * and the few-rows loop call the same ones. */
+#define QN_ROWS_ARGS const uint8_t *tile, int b0, int b1, int K, const qact *a, float *y, size_t ldy, int pf, int acc_y
+typedef void (*qn_rows_fn)(QN_ROWS_ARGS);
+#define QN_ROWS(T, P)                                                                        \
+    static void qn_one_##T##_##P(QN_ROWS_ARGS) { qn_i8_rows(tile, T, b0, b1, K, a, 1, P, y, ldy, pf, acc_y); } \
+    static void qn_grp_##T##_##P(QN_ROWS_ARGS) { qn_i8_rows(tile, T, b0, b1, K, a, I8_R(P), P, y, ldy, pf, acc_y); }
+#define QN_TYPE(T) QN_ROWS(T, 1) QN_ROWS(T, 2) QN_ROWS(T, 3)
+QN_TYPE(QT_Q4_0) QN_TYPE(QT_Q5_0) QN_TYPE(QT_Q5_1) QN_TYPE(QT_IQ4_NL)
+QN_TYPE(QT_Q4_K) QN_TYPE(QT_Q5_K) QN_TYPE(QT_Q6_K) QN_TYPE(QT_IQ4_XS)
+
+static qn_rows_fn qn_rows_for(int qt, int P, int group) {
+#define QN_PICK(T)                                                                           \
+    case T:                                                                                  \
+        if (P == 1) return group ? qn_grp_##T##_1 : qn_one_##T##_1;                         \
+        if (P == 2) return group ? qn_grp_##T##_2 : qn_one_##T##_2;                         \
+        return group ? qn_grp_##T##_3 : qn_one_##T##_3;
+    switch (qt) {
+    QN_PICK(QT_Q4_0) QN_PICK(QT_Q5_0) QN_PICK(QT_Q5_1) QN_PICK(QT_IQ4_NL)
+    QN_PICK(QT_Q4_K) QN_PICK(QT_Q5_K) QN_PICK(QT_Q6_K) QN_PICK(QT_IQ4_XS)
+    default: return NULL;
+    }
+#undef QN_PICK
+}
+#undef QN_TYPE
+#undef QN_ROWS
+
+/* qi_tile of a qn type: groups of I8_R(P) rows, then single rows; with AVX-512 VNNI, a few
+ * rows (2..FEW_ROWS) sub-block by sub-block (see qi_few_rows). */
+static void qn_tile_i8(const uint8_t *tile, int qt, int K, const qact *a, int P, int M, float *yt, size_t ldy) {
+    const int nb = K / I8_QBLOCK, R = I8_R(P);
+    const qn_rows_fn group = qn_rows_for(qt, P, 1), one = qn_rows_for(qt, P, 0);
+#if defined(__AVX512VNNI__)
+    if (M > 1 && M <= FEW_ROWS) {
+        for (int b = 0; b < nb; b++) {
+            int r = 0;
+            for (; r + R <= M; r += R) group(tile, b, b + 1, K, a + r, yt + (size_t)r * ldy, ldy, r == 0, b > 0);
+            for (; r < M; r++) one(tile, b, b + 1, K, a + r, yt + (size_t)r * ldy, ldy, r == 0, b > 0);
+        }
+        return;
+    }
+#endif
+    int r = 0;
+    for (; r + R <= M; r += R) group(tile, 0, nb, K, a + r, yt + (size_t)r * ldy, ldy, r == 0, 0);
+    for (; r < M; r++) one(tile, 0, nb, K, a + r, yt + (size_t)r * ldy, ldy, r == 0, 0);
+}
+
 /* Tile t for rows 0..M-1 into yt[r * ldy + n] from their activations a in P planes. */
 static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, int M, float *yt, size_t ldy, int t) {
     const int nb = K / I8_QBLOCK;
-    const uint8_t *rec = w + (size_t)t * nb * qi_record_bytes(qtype);
+    const uint8_t *rec = w + (size_t)t * tile_bytes(qtype, K);
+    if (qn_is(qtype)) {
+        qn_tile_i8(rec, qtype, K, a, P, M, yt, ldy);
+        return;
+    }
     /* groups of I8_R(P) rows, then one at a time; every count a constant after inlining */
 #define ROWS(P)                                                                              \
     {                                                                                        \
@@ -459,20 +686,22 @@ static void qi_tile(const uint8_t *w, int qtype, int K, const qact *a, int P, in
 #undef ROWS
 }
 
-/* Row r's view into buffers for M rows: planes q [M][P K], d and s [M][K / 32], t [M][P K / 32]. */
-static inline qact qa_view(int8_t *q, float *d, float *s, int32_t *t, int r, int K, int P) {
-    const size_t nb = (size_t)K / I8_QBLOCK;
-    const qact v = {q + (size_t)r * qa_bytes(K, P), d + (size_t)r * nb, s + (size_t)r * nb,
-                    t + (size_t)r * (size_t)P * nb};
+/* Row r's view into buffers for M rows: planes q [M][P K], d and s [M][K / 32], t and th
+ * [M][P K / 32] (th: t's P K / 32 after M P K / 32). */
+static inline qact qa_view(int8_t *q, float *d, float *s, int32_t *t, int r, int M, int K, int P) {
+    const size_t nb = (size_t)K / I8_QBLOCK, per = (size_t)P * nb;
+    const qact v = {q + (size_t)r * qa_bytes(K, P), d + (size_t)r * nb, s + (size_t)r * nb, t + (size_t)r * per,
+                    t + (size_t)M * per + (size_t)r * per};
     return v;
 }
 
 static int qi_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int qtype, int P) {
-    if (K % I8_QBLOCK || N % I8_TILE || M < 1 || P < 1 || P > 3) return -1;
+    if (!(qtype == QT_Q4_1_I8 || qtype == QT_Q8_0_I8 || qn_is(qtype))) return -1;
+    if (K % record_k(qtype) || N % I8_TILE || M < 1 || P < 1 || P > 3) return -1;
     const int nb = K / I8_QBLOCK;
     int8_t *q = malloc((size_t)M * qa_bytes(K, P));
     float *ds = malloc(sizeof(float) * 2 * (size_t)M * nb);
-    int32_t *t = malloc(sizeof(int32_t) * (size_t)M * (size_t)P * nb);
+    int32_t *t = malloc(sizeof(int32_t) * 2 * (size_t)M * (size_t)P * nb);
     qact *views = malloc(sizeof(qact) * (size_t)M);
     int rc = 0;
     if (!q || !ds || !t || !views) {
@@ -482,7 +711,7 @@ static int qi_matmul(const float *x, int M, int K, const uint8_t *w, int N, floa
         {
 #pragma omp for schedule(static)
             for (int r = 0; r < M; r++) {
-                views[r] = qa_view(q, ds, ds + (size_t)M * nb, t, r, K, P);
+                views[r] = qa_view(q, ds, ds + (size_t)M * nb, t, r, M, K, P);
                 qa_row(x + (size_t)r * K, K, P, views[r]);
             }
 #pragma omp for schedule(static)
@@ -504,5 +733,14 @@ int q4_1_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float 
 int q8_0_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int planes) {
     return qi_matmul(x, M, K, w, N, y, nthreads, QT_Q8_0_I8, planes);
 }
+
+/* The qn types' (quant_types.h): <type>_i8_matmul. */
+#define QI_EXPORT(name, T)                                                                  \
+    int name##_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y, int nthreads, int planes) { \
+        return qi_matmul(x, M, K, w, N, y, nthreads, T, planes);                             \
+    }
+QI_EXPORT(q4_0, QT_Q4_0) QI_EXPORT(q5_0, QT_Q5_0) QI_EXPORT(q5_1, QT_Q5_1) QI_EXPORT(iq4_nl, QT_IQ4_NL)
+QI_EXPORT(q4_k, QT_Q4_K) QI_EXPORT(q5_k, QT_Q5_K) QI_EXPORT(q6_k, QT_Q6_K) QI_EXPORT(iq4_xs, QT_IQ4_XS)
+#undef QI_EXPORT
 
 #endif

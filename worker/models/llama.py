@@ -49,6 +49,9 @@ class LlamaConfig:
     # attention by transformers' names (None: every layer has the window).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # A GGUF's rope_freqs (Llama 3.1+): a divisor of each rotary pair's frequency, which the
+    # converter computed from the llama3 rope_scaling (ops/rotary.py).
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -313,11 +316,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A runner may give a tied model a head of its own (a packed or quantized copy).
         self.tied_head: nn.Module | None = None
-        self.register_buffer(
-            "cos_sin",
-            ops.rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
-            persistent=False,
-        )
+        self.register_buffer("cos_sin", rope_cache(cfg), persistent=False)
 
     def forward(
         self,
@@ -402,6 +401,16 @@ def fuse_shards(named: Iterable[tuple[str, T]], cat: Callable[[list[T]], T | Non
         else:
             yield name, weight
     unfinished.update(parts)
+
+
+def rope_cache(cfg: LlamaConfig) -> torch.Tensor:
+    """The model's rotary cos/sin table (on the default device). On `meta` (a model a loader
+    fills, worker/weights/gguf_load.py) only its shape: torch's meta kernels for the math
+    would import ~140 MB of Python (torch._refs)."""
+    if torch.empty(0).is_meta:
+        return torch.empty(cfg.max_position_embeddings, cfg.head_dim)
+    return ops.rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                  cfg.rope_scaling, cfg.rope_freq_factors)
 
 
 def our_name(hf_name: str) -> str | None:

@@ -4,14 +4,16 @@
 - a path to a ``.gguf`` file or to a Hugging Face folder (config.json + safetensors);
 - ``dummy:SHAPE``: random weights of a named shape (see `dummy.SHAPES`).
 
-Nothing is ever unpickled.
+Nothing is ever unpickled. A GGUF file is built one tensor at a time (gguf_load.py): its
+linears on the file's blocks for the CPU kernels, or dequantized, as the load's
+`LinearPolicy` says (serve's --cpu-quantized-linear and --cpu-activations).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,8 @@ import torch
 from ops.quantized_linear import QuantizedWeight
 from worker.models.llama import LlamaConfig, LlamaForCausalLM
 from worker.tokenizer import Tokenizer
-from worker.weights import dummy, gguf_file, hf_folder, hf_quantized
+from worker.weights import dummy, gguf_file, gguf_load, hf_folder, hf_quantized
+from worker.weights.gguf_load import Held, LinearPolicy
 from worker.weights.quant_config import QuantFormat
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -40,15 +43,50 @@ class LoadedModel:
     source: str  # "gguf" | "safetensors" | "dummy"
     device: torch.device
     dtype: torch.dtype
-    # A GGUF file's block-quantized linear weights by module name, as the file stores them,
-    # for the CPU kernel that computes on them; empty for other sources.
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    # A GGUF file's linear weights by module name as the file stores them, read from it on
+    # demand (gguf_load.GGUFWeights); empty for other sources.
+    quantized: Mapping[str, QuantizedWeight] = field(default_factory=dict)
+    # How a GGUF's linears are held (None for other sources: their weights are the dtype's).
+    linears: LinearPolicy | None = None
+    held: list[Held] = field(default_factory=list)  # each GGUF tensor as held
+    spec: str = ""  # as load_model took it
+    # Set by the first runner that runs the model (ModelRunner): from then on its modules
+    # are that runner's (packed, moved into huge pages, pointed at by the C decoder).
+    taken: bool = False
     # A pre-quantized folder's format (worker/weights/quant_config.py); None otherwise.
     quantization: QuantFormat | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.tokenizer.eos_token_ids if self.tokenizer else ()
+
+    def describe_weights(self) -> str:
+        """How the weights are held (the start-up log's line)."""
+        if self.source != "gguf":
+            dtype = str(self.dtype).removeprefix("torch.")
+            if self.quantization is not None:
+                how = ("kept quantized for the Triton kernels" if self.device.type == "cuda"
+                       else f"dequantized at load to {dtype} (weight-only on the CPU)")
+                return (f"weights: {self.config.num_params / 1e6:.0f}M parameters, "
+                        f"{self.quantization.name}, {how}")
+            return f"weights: {self.config.num_params / 1e6:.0f}M parameters in {dtype} ({self.source})"
+        assert self.linears is not None
+        return f"{gguf_load.describe_held(self.held)} (linears {self.linears.describe()})"
+
+    def hold_linears(self, policy: LinearPolicy) -> None:
+        """Make this load's linear layers as `policy` holds them: nothing to do where they
+        are (or the source has no GGUF blocks); else, while no runner has taken the load, its
+        model is loaded again from the file that way, in place (`model`, `held`, `linears`
+        replaced); a load a runner holds is refused (a ValueError)."""
+        if self.source != "gguf" or self.linears == policy:
+            return
+        if self.taken:
+            assert self.linears is not None
+            raise ValueError(f"this load's linear layers are {self.linears.describe()} and an engine "
+                             f"runs on them; {policy.describe()} needs a load of its own "
+                             "(load_model again with its cpu_quantized_linear and cpu_activations)")
+        again = _load(self.spec, self.device, self.dtype, policy)
+        self.model, self.held, self.linears, self.quantized = again.model, again.held, again.linears, again.quantized
 
 
 def default_model_path() -> Path:
@@ -86,23 +124,28 @@ def _build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype) -> LlamaF
 
 
 def load_model(spec: str = "default", device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> LoadedModel:
+               dtype: torch.dtype | None = None, cpu_quantized_linear: bool = True,
+               cpu_activations: str = "auto") -> LoadedModel:
+    """`cpu_quantized_linear` and `cpu_activations` as serve's flags: how a GGUF's linear
+    layers are held (on the CPU in float32, on the file's blocks for the kernels multiplying
+    in that arithmetic; else dequantized to `dtype`)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     try:
-        return _load(spec, device, dtype)
+        policy = LinearPolicy.of(device, dtype, cpu_quantized_linear, cpu_activations)
+        return _load(spec, device, dtype, policy)
     except ModelLoadError:
         raise
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"cannot load model {spec!r}: {e}") from e
 
 
-def _load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load(spec: str, device: torch.device, dtype: torch.dtype, policy: LinearPolicy) -> LoadedModel:
     if spec.startswith("dummy:"):
         cfg = dummy.dummy_config(spec.removeprefix("dummy:"))
         model = _build(cfg, device, dtype)
         dummy.init_dummy(model)
-        return LoadedModel(model, cfg, None, spec, "dummy", device, dtype)
+        return LoadedModel(model, cfg, None, spec, "dummy", device, dtype, spec=spec)
 
     path = default_model_path() if spec == "default" else Path(spec).expanduser()
     if not path.exists():
@@ -113,13 +156,14 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
         reader = gguf_file.open_reader(path)
         cfg = gguf_file.config_from_gguf(reader, path)
         tokenizer = Tokenizer.from_gguf(path, reader)
-        model = _build(cfg, device, dtype)
         arch = gguf_file.field(reader, "general.architecture")
-        raw: dict[str, QuantizedWeight] = {}
-        model.load_weights(gguf_file.iter_gguf_weights(reader, cfg, arch, raw))
+        try:
+            model, held = gguf_load.load_gguf(reader, cfg, arch, device, dtype, policy)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
         name = DEFAULT_MODEL_NAME if spec == "default" else path.stem
         return LoadedModel(model, cfg, tokenizer, name, "gguf", device, dtype,
-                           gguf_file.quantized_linears(raw))
+                           gguf_load.GGUFWeights(reader, cfg, arch), policy, held, spec)
 
     cfg = hf_folder.read_config(path)
     fmt = hf_folder.read_quantization(path)
@@ -128,7 +172,7 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     if fmt is not None:  # pre-quantized (hf_quantized.py): built onto a meta model
         model = hf_quantized.load_quantized(cfg, fmt, hf_folder.tensor_names(files),
                                             hf_folder.iter_safetensors(files), device, dtype)
-        return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype, quantization=fmt)
+        return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype, spec=spec, quantization=fmt)
     model = _build(cfg, device, dtype)
     model.load_weights(hf_folder.iter_safetensors(files))
-    return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype)
+    return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype, spec=spec)

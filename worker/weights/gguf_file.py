@@ -1,20 +1,17 @@
-"""GGUF weights (the embedded default model): dequantized with the `gguf` package
-and renamed to Hugging Face names; the quantized blocks of the linear layers are also kept
-(`quantized_linears`) for the CPU kernel that computes on them (ops/quantized_linear.py)."""
+"""A GGUF file's model config, its tensors' Hugging Face names, and the float values of a
+tensor (the `gguf` package's dequantizers); worker/weights/gguf_load.py builds the model
+from them one tensor at a time."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType
 
-from ops.quantized_linear import QuantizedWeight, supports
-from worker.models.llama import LlamaConfig, fuse_shards, our_name
+from worker.models.llama import LlamaConfig
 from worker.weights.gguf_reader import GGUFFile
 
 # GGUF architecture -> (HF architecture, are q/k stored permuted for interleaved rotary?)
@@ -60,9 +57,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
     heads = int(field(reader, f"{arch}.attention.head_count"))
     names = {t.name for t in reader.tensors}
     vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: GGUF files with rope_freqs (Llama 3.1 scaling) are not supported; "
-                         "load the Hugging Face folder instead")
+    head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
     return LlamaConfig(
         architecture=_ARCHS[arch][0],
         vocab_size=int(vocab),
@@ -71,16 +66,57 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
         num_layers=int(field(reader, f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(field(reader, f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        rope_freq_factors=_rope_freq_factors(reader, path, head_dim),
     )
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _rope_freq_factors(reader: GGUFFile, path: Path, head_dim: int) -> tuple[float, ...] | None:
+    """The `rope_freqs` tensor (Llama 3.1+: llama.cpp's freq_factors): one divisor per pair of
+    rotary dimensions, applied to the base frequencies (theta_i / factor_i). convert_hf_to_gguf
+    writes it from the Hugging Face config's llama3 rope_scaling; None without it."""
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    if t.tensor_type.name != "F32" or t.shape != (head_dim // 2,):
+        raise ValueError(f"{path}: rope_freqs is {t.tensor_type.name} of shape {list(t.shape)}; "
+                         f"F32 of [{head_dim // 2}] (head_dim / 2) expected")
+    factors = np.array(t.data, dtype=np.float32)
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise ValueError(f"{path}: rope_freqs holds a factor that is not finite and positive")
+    return tuple(float(f) for f in factors)
+
+
+# Tensors that are not model weights: read into the config (rope_freqs).
+CONFIG_TENSORS = ("rope_freqs.weight",)
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor of the model ("blk.3.attn_q.weight" ->
+    "model.layers.3.self_attn.q_proj.weight"); ValueError for a tensor we do not know."""
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    raise ValueError(f"unexpected GGUF tensor {name[:100]!r}")
+
+
+def permuted_heads(name: str, cfg: LlamaConfig, arch: str) -> int | None:
+    """How many heads a q/k tensor's rows are permuted over (llama.cpp's interleaved rotary
+    layout, `unpermute` undoes it), or None for a tensor stored as Hugging Face stores it."""
+    if not _ARCHS[arch][1]:
+        return None
+    part = name.rpartition(".")[0].rpartition(".")[2]  # "blk.3.attn_q.weight" -> "attn_q"
+    return {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(part) if name.startswith("blk.") else None
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation (interleaved pairs -> rotate-half halves).
 
     Per head, llama.cpp stores rows as (x0, x_half, x1, x_half+1, ...); Hugging
@@ -118,53 +154,3 @@ def dequantize_tensor(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarr
 # block type -> (bytes before the quants, bytes of a block of 32)
 _BLOCK_LAYOUT = {GGMLQuantizationType.Q4_0: (2, 18), GGMLQuantizationType.Q4_1: (4, 20),
                  GGMLQuantizationType.Q8_0: (2, 34)}
-
-
-def iter_gguf_weights(
-    reader: GGUFFile, cfg: LlamaConfig, arch: str, quantized: dict[str, QuantizedWeight] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor; with `quantized`, also put there
-    the file's blocks of every 2-D weight the CPU kernel can run (rows unpermuted alike)."""
-    permuted = _ARCHS[arch][1]
-    for t in reader.tensors:
-        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
-        if m:
-            if m.group(2) not in _LAYER_NAMES:
-                raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-            hf = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-        elif t.name in _GLOBAL_NAMES:
-            hf = _GLOBAL_NAMES[t.name]
-        else:
-            raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims fastest-first
-        w = dequantize_tensor(t.data, t.tensor_type).reshape(shape)
-        blocks = np.asarray(t.data)  # [rows, bytes per row] for a block-quantized matrix
-        heads = None
-        if permuted and m and m.group(2) in ("attn_q.weight", "attn_q.bias"):
-            heads = cfg.num_heads
-        elif permuted and m and m.group(2) in ("attn_k.weight", "attn_k.bias"):
-            heads = cfg.num_kv_heads
-        if heads:
-            w = _unpermute(w, heads)
-        qtype = t.tensor_type.name
-        if quantized is not None and supports(qtype, tuple(shape)) and blocks.shape[0] == shape[0]:
-            # A permutation of rows: each row's blocks move whole.
-            quantized[hf] = QuantizedWeight(qtype, _unpermute(blocks, heads) if heads else blocks,
-                                            (shape[0], shape[1]))
-        yield hf, torch.from_numpy(np.require(w, requirements=["C", "W"]))
-
-
-def quantized_linears(by_hf_name: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-    """Quantized weights keyed by the model's module names ("layers.0.self_attn.qkv_proj",
-    "embed_tokens"), fused as the model fuses them; a fusion of mixed types is left out."""
-    named = ((our_name(h), qw) for h, qw in by_hf_name.items())
-    weights = ((n, qw) for n, qw in named if n is not None and n.endswith(".weight"))
-    return {name.removesuffix(".weight"): qw for name, qw in fuse_shards(weights, _cat_rows, set())}
-
-
-def _cat_rows(ws: list[QuantizedWeight]) -> QuantizedWeight | None:
-    """Shards stacked by rows, as torch.cat stacks the float32 ones; None for mixed types."""
-    if len({w.qtype for w in ws}) != 1:
-        return None
-    blocks = np.concatenate([w.blocks for w in ws])
-    return QuantizedWeight(ws[0].qtype, blocks, (blocks.shape[0], ws[0].shape[1]))

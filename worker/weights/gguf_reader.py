@@ -16,11 +16,17 @@ The layout (little-endian, version 2 or 3):
 
 A string is a u64 length and that many UTF-8 bytes; an array is a u32 item type, a u64
 count and the items. Every length and offset is checked against the file's size first, so a
-damaged or hostile file gets a ValueError naming what was wrong, not a huge allocation.
+damaged or hostile file gets a ValueError naming what was wrong, not a huge allocation: a
+metadata string longer than MAX_STRING_BYTES, tensor data that is not aligned, runs past the
+end or overlaps another tensor's, are refused.
+
+The map's pages a tensor was read through count in the process's resident memory while it
+stays mapped: `release` gives them back (the loader calls it once a tensor is repacked).
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -35,6 +41,9 @@ _MAGIC = b"GGUF"
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_DEPTH = 4  # arrays of arrays
 _STRING, _ARRAY = 8, 9
+# Longest metadata string read (a chat template is a few KB, the longest known ~100 KB; a
+# token a few bytes): a string of megabytes is a damaged or hostile file.
+MAX_STRING_BYTES = 1 << 20
 # value type -> struct format (8: string and 9: array are read apart)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
@@ -88,9 +97,12 @@ class GGUFFile:
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-self._pos // alignment) * alignment
-        self.tensors = [self._tensor(start, *info) for info in infos]
+        self.tensors = [self._tensor(start, alignment, *info) for info in infos]
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise ValueError("a tensor name appears twice")
+        _check_disjoint(self.tensors)
+        self.data_start = start
+        self.release(0, start)  # the header's pages: its values are Python objects now
 
     # ----- reading -----
 
@@ -111,8 +123,24 @@ class GGUFFile:
             raise ValueError(f"{n} {what} cannot fit in the {len(self._map) - self._pos} bytes left")
         return n
 
+    def release(self, offset: int, nbytes: int) -> None:
+        """Drop the process's pages of the file's bytes [offset, offset + nbytes) (whole pages
+        within them and the pages they start and end in: a neighbour read through those faults
+        them back in from the page cache). The map stays valid; a later read re-reads."""
+        page = mmap.PAGESIZE
+        lo = offset // page * page
+        hi = min(-(-(offset + nbytes) // page) * page, len(self._map))
+        if hi > lo:
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (AttributeError, OSError, ValueError):  # no madvise here: the pages stay
+                pass
+
     def _string(self) -> str:
         n = self._count(self._scalar("<Q"), 1, "string bytes")
+        if n > MAX_STRING_BYTES:
+            raise ValueError(f"a metadata string of {n} bytes at offset {self._pos - 8} (at most "
+                             f"{MAX_STRING_BYTES} are read)")
         try:
             return self._take(n).decode("utf-8")
         except UnicodeDecodeError as e:
@@ -147,7 +175,7 @@ class GGUFFile:
         dims = struct.unpack(f"<{n_dims}Q", self._take(8 * n_dims))
         return name, dims, self._scalar("<I"), self._scalar("<Q")
 
-    def _tensor(self, start: int, name: str, dims: tuple[int, ...], raw_type: int,
+    def _tensor(self, start: int, alignment: int, name: str, dims: tuple[int, ...], raw_type: int,
                 offset: int) -> GGUFTensor:
         try:
             qtype = GGMLQuantizationType(raw_type)
@@ -158,6 +186,9 @@ class GGUFFile:
         if dims[0] % block:
             raise ValueError(f"tensor {name[:100]!r}: {dims[0]} columns are not whole {qtype.name} blocks")
         n_bytes = n_elems // block * type_size
+        if offset % alignment:
+            raise ValueError(f"tensor {name[:100]!r}: its data offset {offset} is not a multiple of "
+                             f"the alignment {alignment}")
         begin = start + offset
         if begin + n_bytes > len(self._map):
             raise ValueError(f"tensor {name[:100]!r}: {n_bytes} bytes at {begin} run past the "
@@ -169,3 +200,13 @@ class GGUFFile:
             data = np.frombuffer(self._map, np.uint8, n_bytes, begin).reshape(
                 quant_shape_to_byte_shape(np_dims, qtype))
         return GGUFTensor(name, qtype, dims, n_bytes, begin, data)
+
+
+def _check_disjoint(tensors: list[GGUFTensor]) -> None:
+    """Each tensor's bytes (its size as its type and shape give it) end before the next one's
+    data begins: a size the file's layout disagrees with would read another tensor's bytes."""
+    ordered = sorted(tensors, key=lambda t: t.offset)
+    for a, b in itertools.pairwise(ordered):
+        if a.offset + a.n_bytes > b.offset:
+            raise ValueError(f"tensor {a.name[:100]!r}: {a.n_bytes} bytes ({a.tensor_type.name}, shape "
+                             f"{list(a.shape)}) at {a.offset} overlap tensor {b.name[:100]!r} at {b.offset}")

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import ops
 from ops.scaled_linear import ScaledLinear, ScaledWeight, cat, dequantize, for_device, pack_int4
-from worker.models.llama import LlamaConfig, LlamaForCausalLM, fuse_shards, our_name
+from worker.models.llama import LlamaConfig, LlamaForCausalLM, fuse_shards, our_name, rope_cache
 from worker.weights.quant_config import QuantFormat
 
 # Tensors of one quantized linear, by layout: the ones it must have, and the ones it may.
@@ -313,8 +312,7 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
             raise BadCheckpoint(f"{fmt.name}: a KV cache scale for layer {layer}; the model has {cfg.num_layers}")
         setattr(model.layers[layer].self_attn, f"{which}_scale", scale)
     with torch.device(device):
-        model.cos_sin = ops.rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                               cfg.rope_scaling)
+        model.cos_sin = rope_cache(cfg)
     missing = sorted(n for n, p in model.named_parameters() if p.is_meta)
     if unfinished or missing:
         raise ValueError(f"weights missing from the checkpoint: {', '.join(missing + sorted(unfinished))[:500]}")

@@ -1,0 +1,261 @@
+"""GGUF blocks -> the CPU kernels' tile records (the layouts: `cpu_kernels/quant_matmul.c` for
+Q4_1/Q8_0 in float32, `quant_matmul_int8.c` for their integer layout, `quant_types.h` for
+every other type, one layout for both arithmetics).
+
+Records are written a few hundred rows at a time into the one tensor that holds them, so a
+weight of any size is repacked with temporaries of a few MB (a 128256 x 2048 LM head
+included), and nothing of the file's blocks is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TILE = 32  # output rows per tile
+QBLOCK = 32  # weights per sub-block (every type)
+
+
+@dataclass(frozen=True)
+class RecordType:
+    """One GGUF type as the kernels hold it."""
+
+    code: int  # the float kernels' qtype (cpu_kernels/quant_types.h)
+    int_code: int  # the integer kernels' (-1: float32 activations only)
+    block: int  # weights per GGUF block
+    block_bytes: int  # bytes per GGUF block
+    group: int  # sub-blocks of 32 per record
+    record: int  # bytes per (tile, record)
+
+    @property
+    def file_record(self) -> int:
+        """The file's bytes for the weights of one record."""
+        return TILE * self.block_bytes * self.group * QBLOCK // self.block
+
+    @property
+    def k_multiple(self) -> int:
+        return self.group * QBLOCK
+
+
+TYPES: dict[str, RecordType] = {
+    "Q4_1": RecordType(0, 2, 32, 20, 1, 640),
+    "Q8_0": RecordType(1, 3, 32, 34, 1, 1088),
+    "Q4_0": RecordType(4, 4, 32, 18, 1, 576),
+    "Q5_0": RecordType(5, 5, 32, 22, 1, 704),
+    "Q5_1": RecordType(6, 6, 32, 24, 1, 768),
+    "IQ4_NL": RecordType(7, 7, 32, 18, 1, 576),
+    "Q4_K": RecordType(8, 8, 256, 144, 8, 4736),
+    "Q5_K": RecordType(9, 9, 256, 176, 8, 5760),
+    "Q6_K": RecordType(10, 10, 256, 210, 8, 6720),
+    "IQ4_XS": RecordType(11, 11, 256, 136, 8, 4416),
+    "F16": RecordType(12, -1, 1, 2, 1, 2048),
+    "BF16": RecordType(13, -1, 1, 2, 1, 2048),
+}
+
+# Rows of the file repacked at once: about this many weights.
+_CHUNK_WEIGHTS = 1 << 20
+
+
+def blocks_of(w) -> np.ndarray:
+    """A QuantizedWeight's blocks as [out_features, bytes per row] uint8 (F16 may come as
+    float16 elements, as the GGUF reader gives them), checked against its type and shape."""
+    t = TYPES[w.qtype]
+    n, k = w.shape
+    blocks = np.asarray(w.blocks)
+    if blocks.dtype != np.uint8:
+        blocks = np.ascontiguousarray(blocks).view(np.uint8)
+    row = k // t.block * t.block_bytes
+    if k % t.block or blocks.size != n * row:
+        raise ValueError(f"a {w.qtype} weight of shape {w.shape} needs {n} x {row} bytes, not {blocks.shape}")
+    return blocks.reshape(n, row)
+
+
+def repacked(w, integer: bool) -> torch.Tensor:
+    """`w`'s tile records for the float32 kernels or (`integer`) the integer ones, as uint8."""
+    t = TYPES[w.qtype]
+    n, k = w.shape
+    blocks = blocks_of(w)
+    pack = _PACKERS[w.qtype, integer and w.qtype in ("Q4_1", "Q8_0")]
+    tile = k // t.k_multiple * t.record
+    out = torch.empty(n // TILE * tile, dtype=torch.uint8)
+    dst = out.numpy().reshape(n // TILE, tile)
+    step = max(TILE, _CHUNK_WEIGHTS // k // TILE * TILE)
+    for r0 in range(0, n, step):
+        part = pack(blocks[r0 : r0 + step], k)
+        dst[r0 // TILE : r0 // TILE + part.shape[0]] = part.reshape(part.shape[0], tile)
+    return out
+
+
+def _u16(b: np.ndarray, lo: int) -> np.ndarray:
+    """The 2-byte field at bytes lo:lo+2 of each block: [..., 1] uint16."""
+    return np.ascontiguousarray(b[..., lo : lo + 2]).view(np.uint16)
+
+
+def _lanes(a: np.ndarray) -> np.ndarray:
+    """A per-row field [n, R, F] as the records' [T, R, F * 32 lanes] bytes (outputs last)."""
+    n, r, f = a.shape
+    lanes = np.ascontiguousarray(a.reshape(n // TILE, TILE, r, f).transpose(0, 2, 3, 1))
+    return lanes.view(np.uint8).reshape(n // TILE, r, -1)
+
+
+# ---- Q4_1 and Q8_0 (their own layouts) ----
+
+def q_fields(blocks: np.ndarray, qtype: str, k: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Q4_1/Q8_0 blocks -> scales d [T, nb, 32 n] fp16, offsets m (Q4_1) and quants
+    [T, nb, 32 n, 32 k] (uint8 for Q4_1, int8 for Q8_0)."""
+    n = blocks.shape[0]
+    nb = k // QBLOCK
+    b = blocks.reshape(n // TILE, TILE, nb, TYPES[qtype].block_bytes).transpose(0, 2, 1, 3)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    if qtype == "Q4_1":
+        qs = b[..., 4:20]  # byte j holds k = j (low nibble) and k = j + 16 (high)
+        return d, b[..., 2:4].copy().view(np.float16)[..., 0], np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return d, None, b[..., 2:34].view(np.int8)
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of `a` in its index order: [..., last] -> [..., last * itemsize] uint8."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def _pack_float(qtype: str):
+    def pack(blocks: np.ndarray, k: int) -> np.ndarray:
+        d, m, q = q_fields(blocks, qtype, k)
+        t, nb = d.shape[:2]
+        if qtype == "Q4_1":
+            q = q.transpose(0, 1, 3, 2)  # [T, nb, k, n]
+            parts = [_bytes(d), _bytes(m), q[..., :16] | (q[..., 16:] << 4)]  # byte j: n = j, j + 16
+        else:
+            parts = [_bytes(d), q.transpose(0, 1, 3, 2).view(np.uint8)]  # [T, nb, k, n]
+        return np.concatenate([np.ascontiguousarray(p).reshape(t, nb, -1) for p in parts], axis=-1)
+
+    return pack
+
+
+def _pack_int(qtype: str):
+    """Chunks of 16 outputs x 4 consecutive k, one output's 4 quants to a 32-bit lane."""
+    def pack(blocks: np.ndarray, k: int) -> np.ndarray:
+        d, m, q = q_fields(blocks, qtype, k)
+        t, nb = d.shape[:2]
+        if qtype == "Q4_1":
+            # k = 8p + 4s + j: s = 0 goes to the low nibble, s = 1 to the high one.
+            q = q.reshape(t, nb, 2, 16, 4, 2, 4).transpose(0, 1, 2, 4, 3, 6, 5)  # [t, nb, h, p, n, j, s]
+            parts = [_bytes(d), _bytes(m), (q[..., 0] | (q[..., 1] << 4)).astype(np.uint8)]
+        else:
+            # q + 128: the unsigned side of vpdpbusd (quant_matmul_int8.c's top)
+            q = (q.astype(np.int16) + 128).astype(np.uint8)
+            parts = [_bytes(d), q.reshape(t, nb, 2, 16, 8, 4).transpose(0, 1, 2, 4, 3, 5)]  # k = 4p + j
+        return np.concatenate([np.ascontiguousarray(p).reshape(t, nb, -1) for p in parts], axis=-1)
+
+    return pack
+
+
+# ---- the qn types (quant_types.h) ----
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """A 32-block's 16 bytes [..., 16] -> its 32 quants: low nibbles first, then high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits_le(b: np.ndarray) -> np.ndarray:
+    """4 bytes [..., 4] as a little-endian word's 32 bits [..., 32]."""
+    return np.unpackbits(b, axis=-1, bitorder="little")
+
+
+def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """GGUF blocks [n, bytes] -> unsigned quants q [n, K / 32, 32] and the header's fields,
+    each [n, records, F] (uint16 fp16 bits or uint8), in the record header's order."""
+    t = TYPES[qtype]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // t.block, t.block_bytes)
+    if qtype in ("Q4_0", "IQ4_NL"):
+        return _nibbles(b[..., 2:18]), [_u16(b, 0)]
+    if qtype == "Q5_0":
+        return _nibbles(b[..., 6:22]) | (_bits_le(b[..., 2:6]) << 4), [_u16(b, 0)]
+    if qtype == "Q5_1":
+        return _nibbles(b[..., 8:24]) | (_bits_le(b[..., 4:8]) << 4), [_u16(b, 0), _u16(b, 2)]
+    nsb = b.shape[1]
+    if qtype in ("Q4_K", "Q5_K"):
+        from gguf.quants import Q4_K
+
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+        qs = b[..., 16:144] if qtype == "Q4_K" else b[..., 48:176]
+        qs = qs.reshape(n, nsb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)  # sub-block 2i + nibble
+        q = (qs & 0x0F).reshape(n, nsb, 8, 32)
+        if qtype == "Q5_K":
+            q = q | (((b[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+        fields = [_u16(b, 0), _u16(b, 2), sc.reshape(n, nsb, 8), mn.reshape(n, nsb, 8)]
+        return q.reshape(n, -1, 32), fields
+    if qtype == "Q6_K":
+        low = (b[..., 0:128].reshape(n, nsb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
+        high = (b[..., 128:192].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        q = low.reshape(n, nsb, 256) | (high.reshape(n, nsb, 256) << 4)  # element 128g + 64s + l, 128g + 32i + l
+        return q.reshape(n, -1, 32), [_u16(b, 208), np.ascontiguousarray(b[..., 192:208])]
+    assert qtype == "IQ4_XS", qtype
+    scales_h = _u16(b, 2)  # [n, nsb, 1]
+    low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F  # [n, nsb, 4, 2]: sub-block 2i + nibble
+    high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, nsb, 8]
+    ls = (low.reshape(n, nsb, 8) | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+    return _nibbles(b[..., 8:136].reshape(n, nsb, 8, 16)).reshape(n, -1, 32), [_u16(b, 0), ls.astype(np.int8).view(np.uint8)]
+
+
+def _body(q: np.ndarray, bits: int) -> np.ndarray:
+    """Quants [n, nb, 32 k] -> the bodies [T, nb, bytes] (quant_types.h): Q4_1's integer
+    chunks of nibbles, then Q5's high-bit planes or Q6_K's 2-bit ones."""
+    n, nb, _ = q.shape
+    t = n // TILE
+    q = q.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
+    parts = [((q[..., 0] & 0x0F) | ((q[..., 1] & 0x0F) << 4)).reshape(t, nb, 512)]
+    if bits == 5:  # bit 2p + s of byte (h, n', j)
+        shift = (2 * np.arange(4)[:, None, None, None] + np.arange(2)).astype(np.uint8)  # [p, 1, 1, s]
+        parts.append((((q >> 4) & 1) << shift).sum(axis=(3, 6), dtype=np.uint8).reshape(t, nb, 128))
+    elif bits == 6:  # bits 2i, 2i + 1 (i = 2 (p % 2) + s) of byte (h, g = p / 2, n', j)
+        high = ((q >> 4) & 3).reshape(t, nb, 2, 2, 2, 16, 4, 2)  # [T, b, h, g, p % 2, n', j, s]
+        shift = (2 * (2 * np.arange(2)[:, None, None, None] + np.arange(2))).astype(np.uint8)
+        parts.append((high << shift).sum(axis=(4, 7), dtype=np.uint8).reshape(t, nb, 256))
+    return np.concatenate(parts, axis=-1)
+
+
+_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
+
+
+def _pack_qn(qtype: str):
+    def pack(blocks: np.ndarray, k: int) -> np.ndarray:
+        q, fields = _decode(qtype, blocks, k)
+        rt = TYPES[qtype]
+        t, records = blocks.shape[0] // TILE, k // rt.k_multiple
+        header = np.concatenate([_lanes(f) for f in fields], axis=-1)
+        body = _body(q, _BITS.get(qtype, 4)).reshape(t, records, -1)
+        return np.concatenate([header, body], axis=-1)
+
+    return pack
+
+
+def _pack_f16(blocks: np.ndarray, k: int) -> np.ndarray:
+    """w[32 k][32 n], two bytes each, per (tile, sub-block)."""
+    n = blocks.shape[0]
+    w = blocks.view(np.uint16).reshape(n // TILE, TILE, k // QBLOCK, QBLOCK).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(w).view(np.uint8).reshape(n // TILE, k // QBLOCK, -1)
+
+
+_PACKERS = {
+    **{(q, False): _pack_float(q) for q in ("Q4_1", "Q8_0")},
+    **{(q, True): _pack_int(q) for q in ("Q4_1", "Q8_0")},
+    **{(q, False): _pack_qn(q) for q in ("Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")},
+    ("F16", False): _pack_f16,
+    ("BF16", False): _pack_f16,
+}
+
+
+def q8_0_has_minus_128(w) -> bool:
+    """Whether a Q8_0 weight has a quant of -128 (scanned a chunk of rows at a time)."""
+    blocks = blocks_of(w)
+    n, k = w.shape
+    step = max(1, _CHUNK_WEIGHTS // k)
+    for r0 in range(0, n, step):
+        q = blocks[r0 : r0 + step].reshape(-1, k // QBLOCK, 34)[..., 2:]
+        if (q == 0x80).any():
+            return True
+    return False
