@@ -78,7 +78,7 @@ class LoadedModel:
         are (or the source has no GGUF blocks); else, while no runner has taken the load, its
         model is loaded again from the file that way, in place (`model`, `held`, `linears`
         replaced); a load a runner holds is refused (a ValueError)."""
-        if self.source != "gguf" or self.linears == policy:
+        if (self.source != "gguf" and self.quantization is None) or self.linears == policy:
             return
         if self.taken:
             assert self.linears is not None
@@ -171,8 +171,10 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype, policy: LinearPol
     tokenizer = Tokenizer.from_folder(path)  # before the weights: fail fast
     if fmt is not None:  # pre-quantized (hf_quantized.py): built onto a meta model
         model = hf_quantized.load_quantized(cfg, fmt, hf_folder.tensor_names(files),
-                                            hf_folder.iter_safetensors(files), device, dtype)
-        return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype, spec=spec, quantization=fmt)
+                                            hf_folder.iter_safetensors(files), device, dtype,
+                                            cpu_activations=policy.activations if policy.quantized else None)
+        return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype, linears=policy,
+                           spec=spec, quantization=fmt)
     model = _build(cfg, device, dtype)
     model.load_weights(hf_folder.iter_safetensors(files))
     return LoadedModel(model, cfg, tokenizer, path.name, "safetensors", device, dtype, spec=spec)

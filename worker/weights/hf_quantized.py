@@ -22,10 +22,20 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
-from ops.scaled_linear import ScaledLinear, ScaledWeight, cat, dequantize, for_device, pack_int4
+from ops.quantized_linear import QuantizedWeight, QuantLinear, activations_for, supports
+from ops.scaled_linear import (
+    ScaledLinear,
+    ScaledWeight,
+    cat,
+    dequantize,
+    for_device,
+    pack_int4,
+    unpack_int4,
+)
 from worker.models.llama import LlamaConfig, LlamaForCausalLM, fuse_shards, our_name, rope_cache
 from worker.weights.quant_config import QuantFormat
 
@@ -181,6 +191,36 @@ def convert(fmt: QuantFormat, module: str, parts: dict[str, torch.Tensor], shape
     raise AssertionError(lay)
 
 
+def as_gguf_blocks(w: ScaledWeight) -> QuantizedWeight | None:
+    """An int4 weight as the GGUF blocks of 32 the CPU's kernels take, where they hold it
+    exactly: a group of G (a multiple of 32) is G / 32 blocks sharing its scale and zero.
+    Symmetric (zero 8) with fp16-exact scales: Q4_0, w = d (q - 8), d = s. With zero points:
+    Q4_1, w = d q + m, d = s and m = -s z, where both are fp16-exact. Else None (the loader
+    dequantizes): GPTQ's and AWQ's fp16 scales are exact, -s z mostly not; bf16 or float32
+    scales mostly not; INT8 per-channel scales are float32, which no Q8_0 d holds."""
+    if w.kind != "int4" or w.group_size % 32:
+        return None
+    n, k = w.shape
+    s = w.scale.to(torch.float32)
+    d = s.to(torch.float16)
+    if not torch.equal(d.to(torch.float32), s):
+        return None
+    per = w.group_size // 32
+    u = unpack_int4(w.qweight).reshape(n, k // 32, 32)
+    qs = (u[..., :16] | (u[..., 16:] << 4)).numpy()  # byte j: k = j (low nibble), j + 16 (high)
+    d_blocks = d.repeat_interleave(per, 1).numpy().view(np.uint8).reshape(n, k // 32, 2)
+    if w.zero is None:
+        blocks = np.concatenate([d_blocks, qs], axis=-1)
+        return QuantizedWeight("Q4_0", blocks.reshape(n, -1), w.shape)
+    m32 = -s * w.zero.to(torch.float32)
+    m = m32.to(torch.float16)
+    if not torch.equal(m.to(torch.float32), m32):
+        return None
+    m_blocks = m.repeat_interleave(per, 1).numpy().view(np.uint8).reshape(n, k // 32, 2)
+    blocks = np.concatenate([d_blocks, m_blocks, qs], axis=-1)
+    return QuantizedWeight("Q4_1", blocks.reshape(n, -1), w.shape)
+
+
 class _Reader:
     """The checkpoint's tensors by module, grouped as they arrive."""
 
@@ -253,11 +293,14 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor, device: to
 
 def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
                    tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device,
-                   dtype: torch.dtype, dequantize_on_cpu: bool = True) -> LlamaForCausalLM:
+                   dtype: torch.dtype, dequantize_on_cpu: bool = True,
+                   cpu_activations: str | None = None) -> LlamaForCausalLM:
     """The model of a folder in `fmt` (`keys`: every tensor name of its files, from their
     headers; `tensors`: the tensors as read), on `device` in `dtype` (see the top).
     `dequantize_on_cpu=False` keeps ScaledLinear layers on the CPU too (tests: the
-    reference arithmetic of the GPU's kernels)."""
+    reference arithmetic of the GPU's kernels). `cpu_activations` (the load's LinearPolicy,
+    CPU float32 with the kernels built): int4 linears the GGUF kernels hold exactly
+    (`as_gguf_blocks`) become QuantLinear layers multiplying in that arithmetic."""
     reader = _Reader(fmt, cfg, keys)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -285,13 +328,16 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
                 assert ours is not None
                 yield ours, got
 
-    later: list[tuple[str, ScaledWeight]] = []
+    later: list[tuple[str, ScaledWeight | QuantizedWeight]] = []
     unfinished: set[str] = set()
     for name, item in fuse_shards(named(), _cat, unfinished):
         if name == "lm_head.weight" and model.lm_head is None:
             continue
         if isinstance(item, ScaledWeight):
-            if device.type == "cpu" and dequantize_on_cpu:  # weight-only: dequantized once, here
+            blocks = as_gguf_blocks(item) if cpu_activations and device.type == "cpu" and dequantize_on_cpu else None
+            if blocks is not None and supports(blocks.qtype, blocks.shape):
+                later.append((name.removesuffix(".weight"), blocks))
+            elif device.type == "cpu" and dequantize_on_cpu:  # weight-only: dequantized once, here
                 _set_parameter(model, name, dequantize(item, dtype), device, dtype)
             else:
                 later.append((name.removesuffix(".weight"), item))
@@ -306,7 +352,12 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
         if meta.bias is not None and meta.bias.is_meta:
             raise ValueError(f"weights missing from the checkpoint: {path}.bias")
         parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent), child, ScaledLinear(for_device(w.to(device), device), meta.bias))
+        if isinstance(w, QuantizedWeight):  # the CPU's GGUF kernels (kernels49's Q4_0 / Q4_1 records)
+            assert cpu_activations is not None
+            layer: nn.Module = QuantLinear(w, meta.bias, activations_for(w, cpu_activations))
+        else:
+            layer = ScaledLinear(for_device(w.to(device), device), meta.bias)
+        setattr(model.get_submodule(parent), child, layer)
     for (layer, which), scale in kv_scales.items():
         if layer >= cfg.num_layers:
             raise BadCheckpoint(f"{fmt.name}: a KV cache scale for layer {layer}; the model has {cfg.num_layers}")
