@@ -194,9 +194,18 @@ _SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_
            "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def _scaled_linears(model: ModelInfo) -> dict[str, tuple[str, int]]:
+def _q4_0_gptq(model: ModelInfo) -> bool:
+    """A symmetric GPTQ with fp16 scales, which the CPU holds exactly as Q4_0 blocks
+    (hf_quantized.as_gguf_blocks): 18 bytes a block of 32 weights."""
+    fmt = model.quantization
+    return (fmt is not None and fmt.layout == "gptq" and fmt.symmetric and fmt.group_size % 32 == 0
+            and all(t.dtype == "F16" for t in model.tensors if t.name.endswith(".scales")))
+
+
+def _scaled_linears(model: ModelInfo, held_bytes: Any = None) -> dict[str, tuple[str, int]]:
     """A pre-quantized folder's linears as CUDA holds them (ScaledLinear, weights as stored):
-    our name -> (kind, bytes); empty for other sources. A fused set with a float shard is
+    our name -> (kind, bytes; `held_bytes(n, k)` of each shard instead where given); empty
+    for other sources. A fused set with a float shard is
     refused at load, so a set counts when its first shard is quantized."""
     fmt = model.quantization
     if fmt is None:
@@ -211,7 +220,8 @@ def _scaled_linears(model: ModelInfo) -> dict[str, tuple[str, int]]:
     for ours, shards in groups.items():
         if f"{shards[0]}.{scale}" in names:
             shapes = [hf_quantized.linear_shape(cfg, s) for s in shards]
-            out[ours] = (fmt.kind, sum(hf_quantized.held_bytes(fmt, *sh) for sh in shapes if sh))
+            held = held_bytes or (lambda n, k: hf_quantized.held_bytes(fmt, n, k))
+            out[ours] = (fmt.kind, sum(held(*sh) for sh in shapes if sh))
     return out
 
 
@@ -320,8 +330,12 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
     def hold_records(parts: tuple[Tensor, ...]) -> int:  # as repacked for the kernel of `activations`
         return sum(hold(p.dtype, held_bytes(p.dtype, p.nbytes, activations)) for p in parts)
 
-    # A pre-quantized folder's linears on CUDA, as stored (the CPU dequantizes them: dtype).
+    # A pre-quantized folder's linears on CUDA, as stored; on the CPU in float32 a symmetric
+    # GPTQ's (fp16 scales) as the kernels' Q4_0 records; else dequantized to dtype.
     scaled = _scaled_linears(model) if device.kind == "cuda" else {}
+    if on_cpu_f32 and cpu_quantized and _q4_0_gptq(model):
+        scaled = {n: ("Q4_0", nbytes) for n, (_, nbytes) in
+                  _scaled_linears(model, lambda n, k: n * k // 32 * 18).items()}
     read = 0
     for name, (o, i) in linears.items():
         q = quantized(name)
@@ -363,6 +377,8 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
         how = f"{model.quantization.name}: linears as stored (scales in float32), the rest {dtype}"
     elif model.quantization is not None:
         how = f"{model.quantization.name}: dequantized at load to {dtype} on the CPU"
+    if "Q4_0" in held and model.quantization is not None:
+        how = f"{model.quantization.name}: linears as Q4_0 records for the CPU kernels, the rest {dtype}"
     return Weights(stored, held, read, matmul, head, how)
 
 
