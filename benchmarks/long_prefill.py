@@ -97,8 +97,9 @@ def run_one(loaded: LoadedModel, args: argparse.Namespace, name: str, rnd: int) 
     long, short = _prompts(loaded, args, rnd)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     out: dict[str, Any] = {"setting": name, "round": rnd, **_flags(name, args.budget)}
-    # The long prompt alone, then with the short request arriving during its prefill.
-    for alone in (True, False):
+    # The long prompt alone (with --alone), then with the short request arriving during its
+    # prefill.
+    for alone in ((True, False) if args.alone else (False,)):
         engine = _engine(loaded, args, name)
         rec = _Recorder(engine)
         reqs = [engine.make_request(long, params, request_id="long")]
@@ -129,7 +130,8 @@ def run_one(loaded: LoadedModel, args: argparse.Namespace, name: str, rnd: int) 
         # Steps from the one running when it arrived to the one that sampled its token.
         out["short_steps"] = rec.first["short"][1] - sent["short"][1]
         out["tokens"] = {"long": rec.tokens["long"], "short": rec.tokens["short"]}
-        out["long_tokens_same_alone"] = rec.tokens["long"] == alone_tokens
+        if args.alone:
+            out["long_tokens_same_alone"] = rec.tokens["long"] == alone_tokens
     return out
 
 
@@ -141,13 +143,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
     for name, rs in by.items():
         med = {k: statistics.median(r[k] for r in rs)
-               for k in ("short_ttft_s", "short_steps", "long_ttft_s", "long_alone_ttft_s")}
+               for k in ("short_ttft_s", "short_steps", "long_ttft_s", "long_steps",
+                         "long_alone_ttft_s") if k in rs[0]}
         med["short_ttft_max_s"] = max(r["short_ttft_s"] for r in rs)
         if base is not None:
             off_long = statistics.median(r["long_ttft_s"] for r in base)
-            off_alone = statistics.median(r["long_alone_ttft_s"] for r in base)
             med["long_ttft_vs_off"] = med["long_ttft_s"] / off_long
-            med["long_alone_ttft_vs_off"] = med["long_alone_ttft_s"] / off_alone
+            if "long_alone_ttft_s" in med:
+                off_alone = statistics.median(r["long_alone_ttft_s"] for r in base)
+                med["long_alone_ttft_vs_off"] = med["long_alone_ttft_s"] / off_alone
             med["greedy_tokens_as_off"] = all(
                 r["tokens"] == o["tokens"] for r, o in zip(sorted(rs, key=lambda r: r["round"]),
                                                           sorted(base, key=lambda r: r["round"]),
@@ -169,7 +173,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="--max-num-batched-tokens")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--kv-gib", type=float, default=0.5, help="KV cache, GiB")
-    ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the long prompt alone (a second engine run per round)")
+    ap.add_argument("--timeout-s", type=float, default=1800)
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
     loaded = load_model(args.model)
@@ -185,8 +191,9 @@ def main(argv: list[str] | None = None) -> None:
             r = run_one(loaded, args, name, rnd)
             runs.append(r)
             print(f"round {rnd} {name:<18} short TTFT {r['short_ttft_s']:6.2f} s "
-                  f"({r['short_steps']} steps); long TTFT {r['long_ttft_s']:6.2f} s, "
-                  f"alone {r['long_alone_ttft_s']:6.2f} s", flush=True)
+                  f"({r['short_steps']} steps); long TTFT {r['long_ttft_s']:6.2f} s "
+                  f"({r['long_steps']} steps), alone {r.get('long_alone_ttft_s', float('nan')):6.2f} s",
+                  flush=True)
     summary = summarize(runs)
     for name, s in summary.items():
         print(f"{name:<18} median short TTFT {s['short_ttft_s']:.2f} s ({s['short_steps']:g} "
