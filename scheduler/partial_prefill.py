@@ -10,8 +10,9 @@ for all of it (~10 s for 5,000 tokens on 2 CPU cores). vLLM's three flags share 
   4% of max_model_len, for telling long from short only (vLLM's default).
 - `max_num_partial_prefills` P (> 1 turns this on, vLLM v0's meaning): the prefills that
   can run this step (running ones, then waiting ones up to P) split the budget: each
-  chunk at most ``max_num_batched_tokens // min(P, their number)``. A long prompt alone
-  keeps the whole budget; a short arrival halves it for one step and gets its first token.
+  chunk at most ``(max_num_batched_tokens - running decodes) // min(P, their number)``. A
+  long prompt alone keeps the whole budget but a token for each running decode; a short
+  arrival halves it for one step and gets its first token, then its next ones each step.
 - `max_long_partial_prefills` L (with P > 1): at most L long prefills run at once; a long
   waiting request beyond them is passed over this step by the shorter ones behind it
   (nobody passes a request for any other reason: blocks, seats, LoRA stop admission).
@@ -25,7 +26,8 @@ chunked prefill is off or the policy is static: they move whole prompts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from scheduler.request import RemoteKVState, Request
@@ -33,6 +35,9 @@ from scheduler.request import RemoteKVState, Request
 # vLLM's SchedulerConfig: with concurrent partial prefills and no threshold given, a prompt
 # longer than this fraction of max_model_len is long.
 AUTO_THRESHOLD_FRACTION = 0.04
+# Waiting requests looked at to count this step's prefills (a queue of long prompts passed
+# over could be long; each look may take a prefix-cache lookup).
+MAX_PEEK = 32
 
 
 @dataclass(frozen=True)
@@ -86,28 +91,37 @@ class StepPrefills:
     one may start (vLLM v0's PartialPrefillMetadata)."""
 
     def __init__(self, limits: PrefillLimits, budget: int, running: Iterable[Request],
-                 queued: Iterable[Request]) -> None:
+                 queued: Iterable[Request], num_left: Callable[[Request], int] = num_to_prefill,
+                 ) -> None:
+        """`queued`: the waiting and swapped requests, most urgent first; `num_left`: what
+        one has left to prefill (after its prefix-cache hit: the scheduler's)."""
         self.limits = limits
         self.num_long = 0  # long prefills this step: running ones, then those admitted
-        prefills = 0
+        prefills = decodes = 0
         for r in running:
             if left := num_to_prefill(r):
                 prefills += 1
                 self.num_long += limits.is_long(left)
+            else:
+                decodes += 1
         slots = prefills
         if limits.splits:
             waiting_long = 0
-            for r in queued:  # most urgent first: those this step may admit
+            for r in itertools.islice(queued, MAX_PEEK):  # those this step may admit
                 if slots >= limits.max_partial:
                     break
-                if not (left := num_to_prefill(r)):
+                if not (left := num_left(r)):
                     continue
                 if limits.is_long(left):
                     if self.num_long + waiting_long >= limits.max_long:
                         continue  # it will be passed over: its share goes to the others
                     waiting_long += 1
                 slots += 1
-        share = budget // min(slots, limits.max_partial) if limits.splits and slots else budget
+        share = budget
+        if limits.splits and slots:
+            # After a token for each running decode (or a long prefill ranked ahead of them
+            # would starve them after their first token, as a prompt did before).
+            share = max(1, (budget - decodes) // min(slots, limits.max_partial))
         self.chunk = min(share, limits.chunk_cap or budget)
 
     def share(self, num_left: int) -> int:

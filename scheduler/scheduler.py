@@ -303,7 +303,8 @@ class Scheduler:
         # (its share of the step when long prompts share it).
         self.running.sort(key=self._rank)
         prefills = StepPrefills(self.prefill_limits, budget, self.running,
-                                heapq.merge(self.swapped, self.waiting, key=self._rank))
+                                heapq.merge(self.swapped, self.waiting, key=self._rank),
+                                self._num_left_to_prefill)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -459,17 +460,22 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def _num_left_to_prefill(self, req: Request) -> int:
+        """What waiting or swapped `req` has left to prefill once admitted: after its cached
+        prefix, looked up only for a long one (`partial_prefill.num_to_prefill`)."""
+        left = num_to_prefill(req)
+        if (self.prefill_limits.is_long(left) and req.status is RequestStatus.WAITING
+                and req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None):
+            hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+            left = req.num_tokens - hit.num_tokens
+        return left if left > 1 else 0
+
     def _passed_over(self, req: Request, prefills: StepPrefills) -> bool:
         """Whether waiting or swapped `req` is a long prefill, after its cached prefix, that
         lets shorter ones pass this step (`StepPrefills.passes_over`)."""
         left = num_to_prefill(req)
-        if not left or not prefills.passes_over(left):
-            return False
-        if (req.status is RequestStatus.WAITING and req.num_computed_tokens == 0
-                and req.sampling_params.prompt_logprobs is None):
-            hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
-            left = req.num_tokens - hit.num_tokens
-        return prefills.passes_over(left)
+        return bool(left) and prefills.passes_over(left) and prefills.passes_over(
+            self._num_left_to_prefill(req))
 
     def _admit_remote(self, req: Request, budget: int, scheduled: dict[str, ScheduledRequest],
                       preempted: list[str], now: float) -> tuple[bool | None, int]:
