@@ -41,6 +41,7 @@ class _Recorder:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.first: dict[str, tuple[float, int]] = {}
+        self.last: dict[str, float] = {}
         self.tokens: dict[str, list[int]] = {}
         self.done: set[str] = set()
         self.cond = threading.Condition()
@@ -54,6 +55,7 @@ class _Recorder:
                     self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finished:
                     self.done.add(o.request_id)
+                    self.last[o.request_id] = now
             self.cond.notify_all()
 
     def wait_for(self, ids: list[str], timeout: float) -> bool:
@@ -129,6 +131,7 @@ def run_one(loaded: LoadedModel, args: argparse.Namespace, name: str, rnd: int) 
         out["short_ttft_s"] = rec.first["short"][0] - sent["short"][0]
         # Steps from the one running when it arrived to the one that sampled its token.
         out["short_steps"] = rec.first["short"][1] - sent["short"][1]
+        out["short_e2e_s"] = rec.last["short"] - sent["short"][0]
         out["tokens"] = {"long": rec.tokens["long"], "short": rec.tokens["short"]}
         if args.alone:
             out["long_tokens_same_alone"] = rec.tokens["long"] == alone_tokens
@@ -143,7 +146,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
     for name, rs in by.items():
         med = {k: statistics.median(r[k] for r in rs)
-               for k in ("short_ttft_s", "short_steps", "long_ttft_s", "long_steps",
+               for k in ("short_ttft_s", "short_steps", "short_e2e_s", "long_ttft_s", "long_steps",
                          "long_alone_ttft_s") if k in rs[0]}
         med["short_ttft_max_s"] = max(r["short_ttft_s"] for r in rs)
         if base is not None:
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             r = run_one(loaded, args, name, rnd)
             runs.append(r)
             print(f"round {rnd} {name:<18} short TTFT {r['short_ttft_s']:6.2f} s "
-                  f"({r['short_steps']} steps); long TTFT {r['long_ttft_s']:6.2f} s "
+                  f"({r['short_steps']} steps), done {r['short_e2e_s']:6.2f} s; long TTFT {r['long_ttft_s']:6.2f} s "
                   f"({r['long_steps']} steps), alone {r.get('long_alone_ttft_s', float('nan')):6.2f} s",
                   flush=True)
     summary = summarize(runs)
