@@ -290,9 +290,13 @@ class SchedulerConfig:
         "prefill chunk is also at most this many tokens. 0: none is long, or with "
         "--max-num-partial-prefills > 1, 4% of --max-model-len (as vLLM)",
         parse=human_readable_int)
+    # 2, not vLLM's 1: an 8-token request sent into a 5,000-token prefill got its first
+    # token in 2 steps instead of 10, the long prompt's own TTFT unchanged within noise
+    # (BENCHMARKS.md, "Long prompts"); 1 restores vLLM's schedule.
     max_num_partial_prefills: int = opt(
-        1, "above 1, the prompts being prefilled (up to this many) split each step's token "
-        "budget, so a short prompt arriving during a long one's prefill starts at once")
+        2, "above 1, the prompts being prefilled (up to this many) split each step's token "
+        "budget left after the running decodes' tokens, so a short prompt arriving during a "
+        "long one's prefill starts at once (1: vLLM's default, a prompt ahead takes it all)")
     max_long_partial_prefills: int = opt(
         1, "with --max-num-partial-prefills > 1, at most this many long prompts prefill at "
         "once; shorter ones pass a long one waiting behind them")
