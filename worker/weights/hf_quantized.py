@@ -221,6 +221,62 @@ def as_gguf_blocks(w: ScaledWeight) -> QuantizedWeight | None:
     return QuantizedWeight("Q4_1", blocks.reshape(n, -1), w.shape)
 
 
+def checkpoint_records(w: ScaledWeight) -> QuantizedWeight | None:
+    """An int4 or int8 weight as blocks of the CPU kernels' checkpoint types (quant_types.h),
+    whose scales are float32, so they hold any checkpoint's scales as they are:
+
+    - int4 in groups of 128 (or a multiple) as Q4_G128, of 32 or 64 as Q4_G32: per group
+      d = s and m = -s z (z = 8 where symmetric); w = d q + m is s (q - z) exactly where s z
+      is exact in float32 (fp16 and bf16 scales: 11 or 8 significant bits times z < 16),
+      else m is s z rounded once (float32 scales), as the dequantization's own rounding;
+    - int8 per channel as Q8_CH (in_features a multiple of 128): d = the channel's scale.
+
+    None for anything else (fp8; int4 groups not a multiple of 32; int8 with in_features not
+    a multiple of 128): the loader dequantizes those."""
+    n, k = w.shape
+    if w.kind == "int8" and w.block is None and k % 128 == 0:
+        d = w.scale.to(torch.float32).reshape(n, 1).expand(n, k // 128).contiguous()
+        q = w.qweight.reshape(n, k // 128, 128).contiguous()
+        blocks = np.concatenate([d.numpy().view(np.uint8).reshape(n, k // 128, 4), q.numpy().view(np.uint8)], -1)
+        return QuantizedWeight("Q8_CH", blocks.reshape(n, -1), w.shape)
+    if w.kind != "int4" or w.group_size % 32:
+        return None
+    qtype, block = ("Q4_G128", 128) if w.group_size % 128 == 0 else ("Q4_G32", 32)
+    per = w.group_size // block
+    s = w.scale.to(torch.float64)
+    z = 8.0 if w.zero is None else w.zero.to(torch.float64)
+    d = s.to(torch.float32).repeat_interleave(per, 1)
+    m = (-s * z).to(torch.float32).repeat_interleave(per, 1)  # rounded once, where not exact
+    u = unpack_int4(w.qweight).reshape(n, k // 32, 32)
+    qs = (u[..., :16] | (u[..., 16:] << 4)).reshape(n, k // block, block // 2)  # k = j low, j + 16 high
+    fields = [d.numpy().view(np.uint8).reshape(n, -1, 4), m.numpy().view(np.uint8).reshape(n, -1, 4), qs.numpy()]
+    return QuantizedWeight(qtype, np.concatenate(fields, -1).reshape(n, -1), w.shape)
+
+
+def cpu_records(w: ScaledWeight) -> QuantizedWeight | None:
+    """The CPU kernels' holding of a checkpoint weight: a symmetric int4 with fp16-exact
+    scales as Q4_0 (`as_gguf_blocks`: no m term, so no cancellation with the block's sum),
+    else `checkpoint_records`; None: dequantized at load (fp8)."""
+    if w.kind == "int4" and w.zero is None:
+        blocks = as_gguf_blocks(w)
+        if blocks is not None:
+            return blocks
+    return checkpoint_records(w)
+
+
+def cpu_record_type(kind: str, symmetric: bool, group_size: int, k: int, fp16_scales: bool) -> str | None:
+    """The record type `cpu_records` picks for a linear of `k` inputs, from the format alone
+    (the planner's): `fp16_scales` where the checkpoint stores its scales in float16."""
+    if kind == "int8":
+        return "Q8_CH" if k % 128 == 0 else None
+    g = k if group_size == -1 else group_size
+    if kind != "int4" or g % 32:
+        return None
+    if symmetric and fp16_scales:
+        return "Q4_0"
+    return "Q4_G128" if g % 128 == 0 else "Q4_G32"
+
+
 class _Reader:
     """The checkpoint's tensors by module, grouped as they arrive."""
 
@@ -334,7 +390,7 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
         if name == "lm_head.weight" and model.lm_head is None:
             continue
         if isinstance(item, ScaledWeight):
-            blocks = as_gguf_blocks(item) if cpu_activations and device.type == "cpu" and dequantize_on_cpu else None
+            blocks = cpu_records(item) if cpu_activations and device.type == "cpu" and dequantize_on_cpu else None
             if blocks is not None and supports(blocks.qtype, blocks.shape):
                 later.append((name.removesuffix(".weight"), blocks))
             elif device.type == "cpu" and dequantize_on_cpu:  # weight-only: dequantized once, here
@@ -352,7 +408,7 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
         if meta.bias is not None and meta.bias.is_meta:
             raise ValueError(f"weights missing from the checkpoint: {path}.bias")
         parent, _, child = path.rpartition(".")
-        if isinstance(w, QuantizedWeight):  # the CPU's GGUF kernels (kernels49's Q4_0 / Q4_1 records)
+        if isinstance(w, QuantizedWeight):  # the CPU's integer kernels (Q4_0, Q4_G128, Q4_G32, Q8_CH records)
             assert cpu_activations is not None
             layer: nn.Module = QuantLinear(w, meta.bias, activations_for(w, cpu_activations))
         else:
