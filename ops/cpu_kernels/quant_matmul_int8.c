@@ -447,7 +447,9 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
  * with D, M the sub-block's scales in float32 (quant_types.h). AVX2 without VNNI sums
  * vpmaddubsw's pairs in int16 for as many chunks as cannot overflow (4 for 4-bit quants, 2
  * for 5-bit, 1 for 6-bit), then in int32; IQ4's values go signed there, with the digits'
- * signs (as Q8_0's). The sums are exact either way: every build gives the same bits. */
+ * signs (as Q8_0's). The sums are exact either way: every build gives the same bits.
+ * Q8_CH's 8-bit q + 128 are vpdpbusd's unsigned side too, 128 times the digits' sum out;
+ * vpmaddubsw takes them as 16 a + b (nibbles), each product's pairs below 2^15. */
 
 /* The digits' sum of plane p over sub-block b's half kh (the whole block when halves == 1). */
 INLINE int32_t qn_digits(const qact *a, int p, size_t nt, int b, int halves, int kh) {

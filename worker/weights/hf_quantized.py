@@ -9,8 +9,11 @@ input, a g_idx that reorders), converted into one `ScaledWeight` in the kernels'
 (ops/scaled_linear.py), and fused as the model fuses q/k/v and gate/up. Then:
 
 - on CUDA each becomes a `ScaledLinear` on the device (the Triton kernels compute on it);
-- on the CPU each is dequantized at load into the model's dtype (weight-only: the CPU has
-  no kernels of these types yet, so it multiplies float weights as for any folder).
+- on the CPU in float32 with the C kernels built (the load's --cpu-activations), int4 and
+  int8 linears become `QuantLinear` layers on the integer kernels' records (`cpu_records`:
+  Q4_0, Q4_G128, Q4_G32, Q8_CH; no float32 copy), multiplying in that arithmetic;
+- else on the CPU (fp8, --no-cpu-quantized-linear, other dtypes) each is dequantized at load
+  into the model's dtype (weight-only: it multiplies float weights as for any folder).
 
 Everything else (embeddings, norms, float linears the config ignores) is set as it comes.
 A compressed-tensors kv_cache_scheme's k_scale / v_scale go to each layer's attention.
@@ -266,7 +269,9 @@ def cpu_records(w: ScaledWeight) -> QuantizedWeight | None:
 
 def cpu_record_type(kind: str, symmetric: bool, group_size: int, k: int, fp16_scales: bool) -> str | None:
     """The record type `cpu_records` picks for a linear of `k` inputs, from the format alone
-    (the planner's): `fp16_scales` where the checkpoint stores its scales in float16."""
+    (the planner's): `fp16_scales` where the checkpoint stores its scales in float16 or
+    bfloat16, whose values fp16 holds (bf16 ones below 2^-14 but for a few bits: there the
+    loader takes Q4_G128, the same bytes for groups of 128)."""
     if kind == "int8":
         return "Q8_CH" if k % 128 == 0 else None
     g = k if group_size == -1 else group_size
