@@ -202,7 +202,7 @@ def _cpu_records(model: ModelInfo) -> dict[str, tuple[str, int]]:
     fmt = model.quantization
     if fmt is None or fmt.kind not in ("int4", "int8"):
         return {}
-    scale = hf_quantized.REQUIRED[fmt.layout][1]
+    scale = "scales" if fmt.layout in ("awq", "gptq") else "weight_scale"
     fp16 = all(t.dtype in ("F16", "BF16") for t in model.tensors if t.name.endswith("." + scale))
 
     def record(n: int, k: int) -> str | None:  # as the loader's supports() takes it
