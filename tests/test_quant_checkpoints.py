@@ -40,12 +40,13 @@ pytest.importorskip("compressed_tensors")
 PROMPTS = [[1, 45, 77, 300, 12, 9], [1, 200, 201, 202, 7, 99, 411, 36, 5, 18, 260, 3], [1, 5]]
 NEW_TOKENS = 16
 CT = {"ct-fp8-channel": "FP8_DYNAMIC", "ct-fp8-block": "FP8_BLOCK", "ct-w4a16": "W4A16",
-      "ct-w4a16-asym": "W4A16_ASYM", "ct-w8a8": "W8A8"}
+      "ct-w4a16-asym": "W4A16_ASYM", "ct-w8a8": "W8A8", "ct-w8a16": "W8A16"}
 NAMES = {"ct-fp8-channel": "compressed-tensors FP8 per-channel weights, dynamic per-token activations",
          "ct-fp8-block": "compressed-tensors FP8 128x128 block weights, dynamic per-group (128) activations",
          "ct-w4a16": "compressed-tensors W4A16 groups of 128, symmetric",
          "ct-w4a16-asym": "compressed-tensors W4A16 groups of 128, asymmetric (zero points)",
          "ct-w8a8": "compressed-tensors INT8 per-channel weights, dynamic per-token activations",
+         "ct-w8a16": "compressed-tensors W8A16 INT8 groups of 128 weights",
          "fp8": "fp8 FP8 128x128 block weights, dynamic per-group (128) activations",
          "fbgemm": "fbgemm_fp8 FP8 per-channel weights, dynamic per-token activations",
          "awq": "awq W4A16 groups of 128, asymmetric (zero points)",
@@ -239,12 +240,13 @@ def test_the_gpu_path_end_to_end_in_the_interpreter(fmt, folder) -> None:
 
 
 @pytest.mark.parametrize("fmt, qtype", [("gptq", "Q4_0"), ("awq", "Q4_G128"), ("ct-w4a16-asym", "Q4_G128"),
-                                        ("ct-w8a8", "Q8_CH")])
+                                        ("ct-w8a8", "Q8_CH"), ("ct-w8a16", "Q8_CH")])
 def test_int4_and_int8_on_the_cpus_integer_kernels(fmt, qtype, folder, reference) -> None:
     """Every quantized linear held on the CPU kernels' records (no float32 copy): GPTQ
     (symmetric, fp16 scales) as Q4_0 blocks, AWQ and compressed-tensors' asymmetric W4A16
     (zero points) as Q4_G128 (float32 d = s and m = -s z per group of 128), W8A8's int8
-    per-channel weights as Q8_CH (float32 channel scales), multiplying in float32 (weight-only,
+    per-channel weights and W8A16's groups of 128 as Q8_CH (float32 scales per output and 128
+    inputs), multiplying in float32 (weight-only,
     W8A8's activations not quantized) and int16 activations (--cpu-activations): against
     transformers on the dequantized weights (compressed-tensors' own decompression, or the
     numpy one), float32 activations give its greedy tokens and logits within 2e-4 of the

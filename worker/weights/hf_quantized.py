@@ -159,6 +159,13 @@ def convert(fmt: QuantFormat, module: str, parts: dict[str, torch.Tensor], shape
         got = tuple(int(v) for v in parts["weight_shape"].reshape(-1).tolist())
         if got != (n, k):
             raise c.fail("weight_shape", f"says {got}; this linear is {(n, k)}")
+        if fmt.kind == "int8":  # W8A16: byte i of word j is input 4j + i, as q + 128
+            words = c.shape(parts, "weight_packed", (n, k // 4), (torch.int32,))
+            q = (words.contiguous().view(torch.uint8).reshape(n, k).to(torch.int16) - 128).to(torch.int8)
+            s = c.scale(parts, "weight_scale", (n, k // g))
+            if g == k:
+                return ScaledWeight("int8", q, s.reshape(n), shape)
+            return ScaledWeight("int8", q, s, shape, block=(1, g))
         q = c.shape(parts, "weight_packed", (n, k // 8), (torch.int32,))
         s = c.scale(parts, "weight_scale", (n, k // g))
         _g_idx(c, parts, "weight_g_idx", k, g)
@@ -232,13 +239,15 @@ def checkpoint_records(w: ScaledWeight) -> QuantizedWeight | None:
       d = s and m = -s z (z = 8 where symmetric); w = d q + m is s (q - z) exactly where s z
       is exact in float32 (fp16 and bf16 scales: 11 or 8 significant bits times z < 16),
       else m is s z rounded once (float32 scales), as the dequantization's own rounding;
-    - int8 per channel as Q8_CH (in_features a multiple of 128): d = the channel's scale.
+    - int8 per channel, or in groups of a multiple of 128 (W8A16), as Q8_CH (in_features a
+      multiple of 128): d = the channel's (group's) scale, exactly.
 
     None for anything else (fp8; int4 groups not a multiple of 32; int8 with in_features not
     a multiple of 128): the loader dequantizes those."""
     n, k = w.shape
-    if w.kind == "int8" and w.block is None and k % 128 == 0:
-        d = w.scale.to(torch.float32).reshape(n, 1).expand(n, k // 128).contiguous()
+    g = k if w.block is None else w.block[1]
+    if w.kind == "int8" and k % 128 == 0 and g % 128 == 0 and (w.block is None or w.block[0] == 1):
+        d = w.scale.to(torch.float32).reshape(n, -1).repeat_interleave(g // 128, 1)
         q = w.qweight.reshape(n, k // 128, 128).contiguous()
         blocks = np.concatenate([d.numpy().view(np.uint8).reshape(n, k // 128, 4), q.numpy().view(np.uint8)], -1)
         return QuantizedWeight("Q8_CH", blocks.reshape(n, -1), w.shape)
@@ -272,9 +281,9 @@ def cpu_record_type(kind: str, symmetric: bool, group_size: int, k: int, fp16_sc
     (the planner's): `fp16_scales` where the checkpoint stores its scales in float16 or
     bfloat16, whose values fp16 holds (bf16 ones below 2^-14 but for a few bits: there the
     loader takes Q4_G128, the same bytes for groups of 128)."""
+    g = k if group_size <= 0 else group_size  # int8 per channel: 0 or -1
     if kind == "int8":
-        return "Q8_CH" if k % 128 == 0 else None
-    g = k if group_size == -1 else group_size
+        return "Q8_CH" if k % 128 == 0 and g % 128 == 0 else None
     if kind != "int4" or g % 32:
         return None
     if symmetric and fp16_scales:
@@ -398,7 +407,8 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
             blocks = cpu_records(item) if cpu_activations and device.type == "cpu" and dequantize_on_cpu else None
             if blocks is not None and supports(blocks.qtype, blocks.shape):
                 later.append((name.removesuffix(".weight"), blocks))
-            elif device.type == "cpu" and dequantize_on_cpu:  # weight-only: dequantized once, here
+            elif (device.type == "cpu" and dequantize_on_cpu) or (item.kind == "int8" and item.block is not None):
+                # weight-only: dequantized once, here (W8A16's int8 groups: no Triton kernel takes them)
                 _set_parameter(model, name, dequantize(item, dtype), device, dtype)
             else:
                 later.append((name.removesuffix(".weight"), item))
