@@ -1,7 +1,8 @@
 """One linear call of a pre-quantized checkpoint's int8 / int4 weight on the CPU kernels'
 records (Q8_CH: W8A8 / W8A16 per channel; Q4_G128: AWQ / GPTQ with zero points) against
 the same weight dequantized to float32 at load (torch's F.linear: what the CPU ran before),
-at decode-shaped rows, sides alternating within each round; medians in ms and each side's
+and the GGUF kernels of as many bits a weight (Q8_0; Q4_0, and Q4_1 whose d q + m is Q4_G128's: random blocks) for scale, at
+decode-shaped rows, sides alternating within each round; medians in ms and each side's
 ratio to float32 (above 1: faster), as JSON.
 
     python -m benchmarks.checkpoint_linear --shape 4096,4096 --rows 1,8 --rounds 15 \
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gguf_blocks import random_weight
 from clients.bench.environment import environment
 from ops import quantized_linear as ql
 from ops.scaled_linear import ScaledWeight, dequantize, pack_int4
@@ -61,6 +63,15 @@ def main(argv: list[str] | None = None) -> None:
         for act in args.activations.split(","):
             layer = ql.QuantLinear(qw, activations=act)
             sides[f"{kind} {qw.qtype} {act}"] = (layer, layer.packed.nbytes)
+            # GGUF types of as many bits a weight (fp16 scales), for scale.
+            for qtype in ("Q8_0",) if kind == "int8" else ("Q4_0", "Q4_1"):
+                gw = random_weight(qtype, n, k, seed=1)
+                if qtype == "Q8_0":  # no quant of -128 (the Q8_0 integer kernels refuse them)
+                    b = gw.blocks.reshape(n, k // 32, 34).copy()
+                    b[..., 2:][b[..., 2:] == 0x80] = 0x81
+                    gw = ql.QuantizedWeight("Q8_0", b.reshape(n, -1), (n, k))
+                gguf = ql.QuantLinear(gw, activations=act)
+                sides[f"{kind} gguf-{qtype} {act}"] = (gguf, gguf.packed.nbytes)
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, k)
