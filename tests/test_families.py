@@ -117,12 +117,24 @@ class Checkpoint:
                      (("short", SHORT, NEW), ("long", LONG, NEW), ("repeated", REPEATED, SPEC_NEW))}
 
     def load(self, quantized: bool):
+        """Our load of the folder; `quantized`: its layers' linears (q/k/v and gate/up fused
+        as we hold them) made Q8_0 QuantLinears, for the fused decoder. Their rows are the
+        checkpoint's Q8_0-exact rows, which quantize to themselves (checked)."""
         loaded = load_model(str(self.folder))
         if quantized:
-            from ops.quantized_linear import QuantizedWeight
-            from worker.weights.gguf_file import quantized_linears
+            from gguf import GGMLQuantizationType, quants
 
-            loaded.quantized = quantized_linears({n: QuantizedWeight("Q8_0", b, s) for n, (b, s) in self.blocks.items()})
+            from ops.quantized_linear import QuantizedWeight, quantize_linears
+
+            q8 = GGMLQuantizationType.Q8_0
+            blocks = {}
+            for name, mod in loaded.model.named_modules():
+                if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
+                    w = mod.weight.detach().numpy()
+                    b = quants.quantize(w, q8)
+                    assert np.array_equal(quants.dequantize(b, q8), w), name
+                    blocks[name] = QuantizedWeight("Q8_0", np.ascontiguousarray(b), w.shape)
+            assert quantize_linears(loaded.model, blocks, "float32") == 4 * 2
         return loaded
 
 
