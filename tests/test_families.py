@@ -323,3 +323,41 @@ def test_a_window_past_the_context_is_global_and_said(caplog) -> None:
         cfg = LlamaConfig.from_hf(_hf_dict(architectures=["Phi3ForCausalLM"], sliding_window=256))
     assert cfg.window_of(0) is None
     assert "sliding_window 256 is not below max_position_embeddings 128" in caplog.text
+
+
+# ----- a qwen3 GGUF, by llama.cpp's convert_hf_to_gguf -----
+
+
+def test_a_qwen3_gguf_equals_transformers_on_its_folder() -> None:
+    """convert_hf_to_gguf writes a Qwen3 folder (q/k norms, YaRN over an original context
+    of 32) as architecture qwen3 with attn_q_norm / attn_k_norm and rope.scaling.*; our load
+    of the file equals transformers on the folder within and beyond the original context.
+    (The folder and file are kept in the GGUF tests' cache, as theirs.)"""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from benchmarks import make_gguf_models as made
+
+    tools = made.find_tools()
+    if tools is None:
+        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_tools)")
+    folder = made.cache_dir() / f"qwen3-tiny-hf-{made.RECIPE}"
+    if not (folder / "config.json").is_file():
+        tmp = folder.with_name(folder.name + ".part")
+        tmp.mkdir(parents=True, exist_ok=True)
+        config = Qwen3Config(**{**SHAPE, "vocab_size": 49152, "pad_token_id": None}, head_dim=32,
+                             max_position_embeddings=128, rope_scaling=dict(
+                                 rope_type="yarn", factor=4.0, original_max_position_embeddings=ORIGINAL))
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
+        made._tokenizer_folder(tmp)  # the default model's tokenizer (the converter reads one)
+        tmp.rename(folder)
+    path = made.converted(tools, folder, "qwen3-tiny")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_model(str(path))
+    assert ours.config.architecture == "Qwen3ForCausalLM" and ours.config.qk_norm
+    assert ours.config.rope_scaling.rope_type == "yarn"
+    for ids in (SHORT, LONG):
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids]), use_cache=False).logits[0, -1]
+        rel = ((last_logits(ours.model, ids) - ref).abs().max() / ref.abs().max()).item()
+        assert rel < 1e-4, f"{len(ids)} tokens: relative max logit error {rel:.2e}"
