@@ -97,7 +97,7 @@ def test_a_qwen3_chat_through_serve_and_grpc_matches_transformers(folder) -> Non
     ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     want, _ = hf_greedy(hf, ids, NEW)
-    w = Worker("--model", str(folder), "--kernels", "torch")
+    w = Worker("--model", str(folder), "--kernels", "torch", "--max-model-len", "128")
     try:
         w.wait_ready()
         chunks, done = run(w.stub, chat=pb.ChatInput(messages=[pb.ChatMessage(**m) for m in CONVERSATION]),
