@@ -51,7 +51,8 @@ class _QLinear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
-                ("input_norm", _p), ("post_norm", _p), ("window", _i32)]
+                ("input_norm", _p), ("post_norm", _p), ("window", _i32), ("q_norm", _p), ("k_norm", _p),
+                ("cos_sin", _p)]
 
 
 class _LoraLinear(ctypes.Structure):
@@ -65,7 +66,7 @@ class _LoraLayer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", _i32), ("intermediate", _i32), ("num_heads", _i32), ("num_kv_heads", _i32),
                 ("head_dim", _i32), ("num_layers", _i32), ("eps", _f32), ("scale", _f32),
-                ("layers", ctypes.POINTER(_Layer)), ("final_norm", _p), ("cos_sin", _p),
+                ("layers", ctypes.POINTER(_Layer)), ("final_norm", _p), ("rot_dim", _i32),
                 ("embed_kind", _i32), ("embed", _p), ("block_size", _i32),
                 ("lora", ctypes.POINTER(_LoraLayer)), ("lora_rank", _i32), ("head", _QLinear)]
 
@@ -154,20 +155,24 @@ class CpuDecoder:
         self.block_size = block_size
         self._keep: list[Any] = []  # every tensor the C side points at stays alive here
         layers = (_Layer * cfg.num_layers)()
+        cos_sin = model.cos_sin.contiguous()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norms = [layer.input_layernorm.detach().contiguous(), layer.post_attention_layernorm.detach().contiguous()]
-            self._keep += [*norms, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            qk = [None if n is None else n.detach().contiguous() for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))]
+            # A layer's own table where it has one (two rope bases: Gemma 3's local layers).
+            table_cs = cos_sin if getattr(attn, "cos_sin", None) is None else attn.cos_sin.contiguous()
+            self._keep += [*norms, *qk, table_cs, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             layers[i] = _Layer(_qlinear(attn.qkv_proj), _qlinear(attn.o_proj), _qlinear(mlp.gate_up_proj),
                                _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr(),
-                               min(attn.window or 0, 2**31 - 1))  # (past any context a cache holds)
+                               min(attn.window or 0, 2**31 - 1),  # (past any context a cache holds)
+                               *(None if n is None else n.data_ptr() for n in qk), table_cs.data_ptr())
         embed = model.embed_tokens
         if isinstance(embed, QuantEmbedding):
             kind, table = embed.code, embed.packed
         else:
             kind, table = _EMBED_TABLE, embed.weight.detach().contiguous()
         final_norm = model.norm.detach().contiguous()
-        cos_sin = model.cos_sin.contiguous()
         self._keep += [layers, table, final_norm, cos_sin]
         self.activations = ", ".join(sorted({lin.activations for layer in model.layers for lin in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}))
@@ -183,9 +188,12 @@ class CpuDecoder:
         # The LM head, when quantized: a decode step's logits come from the same call.
         head = model.lm_head if model.lm_head is not None else model.tied_head
         self.head = head if isinstance(head, QuantLinear) and head.bias is None else None
+        # The rotating dimensions: the table's width (partial rotary: fewer than head_dim).
+        rot_dim = cos_sin.shape[1]
+        assert rot_dim % 2 == 0 and rot_dim <= cfg.head_dim, (rot_dim, cfg.head_dim)
         self._model = _Model(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                             cfg.head_dim, cfg.num_layers, cfg.rms_norm_eps, cfg.head_dim**-0.5,
-                             layers, final_norm.data_ptr(), cos_sin.data_ptr(), kind, table.data_ptr(),
+                             cfg.head_dim, cfg.num_layers, cfg.rms_norm_eps, model.layers[0].self_attn.scale,
+                             layers, final_norm.data_ptr(), rot_dim, kind, table.data_ptr(),
                              block_size, lora_layers, rank,
                              _qlinear(self.head) if self.head is not None else _QLinear())
         self.has_lora = lora is not None

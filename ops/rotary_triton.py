@@ -91,6 +91,8 @@ def _rotary_kv_write_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     KV_FP8: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # Axis 0: token. Axis 1: a tile of q heads, or (past the q tiles) a tile of
     # kv heads whose k is rotated and whose k and v go to the cache.
@@ -122,13 +124,26 @@ def _rotary_kv_write_kernel(
             kc = kc_ptr + blk * kc_sb + off * kc_so + h[:, None] * kc_sh + ds[None, :] * kc_sd
             tl.store(kc, _to_cache(y1, k_scale, kc_ptr, KV_FP8), mask=mask)
             tl.store(kc + HALF * kc_sd, _to_cache(y2, k_scale, kc_ptr, KV_FP8), mask=mask)
-            # v is copied as two halves too, so one tile shape serves the whole program.
-            vp = v_ptr + t * v_st + h[:, None] * v_sh + ds[None, :] * v_sd
-            vc = vc_ptr + blk * vc_sb + off * vc_so + h[:, None] * vc_sh + ds[None, :] * vc_sd
-            v1 = tl.load(vp, mask=mask, other=0.0)
-            v2 = tl.load(vp + HALF * v_sd, mask=mask, other=0.0)
-            tl.store(vc, _to_cache(v1, v_scale, vc_ptr, KV_FP8), mask=mask)
-            tl.store(vc + HALF * vc_sd, _to_cache(v2, v_scale, vc_ptr, KV_FP8), mask=mask)
+            if 2 * HALF == HEAD_D:
+                # v is copied as two halves too, so one tile shape serves the whole program.
+                vp = v_ptr + t * v_st + h[:, None] * v_sh + ds[None, :] * v_sd
+                vc = vc_ptr + blk * vc_sb + off * vc_so + h[:, None] * vc_sh + ds[None, :] * vc_sd
+                v1 = tl.load(vp, mask=mask, other=0.0)
+                v2 = tl.load(vp + HALF * v_sd, mask=mask, other=0.0)
+                tl.store(vc, _to_cache(v1, v_scale, vc_ptr, KV_FP8), mask=mask)
+                tl.store(vc + HALF * vc_sd, _to_cache(v2, v_scale, vc_ptr, KV_FP8), mask=mask)
+            else:
+                # Partial rotary: k's dimensions past the rotating ones, as given, and v whole.
+                dd = tl.arange(0, BLOCK_D)
+                h_ok = (h < num_kv_heads)[:, None]
+                tail = h_ok & ((dd >= 2 * HALF) & (dd < HEAD_D))[None, :]
+                kp = k_ptr + t * k_st + h[:, None] * k_sh + dd[None, :] * k_sd
+                kt = kc_ptr + blk * kc_sb + off * kc_so + h[:, None] * kc_sh + dd[None, :] * kc_sd
+                tl.store(kt, _to_cache(tl.load(kp, mask=tail, other=0.0), k_scale, kc_ptr, KV_FP8), mask=tail)
+                whole = h_ok & (dd < HEAD_D)[None, :]
+                vp = v_ptr + t * v_st + h[:, None] * v_sh + dd[None, :] * v_sd
+                vc = vc_ptr + blk * vc_sb + off * vc_so + h[:, None] * vc_sh + dd[None, :] * vc_sd
+                tl.store(vc, _to_cache(tl.load(vp, mask=whole, other=0.0), v_scale, vc_ptr, KV_FP8), mask=whole)
 
 
 def rotary_kv_write_triton(
@@ -148,7 +163,8 @@ def rotary_kv_write_triton(
 
     q: [T, Hq, D]; k, v: [T, Hkv, D], any strides (views of a fused qkv output
     are the intended case); positions, slot_mapping: [T] integer; cos_sin:
-    [max_pos, D] (cos | sin, any float dtype, read as float32); caches:
+    [max_pos, R] (cos | sin, any float dtype, read as float32; R <= D even: the first R
+    dimensions rotate, the rest pass through, partial rotary); caches:
     [num_blocks, block_size, Hkv, D]. A slot < 0 writes nothing. The rotation is
     computed in float32 and rounded once to q's dtype, then to the cache dtype.
     Returns (q, k), the very tensors given, now rotated. One launch, grid
@@ -167,7 +183,10 @@ def rotary_kv_write_triton(
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     if cos_sin.stride(1) != 1:
         cos_sin = cos_sin.contiguous()
-    half = d // 2
+    rot = cos_sin.shape[1]
+    if rot % 2 or rot > d:
+        raise ValueError(f"rotary table of width {rot} for head_dim {d}")
+    half = rot // 2
     block_half = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(hq, hkv)), max(1, _TILE // block_half))
     grid = (t, triton.cdiv(hq, block_h) + triton.cdiv(hkv, block_h))
@@ -195,6 +214,8 @@ def rotary_kv_write_triton(
         BLOCK_HALF=block_half,
         BLOCK_H=block_h,
         KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+        HEAD_D=d,
+        BLOCK_D=triton.next_power_of_2(d),
         num_warps=4,
     )
     return q, k

@@ -190,6 +190,9 @@ class Engine:
                 f"--max-model-len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {mcfg.max_position_embeddings}"
             )
+        serve_context = getattr(loaded.model, "serve_context", None)
+        if serve_context is not None:  # a rotary table made for the served context
+            serve_context(self.max_model_len)
         self.kv_dtype = memory.kv_cache_dtype(config.cache.kv_cache_dtype, loaded.device, loaded.dtype)
         self.budget = self._kv_budget()
         log.info(self.budget.describe())

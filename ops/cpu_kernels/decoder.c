@@ -4,8 +4,11 @@
  * One layer, for the step's M tokens (rows), with the residual stream r [M, H]:
  *
  *   attn_in    xn = rms_norm(r) * w_in                        (rows shared among threads)
- *              qkv = xn @ Wqkv^T (+ bias)   per head: its D/32 tiles, then rotary on q and k
- *                                           heads, k and v heads written to the paged cache
+ *              qkv = xn @ Wqkv^T (+ bias)   per head: its D/32 tiles, then (Qwen3) an RMSNorm
+ *                                           of each q and k head over D, rotary on q and k
+ *                                           heads' first rot_dim dimensions (the layer's
+ *                                           cos/sin table: every RoPE variant precomputed),
+ *                                           k and v heads written to the paged cache
  *   attention  att = softmax(q k^T / sqrt(D)) v   every row as a decode query over its
  *                                           request's first position + 1 cached tokens
  *                                           (paged_attention.c), prefill rows included;
@@ -56,6 +59,8 @@ typedef struct {
     qlinear qkv, o, gate_up, down;
     const float *input_norm, *post_norm; /* [H] */
     int window; /* > 0: the layer's sliding window (paged_attention.c's attn_args.window); 0: none */
+    const float *q_norm, *k_norm; /* [D] per-head RMSNorm weights of q and k before rotary, or NULL */
+    const float *cos_sin;         /* [max_positions, rot_dim]: cos in the first half, sin in the second */
 } layer_weights;
 
 #define EMBED_TABLE (-1) /* else embed_kind is the records' QT_* code */
@@ -65,7 +70,7 @@ typedef struct {
     float eps, scale;
     const layer_weights *layers;
     const float *final_norm;
-    const float *cos_sin; /* [max_positions, head_dim]: cos in the first half, sin in the second */
+    int rot_dim; /* the rotating dimensions of each head (partial rotary: < head_dim), even */
     int embed_kind;       /* EMBED_TABLE: a float table [V, H]; else the QT_* code of its records
                            * (a tied head's, or its own: quant_row) */
     const void *embed;
@@ -271,14 +276,21 @@ static void rms_norm_row(const float *x, const float *w, int H, float eps, float
         _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _mm256_loadu_ps(w + i)));
 }
 
-/* x[D] rotated in place by the position's row of cos_sin (rotate-half layout). */
-static void rotary_row(float *x, const float *cs, int D) {
-    const int half = D / 2;
-    for (int i = 0; i < half; i += 8) {
+/* x[0..R) rotated in place by the position's row of cos_sin (rotate-half layout over the
+ * first R dimensions; the rest of the head passes through: partial rotary). */
+static void rotary_row(float *x, const float *cs, int R) {
+    const int half = R / 2;
+    int i = 0;
+    for (; i + 8 <= half; i += 8) {
         const __m256 c = _mm256_loadu_ps(cs + i), sn = _mm256_loadu_ps(cs + half + i);
         const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
         _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, sn)));
         _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(x2, c), _mm256_mul_ps(x1, sn)));
+    }
+    for (; i < half; i++) { /* (a half not a multiple of 8: Phi-4-mini's 48 is, tiny tests' 12 not) */
+        const float c = cs[i], sn = cs[half + i], x1 = x[i], x2 = x[half + i];
+        x[i] = x1 * c - x2 * sn;
+        x[half + i] = x2 * c + x1 * sn;
     }
 }
 
@@ -459,9 +471,11 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
         if (lq) /* slices q, k, v: the head's columns within its slice */
             lora_expand_tile(lq, m, s, t, is_k ? 1 : is_v ? 2 : 0, (is_k ? h - Hq : is_v ? h - Hq - Hkv : h) * D,
                              D, y, ld);
+        const float *qk_norm = h < Hq ? L->q_norm : is_k ? L->k_norm : NULL;
         for (int r = 0; r < M; r++) {
             float *row = y + (size_t)r * ld;
-            if (!is_v) rotary_row(row, m->cos_sin + (size_t)s->positions[r] * D, D);
+            if (qk_norm) rms_norm_row(row, qk_norm, D, m->eps, row); /* (in place: each x read before its y) */
+            if (!is_v) rotary_row(row, L->cos_sin + (size_t)s->positions[r] * m->rot_dim, m->rot_dim);
             if (s->slots[r] < 0 || h < Hq) continue;
             void *cache = is_k ? s->k_caches[l] : s->v_caches[l];
             const size_t at = ((size_t)s->slots[r] * Hkv + (is_k ? h - Hq : h - Hq - Hkv)) * D;

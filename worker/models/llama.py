@@ -1,5 +1,10 @@
 """The Llama family in one file: Llama 2/3 (with Llama-3 RoPE scaling), Mistral,
-Qwen2 (q/k/v bias) and SmolLM2.
+Qwen2 (q/k/v bias), Qwen3 (q/k norms), Phi-3/Phi-4 (partial rotary, LongRoPE) and SmolLM2.
+
+The Llama decoder's hooks that other families take (worker/models/gemma.py): a per-head
+RMSNorm of q and k before rotary (`q_norm`, `k_norm`), a rotary table narrower than the
+head (`rotary_dim`), every RoPE variant as a precomputed table (ops/rotary.py), and a
+window per layer (`window_of`).
 
 Every forward pass is over a flat list of tokens from many requests (no batch
 dimension, no padding): prefill chunks and decodes share one step. Attention
@@ -10,6 +15,7 @@ touching this file.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -20,11 +26,15 @@ from torch import nn
 import ops
 from ops.attention import StepPlan
 from ops.lora import LoraRows, LoraStack
-from ops.rotary import RopeScaling
+from ops.rotary import CONTEXT_DEPENDENT, RopeScaling
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
+# Architectures whose attention normalizes each q and k head before rotary (RMSNorm over head_dim).
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 # transformers' names of a layer's attention (`layer_types`): a window, or every key.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -52,6 +62,10 @@ class LlamaConfig:
     # A GGUF's rope_freqs (Llama 3.1+): a divisor of each rotary pair's frequency, which the
     # converter computed from the llama3 rope_scaling (ops/rotary.py).
     rope_freq_factors: tuple[float, ...] | None = None
+    # The share of each head that rotates (Phi-4-mini: 0.75): its first rotary_dim dimensions.
+    partial_rotary_factor: float = 1.0
+    # RMSNorm of each q and k head over head_dim before rotary (Qwen3's q_norm, k_norm).
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -74,7 +88,20 @@ class LlamaConfig:
             bad = next((t for t in self.layer_types if t not in LAYER_TYPES), None)
             if bad is not None:
                 raise ValueError(f"layer_types entry {str(bad)[:40]!r} is not one of {', '.join(LAYER_TYPES)}")
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], not {str(f)[:40]!r}")
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"partial_rotary_factor {f} leaves {self.rotary_dim} of head_dim {self.head_dim} "
+                             "rotating: rotary pairs need an even number")
+        if w is not None and w >= self.max_position_embeddings:
+            log.warning("sliding_window %d is not below max_position_embeddings %d: every layer attends "
+                        "to every key (as transformers and vLLM take such configs)", w, self.max_position_embeddings)
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions rotate (transformers: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
     def window_of(self, layer: int) -> int | None:
         """How many of the most recent tokens a query at position p of `layer` attends to, p
         included: keys in (p - w, p], as transformers' sliding window (its mask keeps
@@ -96,20 +123,22 @@ class LlamaConfig:
         arch = archs[0]
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        scaling = None
-        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        if rs and rs.get("rope_type", rs.get("type")) == "llama3":
-            scaling = RopeScaling(
-                factor=float(rs["factor"]),
-                low_freq_factor=float(rs["low_freq_factor"]),
-                high_freq_factor=float(rs["high_freq_factor"]),
-                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-            )
-        elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling type {rs.get('rope_type', rs.get('type'))!r}")
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        if not isinstance(rs, dict):
+            raise ValueError(f"rope_scaling must be an object, not {str(rs)[:40]!r}")
+        phi3 = arch == "Phi3ForCausalLM"
+        scaling = RopeScaling.from_hf(
+            rs, max_pos, cfg.get("original_max_position_embeddings") if phi3 else None,
+            legacy={"su": "longrope", "yarn": "longrope"} if phi3 else None)
+        if scaling is not None and scaling.context_length is not None and scaling.context_length > max_pos:
+            log.info("max_position_embeddings %d extended to %d by rope_scaling %s (factor %g), as vLLM serves it",
+                     max_pos, scaling.context_length, scaling.rope_type, scaling.factor)
+            max_pos = scaling.context_length
         theta = cfg.get("rope_theta")
         if theta is None and rs:  # transformers 5 keeps it in rope_parameters
             theta = rs.get("rope_theta")
+        partial = cfg.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0))
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -121,10 +150,12 @@ class LlamaConfig:
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta if theta is not None else 10000.0),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             rope_scaling=scaling,
+            partial_rotary_factor=1.0 if partial is None else partial,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             **_windows_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
         )
 
@@ -132,19 +163,19 @@ class LlamaConfig:
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
 
 def _windows_from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     """sliding_window and layer_types as transformers' modeling code reads them for `arch`:
-    Mistral's window on every layer (its config's layer_types are ignored there); Qwen2's
-    only with use_sliding_window, on the layers layer_types names, or else on layers from
-    max_window_layers on; Llama has none."""
-    if arch == "MistralForCausalLM":
+    Mistral's and Phi-3's window on every layer (their configs' layer_types are ignored
+    there); Qwen2's and Qwen3's only with use_sliding_window, on the layers layer_types
+    names, or else on layers from max_window_layers on; Llama has none."""
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return {"sliding_window": cfg.get("sliding_window")}
-    if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window", False):
         types = cfg.get("layer_types")
         if types is None:
             first = int(cfg.get("max_window_layers", 28))
@@ -228,6 +259,10 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        # Qwen3's per-head RMSNorm of q and k (over head_dim), before rotary.
+        self.eps = cfg.rms_norm_eps
+        self.q_norm = nn.Parameter(torch.empty(cfg.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(cfg.head_dim)) if cfg.qk_norm else None
         # An fp8 KV cache's per-tensor scales (--kv-cache-dtype fp8): the checkpoint's
         # k_scale / v_scale where it has them (worker/weights/hf_quantized.py), else 1.0.
         self.k_scale = 1.0
@@ -247,6 +282,9 @@ class Attention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = ops.rms_norm(q, self.q_norm, self.eps)[0]
+            k = ops.rms_norm(k, self.k_norm, self.eps)[0]
         k_cache, v_cache = kv_cache
         # Only an fp8 cache takes scales (the C kernels never see one: refused on the CPU).
         fp8 = {"k_scale": self.k_scale, "v_scale": self.v_scale} if k_cache.dtype == torch.float8_e4m3fn else {}
@@ -317,6 +355,15 @@ class LlamaForCausalLM(nn.Module):
         # A runner may give a tied model a head of its own (a packed or quantized copy).
         self.tied_head: nn.Module | None = None
         self.register_buffer("cos_sin", rope_cache(cfg), persistent=False)
+
+    def serve_context(self, max_model_len: int) -> None:
+        """The longest context the engine serves: the rotary table of a type whose frequencies
+        depend on it (dynamic NTK, LongRoPE: ops/rotary.py's rope_inv_freq) is made for it."""
+        cfg = self.config
+        if cfg.rope_scaling is None or cfg.rope_scaling.rope_type not in CONTEXT_DEPENDENT:
+            return
+        self.cos_sin = rope_cache(cfg, max_model_len).to(self.norm.device)
+        log.info("%s", cfg.rope_scaling.describe(max_model_len))
 
     def forward(
         self,
@@ -403,14 +450,16 @@ def fuse_shards(named: Iterable[tuple[str, T]], cat: Callable[[list[T]], T | Non
     unfinished.update(parts)
 
 
-def rope_cache(cfg: LlamaConfig) -> torch.Tensor:
-    """The model's rotary cos/sin table (on the default device). On `meta` (a model a loader
-    fills, worker/weights/gguf_load.py) only its shape: torch's meta kernels for the math
-    would import ~140 MB of Python (torch._refs)."""
+def rope_cache(cfg: LlamaConfig, context: int | None = None) -> torch.Tensor:
+    """The model's rotary cos/sin table [max_position_embeddings, rotary_dim] (on the default
+    device), for a served context of `context` tokens (None: max_position_embeddings). On
+    `meta` (a model a loader fills, worker/weights/gguf_load.py) only its shape: torch's meta
+    kernels for the math would import ~140 MB of Python (torch._refs)."""
     if torch.empty(0).is_meta:
-        return torch.empty(cfg.max_position_embeddings, cfg.head_dim)
-    return ops.rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                  cfg.rope_scaling, cfg.rope_freq_factors)
+        return torch.empty(cfg.max_position_embeddings, cfg.rotary_dim)
+    return ops.rope_cos_sin_cache(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                  cfg.rope_scaling, cfg.rope_freq_factors,
+                                  context or cfg.max_position_embeddings)
 
 
 def our_name(hf_name: str) -> str | None:
