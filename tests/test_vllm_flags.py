@@ -191,7 +191,7 @@ def test_tensor_parallel_size_one_is_accepted() -> None:
 def test_tensor_parallel_size_above_one_is_taken(argv: list[str]) -> None:
     # What it does is tested in tests/test_tp_*.py; here the spellings and the bounds.
     assert parse(*argv).parallel.tensor_parallel_size == 3
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size must be in \[1, 64\], got 0"):
         parse("-tp", "0")
 
 
