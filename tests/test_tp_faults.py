@@ -93,6 +93,17 @@ def test_a_follower_that_cannot_load(workers) -> None:
     assert w.proc.wait(120) != 0
     w.wait_for(r"tensor parallel rank 1 could not load the model: injected load failure on rank 1",
                timeout=5)
-    assert not psutil.Process().children(recursive=True) or all(
-        "worker.parallel.follower" not in " ".join(p.cmdline()) or p.ppid() != w.proc.pid
-        for p in psutil.Process().children(recursive=True))
+    assert gone(_marked("1:load"), 5), "a follower outlived the failed start"
+
+
+def _marked(fault: str) -> list[psutil.Process]:
+    """The followers started with this fault in their environment (this worker's only)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if ("worker.parallel.follower" in " ".join(p.cmdline())
+                    and p.environ().get(FAULT) == fault):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found

@@ -143,3 +143,29 @@ def test_the_group_sends_tensors_only_never_objects() -> None:
         text = f.read_text("utf-8")
         assert not violations(text), f
         assert not [n for n in OBJECT_COLLECTIVES if n in text], f
+
+
+def test_the_planner_names_the_smallest_size_that_fits(capsys) -> None:
+    import re
+
+    from worker import plan
+    from worker.cli import main
+
+    assert main(["plan", "--model", "dummy:llama-3-70b", "--device", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit at --tensor-parallel-size 1 on h100" in err, err
+    k = int(re.search(r"smallest --tensor-parallel-size that fits: (\d+)", err).group(1))
+    model = plan.read_model("dummy:llama-3-70b")
+    dev = plan.DEVICES["h100"]
+    cache, sched = plan.CacheConfig(), plan.SchedulerConfig()
+    tried, found = plan.smallest_fit(model, dev, "bfloat16", 8192, cache, sched)
+    assert found is not None and found.tp == k > 1
+    assert all(f.why is not None for f in tried[:-1])  # every smaller size was tried and fails
+    # per-rank figures: rank 0 holds the replicated parts and 1/k of the layers' linears
+    whole = plan.weights(model, dev, "bfloat16")
+    assert found.held == sum(whole.held.values()) - whole.layer_linear_bytes * (k - 1) // k
+    assert f"{found.budget.num_blocks} blocks" in err
+    assert main(["plan", "--model", "dummy:llama-3-70b", "--device", "h100", "-tp", str(k)]) == 0
+    out = capsys.readouterr().out
+    assert f"-tp {k}: 16 heads / 2 KV heads a rank; 160 all-reduces a step" in out, out
+    assert re.search(r"decode    batch 1: step .*all-reduce [0-9.]+ ms", out), out

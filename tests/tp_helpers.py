@@ -29,11 +29,30 @@ def tiny_checkpoint(folder: Path, kv_heads: int, heads: int = 4, seed: int = 0) 
 
 
 class TPWorker(Worker):
-    """tests/test_server.Worker with `env` added to its environment."""
+    """tests/test_server.Worker with `env` added to its environment; `kv` replaces its KV
+    cache size and max_model_len flags (a tiny cache, to make preemptions)."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None,
+                 kv: tuple[str, ...] | None = None) -> None:
         with mock.patch.dict(os.environ, env or {}):
-            super().__init__(*flags)
+            if kv is None:
+                super().__init__(*flags)
+                return
+            with mock.patch("subprocess.Popen", _replacing_kv(kv)):
+                super().__init__(*flags)
+
+
+def _replacing_kv(kv: tuple[str, ...]):
+    import subprocess
+
+    real = subprocess.Popen
+
+    def popen(cmd, *args, **kwargs):
+        i = cmd.index("--kv-cache-memory")
+        cmd = [*cmd[:i], *kv, *cmd[i + 4:]]  # drops --kv-cache-memory X --max-model-len Y
+        return real(cmd, *args, **kwargs)
+
+    return popen
 
 
 def start_all(specs: dict[str, tuple[tuple[str, ...], dict[str, str] | None]]) -> dict[str, Worker]:

@@ -122,7 +122,7 @@ def _dtype(text: str) -> str:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = opt("default", "'default' (embedded SmolLM2-135M-Instruct GGUF), a .gguf file, "
-                     "a Hugging Face folder, or dummy:SHAPE (llama-3-8b, llama-3.2-1b, smollm2-135m)")
+                     "a Hugging Face folder, or dummy:SHAPE (llama-3-8b, llama-3-70b, llama-3.2-1b, smollm2-135m)")
     served_model_name: str = opt("", "the model id clients see: GetModelInfo on both protocols "
                                  "(so the gateway's /v1/models), the model_name metric label "
                                  "and trace spans; empty = the model's own name (one name: "
