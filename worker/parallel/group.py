@@ -45,6 +45,8 @@ class Collectives:
         # Where a step's time goes (benchmarks/tp.py): all-reduces made and their seconds.
         self.num_all_reduces = 0
         self.all_reduce_s = 0.0
+        self.num_messages = 0  # step messages sent (rank 0) and their seconds
+        self.send_s = 0.0
 
     def join(self, rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> None:
         self.rank, self.world, self.device = rank, world, device
@@ -78,12 +80,15 @@ class Collectives:
         """Rank 0: one message (messages.py) to every follower."""
         if self.lost is not None:
             raise RankLost(self.lost)
+        t0 = time.perf_counter()
         try:
             dist.broadcast(torch.from_numpy(head), 0, group=self._bell)
             if payload is not None and len(payload):
                 dist.broadcast(torch.from_numpy(payload).to(self.device), 0)
         except Exception as e:
             raise self._failed("sending a step", e) from e
+        self.send_s += time.perf_counter() - t0
+        self.num_messages += 1
 
     def receive_header(self) -> np.ndarray:
         """A follower: wait (without a timeout) for rank 0's next message header."""
