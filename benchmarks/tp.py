@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -30,7 +31,7 @@ from worker.engine import Engine
 
 
 def config(variant: str, batch: int, tp: int) -> WorkerConfig:
-    model = ModelConfig(cpu_quantized_linear=variant == "tp1-quantized")
+    model = ModelConfig(cpu_quantized_linear=variant == "tp1-quantized", max_model_len=2048)
     return WorkerConfig(model=model, parallel=ParallelConfig(tensor_parallel_size=tp),
                         cache=CacheConfig(kv_cache_memory=0.25, swap_space=0),
                         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192))
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             engine.shutdown()
     if args.output_json:
-        info = {**environment(), "args": recorded(vars(args)),
+        info = {**environment(), "args": recorded(vars(args)), "load_average_at_end": os.getloadavg(),
                 "note": "2-core machine shared with other jobs; ranks share its cores"}
         with open(args.output_json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=2)
