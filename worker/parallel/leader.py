@@ -73,7 +73,9 @@ class TensorParallel:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         return (f"tensor parallel: {self.world} ranks over {backend} ({devices}); "
                 + "; ".join(self.plan.describe(r) for r in range(self.world))
-                + "; embedding replicated, LM head on rank 0")
+                + "; embedding replicated, LM head on rank 0"
+                + ("; on the CPU op by op with the C kernels (the fused decoder does not run sharded; "
+                   "weights float32)" if dev.type == "cpu" else "; no CUDA graphs under -tp yet"))
 
     # ----- start-up -----
 
