@@ -288,12 +288,35 @@ class SchedulerConfig:
                                "recompute", ("auto", "swap", "recompute"))
     priority_aging_s: float = opt(30.0, "a waiting request gains one priority level per this many "
                                   "seconds, so low-priority work cannot starve; 0 = no aging")
+    # Long prompts share the step (scheduler/partial_prefill.py), with vLLM's meanings.
+    long_prefill_token_threshold: int = opt(
+        0, "a prompt with more tokens than this left to prefill is long; given (> 0), every "
+        "prefill chunk is also at most this many tokens. 0: none is long, or with "
+        "--max-num-partial-prefills > 1, 4% of --max-model-len (as vLLM)",
+        parse=human_readable_int)
+    # 2, not vLLM's 1: an 8-token request sent into a 5,000-token prefill got its first
+    # token in 2 steps instead of 10, the long prompt's own TTFT unchanged within noise
+    # (BENCHMARKS.md, "Long prompts"); 1 restores vLLM's schedule.
+    max_num_partial_prefills: int = opt(
+        2, "above 1, the prompts being prefilled (up to this many) split each step's token "
+        "budget left after the running decodes' tokens, so a short prompt arriving during a "
+        "long one's prefill starts at once (1: vLLM's default, a prompt ahead takes it all)")
+    max_long_partial_prefills: int = opt(
+        1, "with --max-num-partial-prefills > 1, at most this many long prompts prefill at "
+        "once; shorter ones pass a long one waiting behind them")
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_num_seqs <= INT32_MAX:  # counts of it go out as uint32s
             raise ValueError(f"--max-num-seqs must be in [1, {INT32_MAX}], got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("--long-prefill-token-threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"need 1 <= --max-long-partial-prefills "
+                             f"({self.max_long_partial_prefills}) <= --max-num-partial-prefills "
+                             f"({self.max_num_partial_prefills})")
 
 
 # vLLM's other methods need a second model (a draft, EAGLE heads, MTP layers); we have one.

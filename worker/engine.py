@@ -36,6 +36,7 @@ from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
 from scheduler.output import SchedulerOutput
+from scheduler.partial_prefill import PrefillLimits
 from scheduler.request import (
     RemoteKVState,
     Request,
@@ -225,6 +226,9 @@ class Engine:
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             handoff_lease_s=kc.kv_transfer_lease_s if kv_spec and kv_spec.is_producer else None,
             max_pinned_blocks=kc.kv_transfer_max_pinned_blocks,
+            prefill_limits=PrefillLimits.from_flags(
+                sc.long_prefill_token_threshold, sc.max_num_partial_prefills,
+                sc.max_long_partial_prefills, self.max_model_len),
         )
         # LoRA adapters (worker/lora): named in host memory, the step's in device slots.
         lc = config.lora

@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from kvcache.budget import GIB, fit_budget, kv_bytes_per_token
+from ops.quant_records import TYPES
 from ops.quantized_linear import ACTIVATIONS, held_bytes, resolve_activations, supports
 from worker import memory
 from worker.config import (
@@ -211,12 +212,29 @@ _SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_
            "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def _q4_0_gptq(model: ModelInfo) -> bool:
-    """A symmetric GPTQ with fp16 scales, which the CPU holds exactly as Q4_0 blocks
-    (hf_quantized.as_gguf_blocks): 18 bytes a block of 32 weights."""
+def _cpu_records(model: ModelInfo) -> dict[str, tuple[str, int]]:
+    """A pre-quantized folder's int4 / int8 linears as the CPU kernels' records hold them
+    (hf_quantized.cpu_records: Q4_0 for symmetric int4 with fp16 scales, else Q4_G128 /
+    Q4_G32 / Q8_CH): our name -> (record type, bytes); empty where none is (fp8)."""
     fmt = model.quantization
-    return (fmt is not None and fmt.layout == "gptq" and fmt.symmetric and fmt.group_size % 32 == 0
-            and all(t.dtype == "F16" for t in model.tensors if t.name.endswith(".scales")))
+    if fmt is None or fmt.kind not in ("int4", "int8"):
+        return {}
+    scale = "scales" if fmt.layout in ("awq", "gptq") else "weight_scale"
+    fp16 = all(t.dtype in ("F16", "BF16") for t in model.tensors if t.name.endswith("." + scale))
+
+    def record(n: int, k: int) -> str | None:  # as the loader's supports() takes it
+        qtype = hf_quantized.cpu_record_type(fmt.kind, fmt.symmetric, fmt.group_size, k, fp16)
+        return qtype if qtype is not None and supports(qtype, (n, k)) else None
+
+    def held(n: int, k: int) -> int:
+        t = TYPES[record(32, k) or "Q8_0"]
+        return n // 32 * (k // t.k_multiple) * t.record
+
+    # The loader converts a fused set (shards sharing their inputs k) as one weight.
+    cfg = model.config
+    shapes = {**_linear_shapes(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    return {name: (qtype, nbytes) for name, (_, nbytes) in _scaled_linears(model, held).items()
+            if (qtype := record(*shapes[name])) is not None}
 
 
 def _scaled_linears(model: ModelInfo, held_bytes: Any = None) -> dict[str, tuple[str, int]]:
@@ -348,12 +366,12 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
     def hold_records(parts: tuple[Tensor, ...]) -> int:  # as repacked for the kernel of `activations`
         return sum(hold(p.dtype, held_bytes(p.dtype, p.nbytes, activations)) for p in parts)
 
-    # A pre-quantized folder's linears on CUDA, as stored; on the CPU in float32 a symmetric
-    # GPTQ's (fp16 scales) as the kernels' Q4_0 records; else dequantized to dtype.
+    # A pre-quantized folder's linears on CUDA, as stored; on the CPU in float32 its int4 and
+    # int8 ones as the kernels' records (_cpu_records); else dequantized to dtype.
     scaled = _scaled_linears(model) if device.kind == "cuda" else {}
-    if on_cpu_f32 and cpu_quantized and _q4_0_gptq(model):
-        scaled = {n: ("Q4_0", nbytes) for n, (_, nbytes) in
-                  _scaled_linears(model, lambda n, k: n * k // 32 * 18).items()}
+    records = _cpu_records(model) if on_cpu_f32 and cpu_quantized else {}
+    if records:
+        scaled = records
     read = 0
     for name, (o, i) in linears.items():
         q = quantized(name)
@@ -391,13 +409,15 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
     kept = sorted(k for k in held if k != dtype)
     how = (f"CPU {dtype}: {'/'.join(kept)} linears kept quantized for the C kernels, the rest {dtype}"
            if kept else f"every weight in {dtype}")
-    if scaled:
+    if records:
+        assert model.quantization is not None
+        kinds = "/".join(sorted({kind for kind, _ in records.values()}))
+        how = f"{model.quantization.name}: linears as {kinds} records for the CPU kernels, the rest {dtype}"
+    elif scaled:
         assert model.quantization is not None
         how = f"{model.quantization.name}: linears as stored (scales in float32), the rest {dtype}"
     elif model.quantization is not None:
         how = f"{model.quantization.name}: dequantized at load to {dtype} on the CPU"
-    if "Q4_0" in held and model.quantization is not None:
-        how = f"{model.quantization.name}: linears as Q4_0 records for the CPU kernels, the rest {dtype}"
     return Weights(stored, held, read, matmul, head, how, layer_linears)
 
 
