@@ -190,21 +190,21 @@ def test_tensor_parallel_size_one_is_accepted() -> None:
     assert parse("-tp", "1").parallel.tensor_parallel_size == 1
 
 
-@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp", "4"]])
-def test_tensor_parallel_size_above_one_says_what_to_do(argv: list[str], capsys) -> None:
-    assert main(["serve", *argv]) == 2  # refused before any model loads
-    err = capsys.readouterr().err
-    n = argv[1]
-    assert err.startswith(f"error: --tensor-parallel-size {n}: this worker serves one model "
-                          "on one device.")
-    assert f"run {n} replicas" in err and "behind a gateway such as SMG" in err
-    assert "smg launch --worker-urls" in err and "--policy cache_aware" in err
+@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "3"], ["-tp", "3"]])
+def test_tensor_parallel_size_above_one_is_taken(argv: list[str]) -> None:
+    # What it does is tested in tests/test_tp_*.py; here the spellings and the bounds.
+    assert parse(*argv).parallel.tensor_parallel_size == 3
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size must be in \[1, 64\], got 0"):
+        parse("-tp", "0")
 
 
-def test_tensor_parallel_size_from_the_environment(monkeypatch, capsys) -> None:
-    monkeypatch.setenv("LLMWORKER_TENSOR_PARALLEL_SIZE", "8")
-    assert main(["serve"]) == 2
-    assert "--tensor-parallel-size 8: this worker serves one model" in capsys.readouterr().err
+def test_tensor_parallel_size_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("LLMWORKER_TENSOR_PARALLEL_SIZE", "4")
+    monkeypatch.setenv("LLMWORKER_DISTRIBUTED_TIMEOUT_SECONDS", "5")
+    conf = parse()
+    assert conf.parallel.tensor_parallel_size == 4
+    assert conf.parallel.distributed_timeout_seconds == 5.0
+    assert parse("--distributed-timeout-seconds", "7").parallel.distributed_timeout_seconds == 7.0
 
 
 # ----- --enable-chunked-prefill / --no-enable-chunked-prefill -------------------------------

@@ -122,7 +122,7 @@ def _dtype(text: str) -> str:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = opt("default", "'default' (embedded SmolLM2-135M-Instruct GGUF), a .gguf file, "
-                     "a Hugging Face folder, or dummy:SHAPE (llama-3-8b, llama-3.2-1b, smollm2-135m)")
+                     "a Hugging Face folder, or dummy:SHAPE (llama-3-8b, llama-3-70b, llama-3.2-1b, smollm2-135m)")
     served_model_name: str = opt("", "the model id clients see: GetModelInfo on both protocols "
                                  "(so the gateway's /v1/models), the model_name metric label "
                                  "and trace spans; empty = the model's own name (one name: "
@@ -188,19 +188,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = opt(1, "devices one model is split over; only 1: this worker "
-                                    "runs one model on one device (for N devices, run N "
-                                    "replicas behind a gateway)", short="-tp")
+    tensor_parallel_size: int = opt(1, "devices one model is split over (tensor parallelism, "
+                                    "worker/parallel): this process is rank 0 and starts N-1 "
+                                    "followers that hold the other shards (one CUDA device each, "
+                                    "or processes on the CPU over gloo, a test bed); N must divide "
+                                    "the attention heads. For throughput, run replicas behind a "
+                                    "gateway instead", short="-tp")
+    distributed_timeout_seconds: float = opt(60.0, "with --tensor-parallel-size > 1: how long a "
+                                             "step's collective waits for a rank before the "
+                                             "worker calls it hung, fails every stream and exits")
 
     def __post_init__(self) -> None:
         n = self.tensor_parallel_size
-        if n != 1:
-            raise ValueError(
-                f"--tensor-parallel-size {n}: this worker serves one model on one device. To "
-                f"use {n} devices, run {n} replicas (one `llm-worker serve --device cuda:I "
-                "--port P` each) behind a gateway such as SMG (`smg launch --worker-urls "
-                "grpc://HOST:P ... --policy cache_aware`; see the README, 'Behind a "
-                "gateway'). A model too large for one device cannot be served here.")
+        if not 1 <= n <= 64:
+            raise ValueError(f"--tensor-parallel-size must be in [1, 64], got {n}")
+        if not 0 < self.distributed_timeout_seconds <= 86400:
+            raise ValueError("--distributed-timeout-seconds must be in (0, 86400], got "
+                             f"{self.distributed_timeout_seconds}")
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "fp8", "fp8_e4m3")  # --kv-cache-dtype
