@@ -83,8 +83,8 @@ def folder(float_folder, tmp_path_factory):
 
 
 # The int4 and int8 formats as the CPU holds them by default: the kernels' record types.
-ON_RECORDS = {"gptq": "Q4_0", "awq": "Q4_G128", "ct-w4a16-asym": "Q4_G128", "ct-w8a8": "Q8_CH",
-              "ct-w8a16": "Q8_CH"}
+ON_RECORDS = {"gptq": "Q4_0", "awq": "Q4_G128", "ct-w4a16": "Q4_G128", "ct-w4a16-asym": "Q4_G128",
+              "ct-w8a8": "Q8_CH", "ct-w8a16": "Q8_CH"}  # (ct-w4a16: float32 scales, zero 8: m = -8 s)
 
 
 @dataclass
@@ -237,7 +237,7 @@ def test_the_gpu_path_end_to_end_in_the_interpreter(fmt, folder) -> None:
                                         dequantize_on_cpu=False)
     for i, layer in enumerate(model.layers):
         layer.self_attn.k_scale, layer.self_attn.v_scale = 0.05 * (i + 1), 0.03 * (i + 1)
-    ids = PROMPTS[0]  # (6 prefill rows: Triton's interpreter runs each program in Python)
+    ids = PROMPTS[1]
     with ops.use_backend("torch"):
         want = _logits_with_cache(model, ids, torch.float8_e4m3fn)
     with ops.use_backend("triton"):
@@ -249,8 +249,8 @@ def test_the_gpu_path_end_to_end_in_the_interpreter(fmt, folder) -> None:
 @pytest.mark.parametrize("fmt, qtype", ON_RECORDS.items())
 def test_int4_and_int8_on_the_cpus_integer_kernels(fmt, qtype, folder, reference) -> None:
     """Every quantized linear held on the CPU kernels' records (no float32 copy): GPTQ
-    (symmetric, fp16 scales) as Q4_0 blocks, AWQ and compressed-tensors' asymmetric W4A16
-    (zero points) as Q4_G128 (float32 d = s and m = -s z per group of 128), W8A8's int8
+    (symmetric, fp16 scales) as Q4_0 blocks, AWQ, compressed-tensors' W4A16 (float32
+    scales) and its asymmetric W4A16 (zero points) as Q4_G128 (float32 d = s and m = -s z per group of 128), W8A8's int8
     per-channel weights and W8A16's groups of 128 as Q8_CH (float32 scales per output and 128
     inputs), multiplying in float32 (weight-only,
     W8A8's activations not quantized) and int16 activations (--cpu-activations): against
