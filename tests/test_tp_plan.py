@@ -169,3 +169,13 @@ def test_the_planner_names_the_smallest_size_that_fits(capsys) -> None:
     out = capsys.readouterr().out
     assert f"-tp {k}: 16 heads / 2 KV heads a rank; 160 all-reduces a step" in out, out
     assert re.search(r"decode    batch 1: step .*all-reduce [0-9.]+ ms", out), out
+
+
+def test_the_engine_refuses_tp2_on_the_default_model_naming_its_9_heads(default_model) -> None:
+    from worker.config import ParallelConfig, WorkerConfig
+    from worker.engine import Engine
+
+    linears = default_model.linears
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: the model's 9 attention heads"):
+        Engine(WorkerConfig(parallel=ParallelConfig(tensor_parallel_size=2)), loaded=default_model)
+    assert default_model.linears == linears and not default_model.taken  # refused before a reload

@@ -56,6 +56,7 @@ from worker.lora.slots import LoraSlots
 from worker.model_runner import ModelRunner, SampleResult
 from worker.outputs import OutputState, RequestOutput
 from worker.parallel import RankLost
+from worker.parallel.shard import ShardPlan
 from worker.spec_decode import NgramProposer
 from worker.structured import GrammarMatcher
 from worker.weights import LinearPolicy, LoadedModel, load_model
@@ -181,6 +182,8 @@ class Engine:
             loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), quantized,
                                 mc.cpu_activations)
         else:  # a load made for other linears is made again, unless an engine runs on it
+            if tp > 1:  # a split that does not divide is refused before any reload
+                ShardPlan.of(loaded.config, tp)
             loaded.hold_linears(LinearPolicy.of(loaded.device, loaded.dtype, quantized,
                                                 mc.cpu_activations))
         log.info(loaded.describe_weights())
