@@ -3,11 +3,13 @@ with finite scales is a valid block), for load-level tests that need no llama.cp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from benchmarks.gguf_blocks import random_weight
 from worker.weights import default_model_path
 
 
@@ -41,14 +43,18 @@ def _default_vocab(w: gguf.GGUFWriter, pre: str | None) -> int:
 
 
 def write_tiny_llama(path: Path, qtype: str = "Q8_0", hidden: int = 64, layers: int = 1,
-                     vocab: str = "tiny", pre: str | None = None, seed: int = 0) -> Path:
-    """A Llama of `layers` layers (2 heads of 32, 1 KV head, intermediate 2 x hidden), its
-    matrices in `qtype` (quantized by gguf-py from N(0, 0.05) values), norms F32, the
-    embedding tied. `vocab`: "tiny" or "default" (the default model's tokenizer)."""
+                     vocab: str = "tiny", pre: str | None = None, seed: int = 0,
+                     types: dict[str, str] | None = None,
+                     more: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+    """A Llama of `layers` layers (hidden / 32 heads of 32, 1 KV head, intermediate 2 x hidden), its
+    matrices in `qtype` (quantized by gguf-py from N(0, 0.05) values) or as `types` says by
+    the tensor's kind ({"attn_v": "Q6_K"}: a Q4_K_M-like mix), norms F32, the embedding tied.
+    `vocab`: "tiny" or "default" (the default model's tokenizer); `more` adds metadata."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     n_vocab = _default_vocab(w, pre) if vocab == "default" else _tiny_vocab(w, pre or "gpt2")
-    heads, head_dim, inter = 2, 32, 2 * hidden
+    head_dim, inter = 32, 2 * hidden
+    heads = hidden // head_dim
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(hidden)
@@ -59,15 +65,22 @@ def write_tiny_llama(path: Path, qtype: str = "Q8_0", hidden: int = 64, layers: 
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    t = gguf.GGMLQuantizationType[qtype]
+    if more is not None:
+        more(w)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
-        if qtype == "F32":
+        kind = name.removesuffix(".weight").rpartition(".")[2]  # "blk.0.attn_v.weight" -> "attn_v"
+        q = (types or {}).get(kind, qtype)
+        if q == "F32":
             w.add_tensor(name, values)
-        else:
+            return
+        t = gguf.GGMLQuantizationType[q]
+        try:
             data = gguf.quants.quantize(values, t)
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t)
+        except NotImplementedError:  # gguf-py quantizes no K-quant: random valid blocks
+            data = random_weight(q, rows, cols, int(rng.integers(1 << 30)), scale=0.2).blocks
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t)
 
     matrix("token_embd.weight", n_vocab, hidden)
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))

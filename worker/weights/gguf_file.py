@@ -58,6 +58,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
     names = {t.name for t in reader.tensors}
     vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
     head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
+    _refuse_unused(reader, path, arch, head_dim)
     return LlamaConfig(
         architecture=_ARCHS[arch][0],
         vocab_size=int(vocab),
@@ -74,6 +75,26 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         rope_freq_factors=_rope_freq_factors(reader, path, head_dim),
     )
+
+
+def _refuse_unused(reader: GGUFFile, path: Path, arch: str, head_dim: int) -> None:
+    """Refuse metadata that would change the model's arithmetic if it were ignored: the
+    model would load and compute something else. (llama.cpp's keys, llama-arch.cpp.)"""
+    def bad(key: str, value: Any, why: str) -> ValueError:
+        return ValueError(f"{path}: GGUF {key} = {str(value)[:100]!r}: {why}")
+
+    key = f"{arch}.rope.scaling.type"
+    if field(reader, key, "none") != "none":  # Llama 3.1's scaling comes as rope_freqs instead
+        raise bad(key, field(reader, key), "rope scaling other than none (or rope_freqs) is not supported")
+    key = f"{arch}.expert_count"
+    if int(field(reader, key, 0) or 0) > 0:
+        raise bad(key, field(reader, key), "mixture-of-experts models are not supported")
+    key = f"{arch}.rope.dimension_count"
+    if int(field(reader, key, head_dim)) != head_dim:
+        raise bad(key, field(reader, key), f"rotary over part of a head (head_dim {head_dim}) is not supported")
+    key = f"{arch}.attention.value_length"
+    if int(field(reader, key, head_dim)) != head_dim:
+        raise bad(key, field(reader, key), f"a value head size other than the key's ({head_dim}) is not supported")
 
 
 def _rope_freq_factors(reader: GGUFFile, path: Path, head_dim: int) -> tuple[float, ...] | None:
