@@ -55,23 +55,62 @@ print(json.dumps({"peak": after["VmHWM"], "ru_maxrss": resource.getrusage(resour
 """
 
 
-def measure(spec: str, kv_gib: float) -> dict:
-    """One fresh process's figures for the model `spec` ("default" or a GGUF path)."""
+def _start(spec: str, kv_gib: float) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", MEASURE, spec, str(kv_gib)], capture_output=True,
-                          text=True, timeout=900, env=env, cwd=ROOT)
+    # Output to files, not pipes: a process run beside others never waits on a full pipe.
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", MEASURE, spec, str(kv_gib)], stdout=out, stderr=err,
+                            env=env, cwd=ROOT)
+    proc.files = (out, err)  # type: ignore[attr-defined]  (Popen keeps only pipes)
+    return proc
+
+
+def _result(spec: str, proc: subprocess.Popen) -> dict:
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    out, err = (_read(f) for f in proc.files)  # type: ignore[attr-defined]
     if proc.returncode:
-        raise RuntimeError(f"measuring {spec} failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"measuring {spec} failed ({proc.returncode}): {err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _read(f) -> str:
+    f.seek(0)
+    text = f.read().decode(errors="replace")
+    f.close()
+    return text
+
+
+def measure(spec: str, kv_gib: float) -> dict:
+    """One fresh process's figures for the model `spec` ("default" or a GGUF path)."""
+    return _result(spec, _start(spec, kv_gib))
+
+
+def tiny_model(tmp: Path) -> Path:
+    from tests.gguf_tiny import write_tiny_llama
+
+    return write_tiny_llama(tmp / "tiny.gguf", vocab="default")
+
+
+def with_fixed(m: dict) -> dict:
+    """The tiny model's figures, `fixed` its peak beyond its tensors and KV cache."""
+    return {**m, "fixed": m["peak"] - m["tensors"] - m["kv"]}
 
 
 def fixed_cost(tmp: Path) -> dict:
-    """The tiny model's figures, `fixed` its peak beyond its tensors and KV cache."""
-    from tests.gguf_tiny import write_tiny_llama
+    return with_fixed(measure(str(tiny_model(tmp)), 0.01))
 
-    m = measure(str(write_tiny_llama(tmp / "tiny.gguf", vocab="default")), 0.01)
-    return {**m, "fixed": m["peak"] - m["tensors"] - m["kv"]}
+
+def measure_at_once(tmp: Path, specs: list[str], kv_gib: float) -> tuple[dict, dict[str, dict]]:
+    """The tiny model's figures (`with_fixed`) and each spec's, all processes at once (each
+    its own peak; their times are not each alone's)."""
+    procs = {spec: _start(spec, kv_gib) for spec in specs}
+    tiny = _start(str(tiny_model(tmp)), 0.01)
+    return with_fixed(_result("the tiny model", tiny)), {spec: _result(spec, p) for spec, p in procs.items()}
 
 
 def bound(m: dict, fixed: int) -> int:
