@@ -118,6 +118,8 @@ def unsupported(model: nn.Module) -> str | None:
     if _library() is None:
         return "no compiled kernel (gcc or AVX2 missing)"
     cfg = model.config
+    if hasattr(model.layers[0], "post_feedforward_layernorm"):
+        return "Gemma's layer (post norms, GeGLU, scaled embeddings, soft-capping) is not in it"
     if cfg.head_dim % 32 or cfg.hidden_size % 32:
         return f"head_dim {cfg.head_dim} or hidden size {cfg.hidden_size} not a multiple of 32"
     if model.norm.dtype != torch.float32 or model.norm.device.type != "cpu":
