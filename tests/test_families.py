@@ -184,19 +184,25 @@ def _short_engine(ckpt: Checkpoint, kernels: str) -> Engine:
     return _engine(ckpt, kernels, max_model_len=ORIGINAL if ckpt.longrope else 0)
 
 
-@pytest.mark.parametrize("kernels", ["auto", "triton"])
-def test_short_and_long_prompts_match_transformers(checkpoint, kernels) -> None:
-    """The fused C decoder ("auto" on Q8_0 linears) and Triton's interpreter, op by op:
-    prompts prefilled whole, then decoded; the long prompt's last logits within 1e-4."""
-    if kernels == "triton":
-        pytest.importorskip("triton")
-    engine = _short_engine(checkpoint, kernels)
+def test_short_and_long_prompts_match_transformers_in_the_fused_decoder(checkpoint) -> None:
+    """The fused C decoder (Q8_0 linears, float32 activations): prompts prefilled whole,
+    then decoded."""
+    engine = _short_engine(checkpoint, "auto")
     _check(checkpoint, engine, "short", SHORT)
     if checkpoint.longrope:
-        engine = _engine(checkpoint, kernels)
+        engine = _engine(checkpoint, "auto")
     _check(checkpoint, engine, "long", LONG)
-    if kernels == "triton":  # (the fused decoder's logits: its tokens' logprobs above)
-        _last_logits_close(checkpoint, engine, kernels, LONG)
+
+
+def test_the_long_prompt_matches_transformers_in_triton(checkpoint) -> None:
+    """Triton's kernels op by op (the interpreter here: TRITON_INTERPRET=1, float32): the
+    long prompt, past the window and the original context, prefilled whole and decoded; its
+    last logits within 1e-4. (The interpreter is slow: the short prompt and the chunked,
+    cached and speculative steps run in the fused decoder above and below.)"""
+    pytest.importorskip("triton")
+    engine = _engine(checkpoint, "triton")
+    _check(checkpoint, engine, "long", LONG)
+    _last_logits_close(checkpoint, engine, "triton", LONG)
 
 
 def test_chunked_prefill_prefix_hits_and_speculation_match_transformers(checkpoint) -> None:
@@ -323,3 +329,41 @@ def test_a_window_past_the_context_is_global_and_said(caplog) -> None:
         cfg = LlamaConfig.from_hf(_hf_dict(architectures=["Phi3ForCausalLM"], sliding_window=256))
     assert cfg.window_of(0) is None
     assert "sliding_window 256 is not below max_position_embeddings 128" in caplog.text
+
+
+# ----- a qwen3 GGUF, by llama.cpp's convert_hf_to_gguf -----
+
+
+def test_a_qwen3_gguf_equals_transformers_on_its_folder() -> None:
+    """convert_hf_to_gguf writes a Qwen3 folder (q/k norms, YaRN over an original context
+    of 32) as architecture qwen3 with attn_q_norm / attn_k_norm and rope.scaling.*; our load
+    of the file equals transformers on the folder within and beyond the original context.
+    (The folder and file are kept in the GGUF tests' cache, as theirs.)"""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from benchmarks import make_gguf_models as made
+
+    tools = made.find_tools()
+    if tools is None:
+        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_tools)")
+    folder = made.cache_dir() / f"qwen3-tiny-hf-{made.RECIPE}"
+    if not (folder / "config.json").is_file():
+        tmp = folder.with_name(folder.name + ".part")
+        tmp.mkdir(parents=True, exist_ok=True)
+        config = Qwen3Config(**{**SHAPE, "vocab_size": 49152, "pad_token_id": None}, head_dim=32,
+                             max_position_embeddings=128, rope_scaling=dict(
+                                 rope_type="yarn", factor=4.0, original_max_position_embeddings=ORIGINAL))
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
+        made._tokenizer_folder(tmp)  # the default model's tokenizer (the converter reads one)
+        tmp.rename(folder)
+    path = made.converted(tools, folder, "qwen3-tiny")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_model(str(path))
+    assert ours.config.architecture == "Qwen3ForCausalLM" and ours.config.qk_norm
+    assert ours.config.rope_scaling.rope_type == "yarn"
+    for ids in (SHORT, LONG):
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids]), use_cache=False).logits[0, -1]
+        rel = ((last_logits(ours.model, ids) - ref).abs().max() / ref.abs().max()).item()
+        assert rel < 1e-4, f"{len(ids)} tokens: relative max logit error {rel:.2e}"

@@ -11,11 +11,13 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from worker.models.llama import LlamaConfig
+from ops.rotary import RopeScaling
+from worker.models.llama import QK_NORM_ARCHITECTURES, LlamaConfig
 from worker.weights.gguf_reader import GGUFFile
 
 # GGUF architecture -> (HF architecture, are q/k stored permuted for interleaved rotary?)
-_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+_ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
+          "qwen3": ("Qwen3ForCausalLM", False)}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -26,6 +28,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -58,6 +62,10 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
     names = {t.name for t in reader.tensors}
     vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
     head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
+    context = int(field(reader, f"{arch}.context_length", 4096))
+    scaling = _rope_scaling(reader, arch, path, context)
+    if scaling is not None and scaling.context_length is not None:
+        context = max(context, scaling.context_length)
     return LlamaConfig(
         architecture=_ARCHS[arch][0],
         vocab_size=int(vocab),
@@ -69,11 +77,32 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
         head_dim=head_dim,
         rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(field(reader, f"{arch}.context_length", 4096)),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         rope_freq_factors=_rope_freq_factors(reader, path, head_dim),
+        rope_scaling=scaling,
+        qk_norm=_ARCHS[arch][0] in QK_NORM_ARCHITECTURES,
     )
+
+
+def _rope_scaling(reader: GGUFFile, arch: str, path: Path, context: int) -> RopeScaling | None:
+    """The rope scaling convert_hf_to_gguf wrote ({arch}.rope.scaling.*: Qwen's YaRN), as the
+    Hugging Face config's would be; llama3's goes to rope_freqs instead (_rope_freq_factors)."""
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"{path}: {arch}.rope.scaling.type {str(kind)[:40]!r} is not supported (linear, yarn)")
+    rs = {"rope_type": kind, "factor": field(reader, f"{arch}.rope.scaling.factor"),
+          "original_max_position_embeddings": field(reader, f"{arch}.rope.scaling.original_context_length"),
+          "attention_factor": field(reader, f"{arch}.rope.scaling.attn_factor"),
+          "beta_fast": field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
+          "beta_slow": field(reader, f"{arch}.rope.scaling.yarn_beta_slow")}
+    try:
+        return RopeScaling.from_hf({k: v for k, v in rs.items() if v is not None}, context)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 def _rope_freq_factors(reader: GGUFFile, path: Path, head_dim: int) -> tuple[float, ...] | None:
