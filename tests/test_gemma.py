@@ -2,13 +2,13 @@
 transformers' config classes and save_pretrained (Gemma2Config; Gemma3TextConfig; and a
 Gemma3Config, a language model beside a vision tower, as the 4B-27B checkpoints ship), their
 norms' weights random (transformers initializes them to zero, where 1 + w would test
-nothing). Greedy tokens identical and each token's logprob within 1e-4 on a short prompt and
-on one six windows long, on the C kernels (op by op: Gemma's layer is not in the fused
-decoder, and the log says so) and Triton's interpreter; the long prompt's last logits within
-1e-4 relative; through chunked prefill (a token budget of 8), after a prefix-cache hit and
-under n-gram speculation. Each family's operations change transformers' own answer (the
-window, soft-capping, the local rope base), so a path that ignored one would fail. Then a
-checkpoint without a norm is refused naming it."""
+nothing) and their linears Q8_0-exact. Greedy tokens identical and each token's logprob
+within 1e-4 on a short prompt and on one six windows long, in the fused C decoder (the
+linears as Q8_0 blocks), op by op on the C kernels and in Triton's interpreter; the long
+prompt's last logits within 1e-4 relative; through chunked prefill (a token budget of 8),
+after a prefix-cache hit and under n-gram speculation. Each family's operations change
+transformers' own answer (the window, soft-capping, the local rope base), so a path that
+ignored one would fail. Then a checkpoint without a norm is refused naming it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 
 from scheduler.request import SamplingParams
 from tests.helpers import last_logits, save_tiny_checkpoint
+from tests.test_families import _q8_0_blocks
 from worker.config import (
     CacheConfig,
     ModelConfig,
@@ -70,6 +71,8 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
 
 
 class Checkpoint:
+    """A folder (random norms, linears Q8_0-exact), its transformers model and its answers."""
+
     def __init__(self, name: str, folder) -> None:
         self.name, self.folder = name, folder
         model = save_tiny_checkpoint(gemma_config(name), folder)
@@ -80,10 +83,32 @@ class Checkpoint:
                     p.normal_(0.0, 0.3)
                 elif name == "gemma2" and n.endswith(("q_proj.weight", "k_proj.weight")):
                     p.mul_(8.0)  # scores past the soft cap: random weights' are far below it
+        _q8_0_blocks(model)  # linears Q8_0-exact: the fused decoder's blocks hold them as they are
         model.save_pretrained(folder)
         self.hf = model
         self.want = {k: hf_greedy(model, ids, n) for k, ids, n in
                      (("short", SHORT, NEW), ("long", LONG, NEW), ("repeated", REPEATED, SPEC_NEW))}
+
+
+    def load(self, quantized: bool = False):
+        """Our load of the folder; `quantized`: its layers' linears made Q8_0 QuantLinears
+        (their rows quantize to themselves, checked), so the fused C decoder takes them."""
+        loaded = load_model(str(self.folder))
+        if quantized:
+            from gguf import GGMLQuantizationType, quants
+
+            from ops.quantized_linear import QuantizedWeight, quantize_linears
+
+            q8 = GGMLQuantizationType.Q8_0
+            blocks = {}
+            for name, mod in loaded.model.named_modules():
+                if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
+                    w = mod.weight.detach().numpy()
+                    b = quants.quantize(w, q8)
+                    assert np.array_equal(quants.dequantize(b, q8), w), name
+                    blocks[name] = QuantizedWeight("Q8_0", np.ascontiguousarray(b), w.shape)
+            assert quantize_linears(loaded.model, blocks, "float32") == 4 * 2
+        return loaded
 
 
 _MADE: dict[str, Checkpoint] = {}
@@ -114,7 +139,10 @@ def _engine(ckpt: Checkpoint, kernels: str, budget: int = 512, spec: NgramSpecul
         scheduler=SchedulerConfig(max_num_batched_tokens=budget),
         speculative=SpeculativeConfig(spec),
     )
-    return Engine(conf, loaded=load_model(str(ckpt.folder)))
+    fused = kernels == "auto"
+    engine = Engine(conf, loaded=ckpt.load(quantized=fused))
+    assert (engine.runner.cpu_decoder is not None) == fused, "the fused decoder fell back"
+    return engine
 
 
 def _check(ckpt: Checkpoint, engine: Engine, name: str, ids: list[int]):
@@ -143,11 +171,12 @@ def _short_and_long(checkpoint: Checkpoint, kernels: str) -> None:
     assert rel < 1e-4, f"{checkpoint.name}: relative max logit error {rel:.2e}"
 
 
-def test_the_c_kernels_match_transformers(checkpoint) -> None:
-    """Op by op on the C kernels (decode attention in C): Gemma's layer is not in the fused
-    decoder, and the start-up log says so."""
-    _short_and_long(checkpoint, "c")
-    assert "not the fused C decoder: Gemma's layer" in _engine(checkpoint, "c").runner.describe_kernels()
+@pytest.mark.parametrize("kernels", ["auto", "c"])
+def test_the_c_paths_match_transformers(checkpoint, kernels) -> None:
+    """The fused C decoder ("auto" on Q8_0 linears: soft-capping, (1 + w) norms, GeGLU, the
+    post norms, scaled embeddings and two rope tables in its C) and op by op on the C kernels
+    (a float folder: decode attention in C)."""
+    _short_and_long(checkpoint, kernels)
 
 
 def test_triton_matches_transformers(text_checkpoint) -> None:
@@ -156,14 +185,14 @@ def test_triton_matches_transformers(text_checkpoint) -> None:
 
 
 def test_chunked_prefill_prefix_hits_and_speculation_match_transformers(checkpoint) -> None:
-    """The C kernels: the long prompt in chunks of 8, then again (a prefix-cache hit: its
+    """The fused C decoder: the long prompt in chunks of 8, then again (a prefix-cache hit: its
     rows attend cached keys), then n-gram speculation (verification rows)."""
-    engine = _engine(checkpoint, "c", budget=8)
+    engine = _engine(checkpoint, "auto", budget=8)
     _check(checkpoint, engine, "long", LONG)
     again = _check(checkpoint, engine, "long", LONG)
     assert again.cached_tokens >= 96
     spec = NgramSpeculation(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
-    engine = _engine(checkpoint, "c", spec=spec)
+    engine = _engine(checkpoint, "auto", spec=spec)
     _check(checkpoint, engine, "repeated", REPEATED)
     assert engine.num_accepted_tokens > 0, "no draft accepted: the verification rows went untested"
 

@@ -163,9 +163,6 @@ class ModelRunner:
         quant_embed = isinstance(self.model.embed_tokens, quantized_linear.QuantEmbedding)
         embedding = "Q8_0 blocks" if quant_embed else "table"
         decoder = self.cpu_decoder.describe() if self.cpu_decoder else "op by op"
-        why = cpu_decoder.unsupported(self.model) if path == "c" and not self.cpu_decoder else None
-        if why and hasattr(self.model.layers[0], "post_feedforward_layernorm"):  # a family's fallback: said
-            decoder += f" (not the fused C decoder: {why})"
         pages = ""
         if self.huge_pages is not None:
             moved, huge = self.huge_pages

@@ -164,6 +164,8 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 class GemmaMLP(MLP):
+    activation = "gelu_tanh"  # (ops/cpu_decoder.py reads it)
+
     def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         from worker.models.llama import _linear
 
