@@ -145,24 +145,28 @@ def _engine(ckpt: Checkpoint, kernels: str, budget: int = 512, spec: NgramSpecul
     return engine
 
 
-def _check(ckpt: Checkpoint, engine: Engine, name: str, ids: list[int]):
-    tokens, lps = ckpt.want[name]
-    params = SamplingParams(temperature=0.0, max_tokens=len(tokens), ignore_eos=True, logprobs=0)
-    (done,) = engine.generate([engine.make_request(ids, params)])
+def _check(ckpt: Checkpoint, engine: Engine, name: str, ids: list[int], *more: tuple[str, list[int]]):
+    """Prompt `ids` (and `more`, in the same batch) against transformers' answer `name`."""
+    prompts = [(name, ids), *more]
+    reqs = [engine.make_request(p, SamplingParams(temperature=0.0, max_tokens=len(ckpt.want[n][0]),
+                                                  ignore_eos=True, logprobs=0)) for n, p in prompts]
+    outs = engine.generate(reqs)
     assert engine.kv.num_free_blocks == engine.budget.num_blocks
-    assert done.token_ids == tokens, f"{ckpt.name} {name} prompt: ours {done.token_ids}, transformers {tokens}"
-    np.testing.assert_allclose([r.logprob for r in done.logprobs], lps, rtol=0, atol=1e-4,
-                               err_msg=f"{ckpt.name} {name} prompt's logprobs")
-    return done
+    for (n, _), done in zip(prompts, outs, strict=True):
+        tokens, lps = ckpt.want[n]
+        assert done.token_ids == tokens, f"{ckpt.name} {n} prompt: ours {done.token_ids}, transformers {tokens}"
+        np.testing.assert_allclose([r.logprob for r in done.logprobs], lps, rtol=0, atol=1e-4,
+                                   err_msg=f"{ckpt.name} {n} prompt's logprobs")
+    return outs[0]
 
 
 def _short_and_long(checkpoint: Checkpoint, kernels: str) -> None:
-    """Prompts prefilled whole, then decoded; the long prompt's last logits within 1e-4 relative."""
+    """Both prompts in one batch, prefilled whole, then decoded; the long prompt's last logits
+    within 1e-4 relative."""
     import ops
 
     engine = _engine(checkpoint, kernels)
-    for name, ids in (("short", SHORT), ("long", LONG)):
-        _check(checkpoint, engine, name, ids)
+    _check(checkpoint, engine, "short", SHORT, ("long", LONG))
     with ops.use_backend(kernels):
         ours = last_logits(engine.runner.model, LONG)
     with torch.inference_mode():
