@@ -130,6 +130,12 @@ def tools(build: bool = False) -> Tools | None:
 
 # ----- files -----
 
+def _part(dst: Path) -> Path:
+    """Where `dst` is written before its rename: one per process, so two makers at once (the
+    cache is shared) never write into one file; the later rename wins, both whole."""
+    return dst.with_name(f"{dst.name}.part-{os.getpid()}")
+
+
 def _tokenizer_folder(folder: Path) -> None:
     """The default model's tokenizer as a Hugging Face folder holds it (the files the worker
     rebuilds from its GGUF; convert_hf_to_gguf recognises its pre-tokenizer as smollm)."""
@@ -153,7 +159,7 @@ def default_f32(out: Path) -> Path:
         return dst
     reader = gguf.GGUFReader(str(default_model_path()))
     arch = reader.fields["general.architecture"].contents()
-    tmp = dst.with_suffix(".part")
+    tmp = _part(dst)
     writer = gguf.GGUFWriter(str(tmp), arch)
     for key, f in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -177,7 +183,7 @@ def default_f32(out: Path) -> Path:
 def quantized(tools_: Tools, src: Path, qtype: str) -> Path:
     dst = src.with_name(src.name.replace("-F32-", f"-{qtype}-").replace("-F16-", f"-{qtype}-"))
     if not dst.is_file():
-        tmp = dst.with_suffix(".part")
+        tmp = _part(dst)
         tools_.run_quantize(src, tmp, qtype)
         tmp.rename(dst)
     return dst
@@ -197,7 +203,7 @@ def random_llama_folder(folder: Path, seed: int = 0, std: float = 0.02, **config
 
     if (folder / "config.json").is_file():
         return folder
-    tmp = folder.with_name(folder.name + ".part")
+    tmp = _part(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     cfg = LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, initializer_range=std, **config)
@@ -205,14 +211,19 @@ def random_llama_folder(folder: Path, seed: int = 0, std: float = 0.02, **config
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(tmp)
     _tokenizer_folder(tmp)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another maker's rename came first: keep its folder
+        if not (folder / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
 def converted(tools_: Tools, folder: Path, name: str, outtype: str = "f32") -> Path:
     dst = folder.parent / f"{name}-{outtype.upper()}-{RECIPE}.gguf"
     if not dst.is_file():
-        tmp = dst.with_suffix(".part")
+        tmp = _part(dst)
         tools_.run_convert(folder, tmp, outtype)
         tmp.rename(dst)
     return dst
@@ -266,7 +277,7 @@ def billion_f16(out: Path, seed: int = 0) -> Path:
             ("attn_norm.weight", (h,)), ("attn_q.weight", (heads * d, h)), ("attn_k.weight", (kv * d, h)),
             ("attn_v.weight", (kv * d, h)), ("attn_output.weight", (h, heads * d)), ("ffn_norm.weight", (h,)),
             ("ffn_gate.weight", (inter, h)), ("ffn_up.weight", (inter, h)), ("ffn_down.weight", (h, inter)))]
-    tmp = dst.with_suffix(".part")
+    tmp = _part(dst)
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name("random-llama-1b")
     w.add_block_count(layers)

@@ -52,6 +52,10 @@ TYPES: dict[str, RecordType] = {
     "IQ4_XS": RecordType(11, 11, 256, 136, 8, 4416),
     "F16": RecordType(12, -1, 1, 2, 1, 2048),
     "BF16": RecordType(13, -1, 1, 2, 1, 2048),
+    # Pre-quantized checkpoints' (quant_types.h; `checkpoint_blocks` writes their blocks):
+    "Q4_G128": RecordType(14, 14, 128, 72, 4, 2304),  # f32 d, f32 m, 64 bytes of nibbles
+    "Q4_G32": RecordType(15, 15, 32, 24, 1, 768),  # f32 d, f32 m, 16 bytes of nibbles
+    "Q8_CH": RecordType(16, 16, 128, 132, 4, 4224),  # f32 d (the channel's), 128 int8
 }
 
 # Rows of the file repacked at once: about this many weights.
@@ -91,6 +95,11 @@ def repacked(w, integer: bool) -> torch.Tensor:
 def _u16(b: np.ndarray, lo: int) -> np.ndarray:
     """The 2-byte field at bytes lo:lo+2 of each block: [..., 1] uint16."""
     return np.ascontiguousarray(b[..., lo : lo + 2]).view(np.uint16)
+
+
+def _u32(b: np.ndarray, lo: int) -> np.ndarray:
+    """The 4-byte field at bytes lo:lo+4 of each block: [..., 1] uint32 (a float32's bits)."""
+    return np.ascontiguousarray(b[..., lo : lo + 4]).view(np.uint32)
 
 
 def _lanes(a: np.ndarray) -> np.ndarray:
@@ -193,6 +202,10 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
         high = (b[..., 128:192].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
         q = low.reshape(n, nsb, 256) | (high.reshape(n, nsb, 256) << 4)  # element 128g + 64s + l, 128g + 32i + l
         return q.reshape(n, -1, 32), [_u16(b, 208), np.ascontiguousarray(b[..., 192:208])]
+    if qtype in ("Q4_G128", "Q4_G32"):  # per 32 of a block: 16 bytes, low nibbles k = j, high j + 16
+        return _nibbles(b[..., 8:].reshape(n, -1, 16)), [_u32(b, 0), _u32(b, 4)]
+    if qtype == "Q8_CH":
+        return (b[..., 4:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, -1, 32), [_u32(b, 0)]
     assert qtype == "IQ4_XS", qtype
     scales_h = _u16(b, 2)  # [n, nsb, 1]
     low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F  # [n, nsb, 4, 2]: sub-block 2i + nibble
@@ -203,9 +216,12 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
 
 def _body(q: np.ndarray, bits: int) -> np.ndarray:
     """Quants [n, nb, 32 k] -> the bodies [T, nb, bytes] (quant_types.h): Q4_1's integer
-    chunks of nibbles, then Q5's high-bit planes or Q6_K's 2-bit ones."""
+    chunks of nibbles, then Q5's high-bit planes or Q6_K's 2-bit ones; 8-bit: Q8_0_I8's chunks."""
     n, nb, _ = q.shape
     t = n // TILE
+    if bits == 8:  # chunk 8h + p (k = 4p + j), byte 4n' + j
+        q8 = q.reshape(t, 2, 16, nb, 8, 4).transpose(0, 3, 1, 4, 2, 5)
+        return np.ascontiguousarray(q8).reshape(t, nb, 1024)
     q = q.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
     parts = [((q[..., 0] & 0x0F) | ((q[..., 1] & 0x0F) << 4)).reshape(t, nb, 512)]
     if bits == 5:  # bit 2p + s of byte (h, n', j)
@@ -218,7 +234,7 @@ def _body(q: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
-_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
+_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8}
 
 
 def _pack_qn(qtype: str):
@@ -243,7 +259,8 @@ def _pack_f16(blocks: np.ndarray, k: int) -> np.ndarray:
 _PACKERS = {
     **{(q, False): _pack_float(q) for q in ("Q4_1", "Q8_0")},
     **{(q, True): _pack_int(q) for q in ("Q4_1", "Q8_0")},
-    **{(q, False): _pack_qn(q) for q in ("Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")},
+    **{(q, False): _pack_qn(q) for q in ("Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+                                         "Q4_G128", "Q4_G32", "Q8_CH")},
     ("F16", False): _pack_f16,
     ("BF16", False): _pack_f16,
 }

@@ -95,14 +95,16 @@ handoff holds is admitted as usual, its handoff unneeded (`RemoteKVState.SKIPPED
 """
 
 import bisect
+import heapq
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvcache.manager import KVCacheManager, cdiv
 from kvcache.prefix_cache import PrefixHit
 from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.partial_prefill import PrefillLimits, StepPrefills, num_to_prefill
 from scheduler.request import RemoteKVState, Request, RequestStatus
 from scheduler.sample_group import SampleGroup
 
@@ -136,6 +138,7 @@ class Scheduler:
         max_loras: int | None = None,
         handoff_lease_s: float | None = None,
         max_pinned_blocks: int = 0,
+        prefill_limits: PrefillLimits | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -166,6 +169,11 @@ class Scheduler:
         # blocks are pinned at once (0: half the cache).
         self.handoff_lease_s = handoff_lease_s
         self.max_pinned_blocks = max_pinned_blocks or kv.num_blocks // 2
+        # Long prompts share the step (scheduler/partial_prefill.py); whole prompts move
+        # unchunked or in a static batch, so there is nothing to share.
+        self.prefill_limits = ((prefill_limits or PrefillLimits.off())
+                               if chunked_prefill and policy == "continuous"
+                               else PrefillLimits.off())
         self.requests: dict[str, Request] = {}  # unfinished ones, by id
         self.waiting: list[Request] = []  # in _rank order, front = next to admit
         self.swapped: list[Request] = []  # in _rank order too
@@ -291,12 +299,16 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 
-        # 1. Running requests, most urgent first: a decode takes 1 token, a prefill a chunk.
+        # 1. Running requests, most urgent first: a decode takes 1 token, a prefill a chunk
+        # (its share of the step when long prompts share it).
         self.running.sort(key=self._rank)
+        prefills = StepPrefills(self.prefill_limits, budget, self.running,
+                                heapq.merge(self.swapped, self.waiting, key=self._rank),
+                                self._num_left_to_prefill)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(prefills.share(req.num_tokens - req.num_computed_tokens), budget)
             assert num_new > 0, f"{req.request_id}: nothing to compute (no update_from_output?)"
             if not self.chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
                 i += 1  # unchunked (a static batch's member not yet started): a later step
@@ -322,7 +334,7 @@ class Scheduler:
         # 2. Swapped and waiting requests, unless blocks just ran out (re-admitting a victim
         # would thrash).
         if not preempted:
-            budget = self._admit(budget, scheduled, preempted, now)
+            budget = self._admit(budget, scheduled, preempted, now, prefills)
 
         moves = self.kv.take_moves()
         out = SchedulerOutput(
@@ -370,16 +382,19 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest],
         preempted: list[str],
         now: float,
+        prefills: StepPrefills,
     ) -> int:
         """Move swapped and waiting requests into running, most urgent first; returns the
         budget left. A request short of blocks may preempt lower-ranked running requests of
         a strictly less urgent priority; if that cannot make room, admission stops (nobody
-        skips ahead)."""
+        skips ahead). Only a long prompt beyond `max_long_partial_prefills` is passed over,
+        for this step (`prefills`)."""
         static = self.policy == "static"
         if static and self.running:
             return budget  # static: the next batch starts when the whole current one is done
+        passed: set[str] = set()
         while True:
-            req = self._next_to_admit()
+            req = self._next_to_admit(passed)
             if req is None:
                 break
             if req.request_id in preempted:
@@ -388,6 +403,9 @@ class Scheduler:
                 # Its adapter cannot join the running ones': it waits, and nobody skips ahead
                 # of it (FCFS), so running adapters drain and it gets its turn: no starvation.
                 break
+            if self._passed_over(req, prefills):
+                passed.add(req.request_id)  # before it displaces anyone for a seat
+                continue
             need_seat = self._num_seats() + self._seats_of(req) > self.max_num_seqs
             if need_seat or (budget <= 0 and not static):
                 # A strictly more urgent request takes the seat (and the tokens this step
@@ -410,7 +428,8 @@ class Scheduler:
             if not swapped and budget > 0 and req.sampling_params.prompt_logprobs is None:
                 hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
             start = req.num_computed_tokens if hit is None else hit.num_tokens
-            num_new = min(req.num_tokens - start, budget)
+            num_left = req.num_tokens - start
+            num_new = min(prefills.share(num_left), budget)
             if not self.chunked_prefill and 0 < num_new < req.num_tokens - start:
                 break  # unchunked: it waits for a step with room for its whole prompt
             # Static moves the whole batch in at once; members past the budget wait as
@@ -427,9 +446,9 @@ class Scheduler:
                         break
                 else:
                     raise AssertionError(f"{req.request_id}: displacing freed too few blocks")
-            queue = self._queue_of(req)
-            assert queue[0] is req  # victims rank behind req
-            queue.pop(0)
+            self._dequeue(req)
+            if num_left > 1:
+                prefills.admitted(num_left)
             if hit is not None and num_new:
                 req.num_computed_tokens = hit.num_tokens
                 if req.first_scheduled_time is None:
@@ -440,6 +459,23 @@ class Scheduler:
                 scheduled[req.request_id] = self._scheduled(req, num_new, now)
                 budget -= num_new
         return budget
+
+    def _num_left_to_prefill(self, req: Request) -> int:
+        """What waiting or swapped `req` has left to prefill once admitted: after its cached
+        prefix, looked up only for a long one (`partial_prefill.num_to_prefill`)."""
+        left = num_to_prefill(req)
+        if (self.prefill_limits.is_long(left) and req.status is RequestStatus.WAITING
+                and req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None):
+            hit = self.kv.find_cached_prefix(req.block_hashes, req.num_tokens)
+            left = req.num_tokens - hit.num_tokens
+        return left if left > 1 else 0
+
+    def _passed_over(self, req: Request, prefills: StepPrefills) -> bool:
+        """Whether waiting or swapped `req` is a long prefill, after its cached prefix, that
+        lets shorter ones pass this step (`StepPrefills.passes_over`)."""
+        left = num_to_prefill(req)
+        return bool(left) and prefills.passes_over(left) and prefills.passes_over(
+            self._num_left_to_prefill(req))
 
     def _admit_remote(self, req: Request, budget: int, scheduled: dict[str, ScheduledRequest],
                       preempted: list[str], now: float) -> tuple[bool | None, int]:
@@ -470,9 +506,7 @@ class Scheduler:
                     break
             else:
                 raise AssertionError(f"{req.request_id}: displacing freed too few blocks")
-        queue = self._queue_of(req)
-        assert queue[0] is req
-        queue.pop(0)
+        self._dequeue(req)
         bs = self.kv.block_size
         assert local % bs == 0, f"{req.request_id}: a partial prefix hit ({local} tokens)"
         req.num_computed_tokens = local
@@ -564,10 +598,20 @@ class Scheduler:
         new arrivals and preempted requests (which keep their arrival time) go in place."""
         return self.waiting
 
-    def _next_to_admit(self) -> Request | None:
-        """The more urgent of the swapped and waiting queues' fronts."""
-        fronts = [q[0] for q in (self.swapped, self._waiting_order()) if q]
+    def _next_to_admit(self, passed: Collection[str] = ()) -> Request | None:
+        """The more urgent of the swapped and waiting queues' fronts, past the requests
+        `passed` over this step."""
+        fronts = [r for q in (self.swapped, self._waiting_order())
+                  if (r := next((r for r in q if r.request_id not in passed), None))]
         return min(fronts, key=self._rank, default=None)
+
+    def _dequeue(self, req: Request) -> None:
+        """Take an admitted `req` off its queue: the front but for requests passed over."""
+        queue = self._queue_of(req)
+        if queue[0] is req:
+            queue.pop(0)
+        else:
+            queue.remove(req)
 
     def _queue_of(self, req: Request) -> list[Request]:
         return {

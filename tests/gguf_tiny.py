@@ -3,12 +3,15 @@ with finite scales is a valid block), for load-level tests that need no llama.cp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from benchmarks.gguf_blocks import random_weight
 from worker.weights import default_model_path
+from worker.weights.gguf_reader import GGUFFile
 
 
 def _tiny_vocab(w: gguf.GGUFWriter, pre: str) -> int:
@@ -28,27 +31,41 @@ def _tiny_vocab(w: gguf.GGUFWriter, pre: str) -> int:
     return len(tokens)
 
 
+def _gguf_type(value: object) -> gguf.GGUFValueType:
+    return {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
+            str: gguf.GGUFValueType.STRING}[type(value)]
+
+
 def _default_vocab(w: gguf.GGUFWriter, pre: str | None) -> int:
-    """The default model's tokenizer metadata, every key copied (`pre` replacing its own)."""
-    src = gguf.GGUFReader(str(default_model_path()))
+    """The default model's tokenizer metadata, every key copied (`pre` replacing its own),
+    read with our reader (gguf-py's takes ~10 s over its 98,000 strings), typed as
+    llama.cpp's converter writes them (ids u32, token types i32)."""
+    src = GGUFFile(default_model_path())
     if pre is not None:
         w.add_tokenizer_pre(pre)
-    for key, f in src.fields.items():
+    for key, value in src.fields.items():
         if key.startswith("tokenizer.") and not (pre is not None and key == "tokenizer.ggml.pre"):
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    return len(src.fields["tokenizer.ggml.tokens"].contents())
+            if isinstance(value, list):
+                sub = gguf.GGUFValueType.INT32 if key == "tokenizer.ggml.token_type" else _gguf_type(value[0])
+                w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=sub)
+            else:
+                w.add_key_value(key, value, _gguf_type(value))
+    return len(src.fields["tokenizer.ggml.tokens"])
 
 
 def write_tiny_llama(path: Path, qtype: str = "Q8_0", hidden: int = 64, layers: int = 1,
-                     vocab: str = "tiny", pre: str | None = None, seed: int = 0) -> Path:
-    """A Llama of `layers` layers (2 heads of 32, 1 KV head, intermediate 2 x hidden), its
-    matrices in `qtype` (quantized by gguf-py from N(0, 0.05) values), norms F32, the
-    embedding tied. `vocab`: "tiny" or "default" (the default model's tokenizer)."""
+                     vocab: str = "tiny", pre: str | None = None, seed: int = 0,
+                     types: dict[str, str] | None = None,
+                     more: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+    """A Llama of `layers` layers (hidden / 32 heads of 32, 1 KV head, intermediate 2 x hidden), its
+    matrices in `qtype` (quantized by gguf-py from N(0, 0.05) values) or as `types` says by
+    the tensor's kind ({"attn_v": "Q6_K"}: a Q4_K_M-like mix), norms F32, the embedding tied.
+    `vocab`: "tiny" or "default" (the default model's tokenizer); `more` adds metadata."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     n_vocab = _default_vocab(w, pre) if vocab == "default" else _tiny_vocab(w, pre or "gpt2")
-    heads, head_dim, inter = 2, 32, 2 * hidden
+    head_dim, inter = 32, 2 * hidden
+    heads = hidden // head_dim
     w.add_block_count(layers)
     w.add_context_length(256)
     w.add_embedding_length(hidden)
@@ -59,15 +76,22 @@ def write_tiny_llama(path: Path, qtype: str = "Q8_0", hidden: int = 64, layers: 
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    t = gguf.GGMLQuantizationType[qtype]
+    if more is not None:
+        more(w)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         values = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
-        if qtype == "F32":
+        kind = name.removesuffix(".weight").rpartition(".")[2]  # "blk.0.attn_v.weight" -> "attn_v"
+        q = (types or {}).get(kind, qtype)
+        if q == "F32":
             w.add_tensor(name, values)
-        else:
+            return
+        t = gguf.GGMLQuantizationType[q]
+        try:
             data = gguf.quants.quantize(values, t)
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t)
+        except NotImplementedError:  # gguf-py quantizes no K-quant: random valid blocks
+            data = random_weight(q, rows, cols, int(rng.integers(1 << 30)), scale=0.2).blocks
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t)
 
     matrix("token_embd.weight", n_vocab, hidden)
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))

@@ -51,10 +51,10 @@ def test_the_paired_ratio_says_above_one_when_the_side_is_ahead() -> None:
 
 
 def test_step_two_settings_alternate_in_one_process(tmp_path: Path) -> None:
-    report = run(tmp_path, "step", "--side", "int16=.", "--side", "f32=.,--cpu-activations=float32",
+    report = run(tmp_path, "step", "--side", "int16=.,--cpu-activations=int16", "--side", "f32=.,--cpu-activations=float32",
                  "--batch-sizes", "1,2", "--steps", "3", "--rounds", "2", "--warmup", "0", "--context", "8")
     assert report["mode"] == "in-process" and [s["name"] for s in report["sides"]] == ["int16", "f32"]
-    assert report["sides"][1]["flags"] == ["--cpu-activations=float32"]
+    assert [s["flags"] for s in report["sides"]] == [["--cpu-activations=int16"], ["--cpu-activations=float32"]]
     assert len(report["rounds"]) == 2
     for rnd in report["rounds"]:
         for side in ("int16", "f32"):

@@ -29,7 +29,8 @@ def test_every_setting_is_a_flag_with_its_variable_in_help() -> None:
 def test_every_section_is_printed_in_the_config_dump() -> None:
     conf = cfgmod.from_args(build_parser().parse_args(["serve", "-tp", "1"]))
     assert set(conf.to_dict()) == {section for section, _cls in cfgmod._sections()}
-    assert conf.to_dict()["parallel"] == {"tensor_parallel_size": 1}
+    assert conf.to_dict()["parallel"] == {"tensor_parallel_size": 1,
+                                          "distributed_timeout_seconds": 60.0}
 
 
 def test_environment_sets_defaults_and_flags_win(monkeypatch) -> None:

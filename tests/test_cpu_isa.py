@@ -1,6 +1,7 @@
 """The C kernels built per instruction set (ops/cpu_kernels): the best ISA the CPU has is
 taken, each ISA's build is its own cached file, and every build this CPU can run gives the
-same bits as the AVX2 one (float32 and integer-activation matmuls, decode attention), and
+same bits as the AVX2 one (float32 and integer-activation matmuls, the GGUF types' and the
+checkpoints' records, decode attention), and
 every build keeps the prefetches its source asks for."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 
 from ops import cpu_attention, cpu_kernels
 from ops import quantized_linear as ql
+from tests.test_checkpoint_records import WEIGHTS
 from tests.test_quantized_linear import _q8_0_without_minus_128, _random_blocks
+from worker.weights.hf_quantized import checkpoint_records
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supported_isas(), reason="no AVX2/FMA/F16C here")
 
@@ -60,7 +63,8 @@ def _outputs() -> list[torch.Tensor]:
     """Every kernel's output on fixed inputs, with the libraries of the current ISA."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for qw in (_random_blocks("Q4_1", 96, 576, seed=3), _q8_0_without_minus_128(64, 192, seed=4)):
+    checkpoints = [checkpoint_records(WEIGHTS[name]()) for name in ("Q4_G128", "Q8_CH")]  # int8's -128 too
+    for qw in (_random_blocks("Q4_1", 96, 576, seed=3), _q8_0_without_minus_128(64, 192, seed=4), *checkpoints):
         x = torch.randn(11, qw.shape[1], generator=g)
         for activations in ql.ACTIVATIONS:
             out.append(ql.QuantLinear(qw, activations=activations)(x))

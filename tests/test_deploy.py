@@ -492,13 +492,14 @@ def _load_families(features: bool = False) -> list[Any]:
     # What the collector reads of the engine.
     engine = SimpleNamespace(step_tokens={}, speculation=None, num_drafts=0, num_draft_tokens=0,
                              num_accepted_tokens=0, accepted_per_position=[],
-                             structured_requests={}, loras=None,
-                             scheduler=SimpleNamespace(running=[], waiting=[], swapped=[]))
+                             structured_requests={}, loras=None, prompt_tokens_by_source={},
+                             scheduler=SimpleNamespace(running=[], waiting=[], swapped=[]),
+                             config=SimpleNamespace(kv_transfer=SimpleNamespace(kv_transfer_config=None)))
     if features:
         engine.speculation, engine.accepted_per_position = object(), [0, 0]
         engine.structured_requests = {"regex": 0}
         engine.loras = SimpleNamespace(infos=lambda: [SimpleNamespace(name="a", num_requests=0)])
-        engine.config = SimpleNamespace(lora=SimpleNamespace(max_loras=1))
+        engine.config.lora = SimpleNamespace(max_loras=1)
     collector = LoadCollector(SimpleNamespace(engine=engine), None, ("m", "0"),  # type: ignore[arg-type]
                               {"block_size": "16"})
     zero = Load(**{f.name: 0 for f in dataclasses.fields(Load)})

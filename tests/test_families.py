@@ -38,7 +38,7 @@ from worker.engine import Engine
 from worker.models.llama import LlamaConfig
 from worker.weights import load_model
 
-ORIGINAL, WINDOW, NEW, SPEC_NEW = 32, 24, 8, 40
+ORIGINAL, WINDOW, NEW, SPEC_NEW, TRITON_NEW = 32, 24, 8, 40, 3
 _rng = random.Random(51)
 SHORT = [_rng.randrange(3, 256) for _ in range(10)]
 LONG = [_rng.randrange(3, 256) for _ in range(72)]  # past the window and the original context, twice
@@ -157,8 +157,9 @@ def _engine(ckpt: Checkpoint, kernels: str, budget: int = 512, spec: NgramSpecul
     return engine
 
 
-def _check(ckpt: Checkpoint, engine: Engine, name: str, ids: list[int]):
+def _check(ckpt: Checkpoint, engine: Engine, name: str, ids: list[int], n: int | None = None):
     tokens, lps = ckpt.want[name]
+    tokens, lps = tokens[:n], lps[:n]
     params = SamplingParams(temperature=0.0, max_tokens=len(tokens), ignore_eos=True, logprobs=0)
     (done,) = engine.generate([engine.make_request(ids, params)])
     assert engine.kv.num_free_blocks == engine.budget.num_blocks
@@ -194,15 +195,22 @@ def test_short_and_long_prompts_match_transformers_in_the_fused_decoder(checkpoi
     _check(checkpoint, engine, "long", LONG)
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen3", "phi4-mini"], indirect=True)
 def test_the_long_prompt_matches_transformers_in_triton(checkpoint) -> None:
-    """Triton's kernels op by op (the interpreter here: TRITON_INTERPRET=1, float32): the
-    long prompt, past the window and the original context, prefilled whole and decoded; its
-    last logits within 1e-4. (The interpreter is slow: the short prompt and the chunked,
-    cached and speculative steps run in the fused decoder above and below.)"""
+    """Triton's kernels op by op (the interpreter here: TRITON_INTERPRET=1, float32) on the
+    two families whose operations are new there (q/k norms; partial rotary over LongRoPE's
+    table; Llama 3's and Phi-3's differ from Llama only by the table, and the window has
+    tests/test_sliding_window_models.py): the long prompt, past the original context,
+    prefilled whole, its last logits within 1e-4, and TRITON_NEW greedy tokens. (The
+    interpreter runs a Python loop a program, so a prompt costs per token: this one is
+    40, past the original 32; the short prompt and the chunked, cached and speculative
+    steps run in the fused decoder.)"""
     pytest.importorskip("triton")
+    ids = LONG[:40]
+    checkpoint.want["triton"] = hf_greedy(checkpoint.hf, ids, TRITON_NEW)
     engine = _engine(checkpoint, "triton")
-    _check(checkpoint, engine, "long", LONG)
-    _last_logits_close(checkpoint, engine, "triton", LONG)
+    _check(checkpoint, engine, "triton", ids)
+    _last_logits_close(checkpoint, engine, "triton", ids)
 
 
 def test_chunked_prefill_prefix_hits_and_speculation_match_transformers(checkpoint) -> None:

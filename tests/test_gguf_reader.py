@@ -212,6 +212,8 @@ def test_a_truncated_file_is_refused_at_load(tiny: Path, tmp_path: Path) -> None
     # attn_q retyped F32: its 64 x 64 values then need 16 KiB, the file holds its Q8_0's 4.25,
     # so it would read the next tensors' bytes.
     ("blk.0.attn_q.weight", 0, "tensor 'blk.0.attn_q.weight': 16384 bytes \\(F32, shape \\[64, 64\\]\\) at .* overlap"),
+    # The last tensor retyped F32: no neighbour to overlap, its 32 KiB run past the file's end.
+    ("blk.0.ffn_down.weight", 0, "tensor 'blk.0.ffn_down.weight': 32768 bytes at .* run past the file's"),
     # A norm stored as I8 (it fits) has no dequantizer: refused by name before anything is built.
     ("output_norm.weight", 24, "tensor 'output_norm.weight' has type I8, which this worker cannot read"),
 ])

@@ -196,10 +196,13 @@ def test_megabyte_prompts_are_refused_and_health_stays_fast(worker) -> None:
     worst = max(probe.latencies)
     print(f"health checks: {len(probe.latencies)}, worst {worst * 1000:.1f} ms")
     assert len(probe.latencies) >= 10
-    # Tokenized on the loop, the long prompts stall a check for over a second; off it, the
-    # worst is tens of ms (a 2-core CI machine once gave 116 ms to the old, 65k-char case).
-    # A kubelet's probe times out after 1 s by default.
-    assert worst < 0.300, f"a health check took {worst * 1000:.0f} ms"
+    # Tokenized on the loop, each of the 14 long prompts stalls a check for over a second;
+    # off it, the worst is tens of ms (a 2-core CI machine once gave 116 ms to the old,
+    # 65k-char case), and a machine loaded beside us may stretch a few. A kubelet's probe
+    # times out after 1 s by default: none may come near, and all but two stay fast.
+    lat = sorted(probe.latencies)
+    assert worst < 1.0, f"a health check took {worst * 1000:.0f} ms"
+    assert lat[-3] < 0.300, f"health checks past 300 ms: {[round(x, 3) for x in lat if x > 0.3]}"
     healthy_and_free(worker)
 
 

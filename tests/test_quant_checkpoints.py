@@ -1,13 +1,15 @@
 """Pre-quantized checkpoints on the CPU, per format of the issue's table, against references
 no one here wrote (tests/quant_checkpoints.py makes the checkpoints and the references).
 
-The CPU dequantizes every such weight at load (weight-only, float32), so each format is
-compared with transformers' float32 Llama on the same dequantized weights: decompressed by
+Dequantized at load (weight-only, float32; --no-cpu-quantized-linear, and fp8 always), each
+format is compared with transformers' float32 Llama on the same dequantized weights: decompressed by
 compressed-tensors for its folders, by an independent numpy dequantization for the native
 fp8, fbgemm_fp8, awq and gptq layouts. Shown: greedy tokens identical over 16 new tokens on
 3 prompts (the worker's engine against transformers' generate), and the last position's
 logits within 1e-5 of the largest (float32 on the same weights: only the order of sums
-differs).
+differs). The int4 and int8 formats on the CPU kernels' records (their default on the CPU
+in float32) against the same references: greedy tokens identical (shown there, not again
+dequantized), logits within their arithmetic's bounds.
 
 The GPU's arithmetic (activations quantized as the checkpoint says) is the Triton kernels'
 (tests/test_scaled_linear_triton.py against `scaled_linear_ref`); here that reference runs
@@ -20,6 +22,8 @@ the loader's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -37,12 +41,13 @@ pytest.importorskip("compressed_tensors")
 PROMPTS = [[1, 45, 77, 300, 12, 9], [1, 200, 201, 202, 7, 99, 411, 36, 5, 18, 260, 3], [1, 5]]
 NEW_TOKENS = 16
 CT = {"ct-fp8-channel": "FP8_DYNAMIC", "ct-fp8-block": "FP8_BLOCK", "ct-w4a16": "W4A16",
-      "ct-w4a16-asym": "W4A16_ASYM", "ct-w8a8": "W8A8"}
+      "ct-w4a16-asym": "W4A16_ASYM", "ct-w8a8": "W8A8", "ct-w8a16": "W8A16"}
 NAMES = {"ct-fp8-channel": "compressed-tensors FP8 per-channel weights, dynamic per-token activations",
          "ct-fp8-block": "compressed-tensors FP8 128x128 block weights, dynamic per-group (128) activations",
          "ct-w4a16": "compressed-tensors W4A16 groups of 128, symmetric",
          "ct-w4a16-asym": "compressed-tensors W4A16 groups of 128, asymmetric (zero points)",
          "ct-w8a8": "compressed-tensors INT8 per-channel weights, dynamic per-token activations",
+         "ct-w8a16": "compressed-tensors W8A16 INT8 groups of 128 weights",
          "fp8": "fp8 FP8 128x128 block weights, dynamic per-group (128) activations",
          "fbgemm": "fbgemm_fp8 FP8 per-channel weights, dynamic per-token activations",
          "awq": "awq W4A16 groups of 128, asymmetric (zero points)",
@@ -77,6 +82,35 @@ def folder(float_folder, tmp_path_factory):
     return get
 
 
+# The int4 and int8 formats as the CPU holds them by default: the kernels' record types.
+ON_RECORDS = {"gptq": "Q4_0", "awq": "Q4_G128", "ct-w4a16": "Q4_G128", "ct-w4a16-asym": "Q4_G128",
+              "ct-w8a8": "Q8_CH", "ct-w8a16": "Q8_CH"}  # (ct-w4a16: float32 scales, zero 8: m = -8 s)
+
+
+@dataclass
+class _Reference:
+    logits: list[torch.Tensor]  # the last position's, per prompt
+    greedy: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """transformers' float32 Llama on a format's dequantized weights (compressed-tensors'
+    decompression, or the numpy one): its logits and greedy tokens, made once per format."""
+    made = {}
+
+    def get(fmt: str) -> _Reference:
+        if fmt not in made:
+            path = folder(fmt)
+            model = qc.transformers_model(path, qc.ct_dequantized(path) if fmt in CT else qc.numpy_dequantized(path))
+            with torch.inference_mode():
+                logits = [model(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
+            made[fmt] = _Reference(logits, _hf_greedy(model))
+        return made[fmt]
+
+    return get
+
+
 def _engine_greedy(loaded) -> list[list[int]]:
     engine = Engine(WorkerConfig(model=ModelConfig(max_model_len=128), cache=CacheConfig(kv_cache_memory=0.01)),
                     loaded=loaded)
@@ -94,25 +128,24 @@ def _hf_greedy(model) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("fmt", [*CT, "fp8", "fbgemm", "awq", "gptq"])
-def test_format_against_transformers_on_the_dequantized_weights(fmt, folder) -> None:
+def test_format_against_transformers_on_the_dequantized_weights(fmt, folder, reference) -> None:
     path = folder(fmt)
-    # Dequantized (the GGUF kernels' Q4_0/Q4_1 holding of int4: test_int4_on_the_cpus_integer_kernels)
+    # Dequantized (--no-cpu-quantized-linear; the CPU kernels' records of int4 and int8:
+    # test_int4_and_int8_on_the_cpus_integer_kernels)
     loaded = load_model(str(path), cpu_quantized_linear=False)
     assert loaded.quantization is not None and loaded.quantization.name == NAMES[fmt]
+    assert "dequantized at load" in loaded.describe_weights()
     state = qc.ct_dequantized(path) if fmt in CT else qc.numpy_dequantized(path)
-    ref = qc.transformers_model(path, state)
+    ref = reference(fmt)
     # The dequantized weights themselves: what the worker holds is the reference's, exactly.
     ours = loaded.model.layers[1].self_attn.qkv_proj.weight
     theirs = torch.cat([state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(ours, theirs)
-    for p in PROMPTS:  # (before an engine's runner takes the model: it repacks its linears)
-        with torch.inference_mode():
-            theirs_logits = ref(torch.tensor([p])).logits[0, -1]
-        torch.testing.assert_close(last_logits(loaded.model, p), theirs_logits, rtol=0,
-                                   atol=1e-5 * float(theirs_logits.abs().max()))
-    want = _hf_greedy(ref)
-    assert len({t for row in want for t in row}) > 4, "a degenerate reference (one token over and over)"
-    assert _engine_greedy(loaded) == want
+    for p, want in zip(PROMPTS, ref.logits, strict=True):  # (before an engine's runner takes the model)
+        torch.testing.assert_close(last_logits(loaded.model, p), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert len({t for row in ref.greedy for t in row}) > 4, "a degenerate reference (one token over and over)"
+    if fmt not in ON_RECORDS:  # (those formats' greedy tokens: on the CPU's default, the records)
+        assert _engine_greedy(loaded) == ref.greedy
 
 
 @pytest.mark.slow
@@ -161,11 +194,13 @@ def test_the_planner_holds_what_the_loader_holds(fmt, folder) -> None:
     assert kind in gpu.how or info.quantization.name in gpu.how
     cpu = plan.weights(info, plan.Device("cpu", "cpu", 1 << 34, 1e10, {"float32": 1e11}), "float32")
     assert kind not in cpu.held
-    if fmt == "gptq":  # held as the CPU kernels' Q4_0 records (test_int4_on_the_cpus_integer_kernels)
+    records = {"ct-w4a16-asym": "Q4_G128", "gptq": "Q4_0"}
+    if fmt in records:  # held as the CPU kernels' records (test_int4_and_int8_on_the_cpus_integer_kernels)
         from ops.quantized_linear import QuantLinear
 
         on_cpu = load_model(str(path), cpu_activations="float32").model
-        assert cpu.held["Q4_0"] == sum(m.packed.nbytes for m in on_cpu.modules() if isinstance(m, QuantLinear))
+        assert cpu.held[records[fmt]] == sum(m.packed.nbytes for m in on_cpu.modules() if isinstance(m, QuantLinear))
+        assert f"{records[fmt]} records" in cpu.how
     else:
         assert "dequantized at load" in cpu.how
 
@@ -211,37 +246,37 @@ def test_the_gpu_path_end_to_end_in_the_interpreter(fmt, folder) -> None:
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("activations", ["float32", "int16"])
-@pytest.mark.parametrize("fmt, qtype", [("gptq", "Q4_0"), ("awq", "Q4_1")])
-def test_int4_on_the_cpus_integer_kernels(fmt, qtype, activations, folder) -> None:
-    """GPTQ (symmetric: fp16 scales, zero 8) held exactly as Q4_0 blocks, AWQ (zero points)
-    as Q4_1 ones where -s z is exact in fp16 (one linear of this checkpoint; the others are
-    dequantized at load) (a group of 128 = four blocks of 32 sharing its
-    scale and zero) by the CPU's GGUF kernels (ops/quantized_linear.py, kernels49's
-    records), multiplying in `activations`: against transformers on the numpy
-    dequantization, float32 activations give its greedy tokens and logits within 2e-4 of
-    the largest (Q4_1 adds m times a block's sum of x: a cancellation the dequantized
-    product does not have), int16 activations within 1e-2 of it."""
+@pytest.mark.parametrize("fmt, qtype", ON_RECORDS.items())
+def test_int4_and_int8_on_the_cpus_integer_kernels(fmt, qtype, folder, reference) -> None:
+    """Every quantized linear held on the CPU kernels' records (no float32 copy): GPTQ
+    (symmetric, fp16 scales) as Q4_0 blocks, AWQ, compressed-tensors' W4A16 (float32
+    scales) and its asymmetric W4A16 (zero points) as Q4_G128 (float32 d = s and m = -s z per group of 128), W8A8's int8
+    per-channel weights and W8A16's groups of 128 as Q8_CH (float32 scales per output and 128
+    inputs), multiplying in float32 (weight-only,
+    W8A8's activations not quantized) and int16 activations (--cpu-activations): against
+    transformers on the dequantized weights (compressed-tensors' own decompression, or the
+    numpy one), float32 activations give its greedy tokens and logits within 2e-4 of the
+    largest (Q4_G128 adds m times a block's sum of x: a cancellation the dequantized product
+    does not have), int16 activations within 1e-2 of it."""
+    from torch import nn
+
     from ops import quantized_linear
     from ops.quantized_linear import QuantLinear
 
     if not quantized_linear.available():
         pytest.skip("the CPU kernels do not build here")
     path = folder(fmt)
-    loaded = load_model(str(path), cpu_activations=activations)
-    linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
-    # Every GPTQ linear; the AWQ linears whose -s z fp16 holds exactly (the rest dequantized).
-    assert len(linears) == 4 * 2 if fmt == "gptq" else 1 <= len(linears) < 4 * 2
-    assert {(m.qtype, m.activations) for m in linears} == {(qtype, activations)}
-    ref = qc.transformers_model(path, qc.numpy_dequantized(path))
-    for p in PROMPTS:
-        with torch.inference_mode():
-            want = ref(torch.tensor([p])).logits[0, -1]
-        got = last_logits(loaded.model, p)
-        tol = (2e-4 if activations == "float32" else 1e-2) * float(want.abs().max())
-        torch.testing.assert_close(got, want, rtol=0, atol=tol)
-    if activations == "float32":
-        assert _engine_greedy(loaded) == _hf_greedy(ref)
-    # Loaded without the kernels (--no-cpu-quantized-linear): dequantized, plain linears.
-    plain = load_model(str(path), cpu_quantized_linear=False)
-    assert not any(isinstance(m, QuantLinear) for m in plain.model.modules())
+    ref = reference(fmt)
+    for activations in ("float32", "int16"):
+        loaded = load_model(str(path), cpu_activations=activations)
+        linears = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+        assert len(linears) == 4 * 2
+        assert {(m.qtype, m.activations) for m in linears} == {(qtype, activations)}
+        # No float copy of a quantized linear: the only float linear is the ignored lm_head.
+        assert [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)] == ["lm_head"]
+        assert f"{qtype} x8" in loaded.describe_weights()
+        for p, want in zip(PROMPTS, ref.logits, strict=True):
+            tol = (2e-4 if activations == "float32" else 1e-2) * float(want.abs().max())
+            torch.testing.assert_close(last_logits(loaded.model, p), want, rtol=0, atol=tol)
+        if activations == "float32":
+            assert _engine_greedy(loaded) == ref.greedy

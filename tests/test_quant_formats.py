@@ -103,6 +103,7 @@ def made(tmp_path_factory):
     src = qc.tiny_llama(root / "float")
     return {"fp8": qc.compressed_tensors(root / "fp8", "FP8_DYNAMIC", src),
             "w4": qc.compressed_tensors(root / "w4", "W4A16", src),
+            "w8": qc.compressed_tensors(root / "w8", "W8A16", src),
             "block": qc.native_fp8(root / "block", src), "src": src}
 
 
@@ -146,6 +147,11 @@ def _set(name: str, value):
     ("w4", lambda state, cfg: cfg["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=96),
      r"W4A16 groups of 96, symmetric: tensor model.layers.0.mlp.down_proj.weight_scale cannot be read: "
      r"group_size 96 does not divide the linear's 512 inputs"),
+    ("w8", _set(f"{Q}.weight_packed", lambda p: p[:, :-1].contiguous()),
+     rf"W8A16 INT8 groups of 128 weights: tensor {Q}.weight_packed has shape \(256, 63\); this linear needs "
+     r"\(256, 64\)"),
+    ("w8", _set(f"{Q}.weight_scale", lambda s: s.index_fill(1, torch.tensor([1]), float("nan"))),
+     rf"W8A16 INT8 groups of 128 weights: tensor {Q}.weight_scale holds NaN or infinite scales"),
     ("fp8", lambda state, cfg: state.pop(f"{Q}.weight_scale"),
      rf"tensor {Q}.weight_scale is missing"),
 ])

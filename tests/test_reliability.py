@@ -35,3 +35,15 @@ def test_scenario_holds(name: str) -> None:
     report = render_one(rec.to_json(0.0))  # the report renders every record
     assert rec.checks and report.count("| yes |") + report.count("| **no** |") == len(rec.checks)
     assert rec.ok, "\n".join(rec.failed())
+
+
+def test_the_soak_calls_a_worker_that_slows_per_request_a_slowdown() -> None:
+    """The control for the soak's TTFT check: the same scenario, shorter, against a worker
+    whose steps scan a list of the requests it has served (each adds a quarter of a step,
+    benchmarks.faulty_worker) fails that check, and only through the slowdown."""
+    rec = asyncio.run(SCENARIOS["soak"](duration_s=8.0, window_s=2.0, max_tokens=8,
+                                        cancel_fraction=0.0, leak_per_request=0.25))
+    (ttft,) = [c for c in rec.checks if c["name"].startswith("TTFT flat")]
+    assert not ttft["ok"], ttft["detail"]
+    assert rec.figures["ttft_flatness"]["trend_growth"] > 2, rec.figures
+    assert all(c["ok"] for c in rec.checks if "every request" in c["name"]), rec.failed()

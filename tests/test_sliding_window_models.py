@@ -89,11 +89,23 @@ class Checkpoint:
     def load(self):
         loaded = load_model(str(self.folder))
         if self.quantize:
-            from ops.quantized_linear import QuantizedWeight
-            from worker.weights.gguf_file import quantized_linears
+            from ops.quantized_linear import QuantizedWeight, quantize_linears
+            from worker.models.llama import fuse_shards, our_name
 
-            loaded.quantized = quantized_linears({n: QuantizedWeight("Q8_0", b, s) for n, (b, s) in self.blocks.items()})
+            # module names ("layers.0.self_attn.qkv_proj"), fused as the model fuses them
+            named = ((our_name(h), QuantizedWeight("Q8_0", b, s)) for h, (b, s) in self.blocks.items())
+            fused = fuse_shards(((n, qw) for n, qw in named if n is not None), _cat_rows, set())
+            loaded.quantized = {n.removesuffix(".weight"): qw for n, qw in fused}
+            assert quantize_linears(loaded.model, loaded.quantized, "float32") == len(loaded.quantized)
         return loaded
+
+
+def _cat_rows(ws: list) -> object:
+    """Shards of one fused linear stacked by rows, as the model stacks its float weights."""
+    from ops.quantized_linear import QuantizedWeight
+
+    blocks = np.concatenate([w.blocks for w in ws])
+    return QuantizedWeight(ws[0].qtype, blocks, (blocks.shape[0], ws[0].shape[1]))
 
 
 def _q8_0_blocks(model) -> dict:

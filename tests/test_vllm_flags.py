@@ -68,6 +68,9 @@ VLLM_FLAGS = {  # the flag -> its LLMWORKER_* variable
     "--kv-cache-free-memory-fraction": "LLMWORKER_KV_CACHE_FREE_MEMORY_FRACTION",
     "--tensor-parallel-size": "LLMWORKER_TENSOR_PARALLEL_SIZE",
     "--kv-transfer-config": "LLMWORKER_KV_TRANSFER_CONFIG",
+    "--long-prefill-token-threshold": "LLMWORKER_LONG_PREFILL_TOKEN_THRESHOLD",
+    "--max-num-partial-prefills": "LLMWORKER_MAX_NUM_PARTIAL_PREFILLS",
+    "--max-long-partial-prefills": "LLMWORKER_MAX_LONG_PARTIAL_PREFILLS",
 }
 
 
@@ -187,21 +190,21 @@ def test_tensor_parallel_size_one_is_accepted() -> None:
     assert parse("-tp", "1").parallel.tensor_parallel_size == 1
 
 
-@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp", "4"]])
-def test_tensor_parallel_size_above_one_says_what_to_do(argv: list[str], capsys) -> None:
-    assert main(["serve", *argv]) == 2  # refused before any model loads
-    err = capsys.readouterr().err
-    n = argv[1]
-    assert err.startswith(f"error: --tensor-parallel-size {n}: this worker serves one model "
-                          "on one device.")
-    assert f"run {n} replicas" in err and "behind a gateway such as SMG" in err
-    assert "smg launch --worker-urls" in err and "--policy cache_aware" in err
+@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "3"], ["-tp", "3"]])
+def test_tensor_parallel_size_above_one_is_taken(argv: list[str]) -> None:
+    # What it does is tested in tests/test_tp_*.py; here the spellings and the bounds.
+    assert parse(*argv).parallel.tensor_parallel_size == 3
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size must be in \[1, 64\], got 0"):
+        parse("-tp", "0")
 
 
-def test_tensor_parallel_size_from_the_environment(monkeypatch, capsys) -> None:
-    monkeypatch.setenv("LLMWORKER_TENSOR_PARALLEL_SIZE", "8")
-    assert main(["serve"]) == 2
-    assert "--tensor-parallel-size 8: this worker serves one model" in capsys.readouterr().err
+def test_tensor_parallel_size_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("LLMWORKER_TENSOR_PARALLEL_SIZE", "4")
+    monkeypatch.setenv("LLMWORKER_DISTRIBUTED_TIMEOUT_SECONDS", "5")
+    conf = parse()
+    assert conf.parallel.tensor_parallel_size == 4
+    assert conf.parallel.distributed_timeout_seconds == 5.0
+    assert parse("--distributed-timeout-seconds", "7").parallel.distributed_timeout_seconds == 7.0
 
 
 # ----- --enable-chunked-prefill / --no-enable-chunked-prefill -------------------------------
@@ -213,6 +216,26 @@ def test_chunked_prefill_flags(monkeypatch) -> None:
     assert parse("--enable-chunked-prefill", "false").scheduler.enable_chunked_prefill is False
     monkeypatch.setenv("LLMWORKER_ENABLE_CHUNKED_PREFILL", "false")
     assert parse().scheduler.enable_chunked_prefill is False
+
+
+def test_partial_prefill_flags(monkeypatch, capsys) -> None:
+    sc = parse().scheduler  # ours: 2 partial prefills (vLLM: 1), measured; the rest vLLM's
+    assert (sc.long_prefill_token_threshold, sc.max_num_partial_prefills,
+            sc.max_long_partial_prefills) == (0, 2, 1)
+    sc = parse("--long-prefill-token-threshold", "1k", "--max-num-partial-prefills", "4",
+               "--max-long-partial-prefills", "2").scheduler
+    assert (sc.long_prefill_token_threshold, sc.max_num_partial_prefills,
+            sc.max_long_partial_prefills) == (1000, 4, 2)
+    monkeypatch.setenv("LLMWORKER_MAX_NUM_PARTIAL_PREFILLS", "1")
+    assert parse().scheduler.max_num_partial_prefills == 1
+    with pytest.raises(ValueError, match=r"--max-long-partial-prefills \(2\) <= --max-num-partial"):
+        parse("--max-long-partial-prefills", "2")
+    with pytest.raises(ValueError, match="--long-prefill-token-threshold must be >= 0"):
+        parse("--long-prefill-token-threshold", "-1")
+    # Past max_model_len: refused when the engine knows it (vLLM's rule).
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold \(600\) must be < max_model_len"):
+        tiny_engine(model=ModelConfig(device="cpu", max_model_len=512),
+                    scheduler=SchedulerConfig(long_prefill_token_threshold=600))
 
 
 def _scheduler(chunked: bool, budget: int, max_model_len: int) -> tuple[Scheduler, KVRunner]:

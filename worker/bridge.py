@@ -155,6 +155,7 @@ class EngineBridge:
         self._watchdog: asyncio.Task[None] | None = None
         self.closed = False
         self.dead = False  # the engine thread died; every stream was failed
+        self.unavailable = False  # ... because a tensor-parallel rank was lost
         # Counters for GetServerStatus (tracked requests only: not the warm-up).
         self.finish_counts: collections.Counter[str] = collections.Counter()
         self.num_preemptions = 0
@@ -207,7 +208,11 @@ class EngineBridge:
             if not self.closed and (thread is None or not thread.is_alive()):
                 log.error("the engine thread died; failing %d requests", len(self._live))
                 self.dead = True
-                self._fail_all("the engine thread died")
+                # A lost tensor-parallel rank (worker/parallel): the worker is gone, not broken
+                # by the request; its streams end UNAVAILABLE (another replica may serve them).
+                lost = getattr(self.engine, "lost", None)
+                self.unavailable = lost is not None
+                self._fail_all(lost or "the engine thread died")
                 if self.on_dead is not None:
                     self.on_dead()
                 return

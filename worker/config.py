@@ -122,7 +122,7 @@ def _dtype(text: str) -> str:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = opt("default", "'default' (embedded SmolLM2-135M-Instruct GGUF), a .gguf file, "
-                     "a Hugging Face folder, or dummy:SHAPE (llama-3-8b, llama-3.2-1b, smollm2-135m)")
+                     "a Hugging Face folder, or dummy:SHAPE (llama-3-8b, llama-3-70b, llama-3.2-1b, smollm2-135m)")
     served_model_name: str = opt("", "the model id clients see: GetModelInfo on both protocols "
                                  "(so the gateway's /v1/models), the model_name metric label "
                                  "and trace spans; empty = the model's own name (one name: "
@@ -188,19 +188,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = opt(1, "devices one model is split over; only 1: this worker "
-                                    "runs one model on one device (for N devices, run N "
-                                    "replicas behind a gateway)", short="-tp")
+    tensor_parallel_size: int = opt(1, "devices one model is split over (tensor parallelism, "
+                                    "worker/parallel): this process is rank 0 and starts N-1 "
+                                    "followers that hold the other shards (one CUDA device each, "
+                                    "or processes on the CPU over gloo, a test bed); N must divide "
+                                    "the attention heads. For throughput, run replicas behind a "
+                                    "gateway instead", short="-tp")
+    distributed_timeout_seconds: float = opt(60.0, "with --tensor-parallel-size > 1: how long a "
+                                             "step's collective waits for a rank before the "
+                                             "worker calls it hung, fails every stream and exits")
 
     def __post_init__(self) -> None:
         n = self.tensor_parallel_size
-        if n != 1:
-            raise ValueError(
-                f"--tensor-parallel-size {n}: this worker serves one model on one device. To "
-                f"use {n} devices, run {n} replicas (one `llm-worker serve --device cuda:I "
-                "--port P` each) behind a gateway such as SMG (`smg launch --worker-urls "
-                "grpc://HOST:P ... --policy cache_aware`; see the README, 'Behind a "
-                "gateway'). A model too large for one device cannot be served here.")
+        if not 1 <= n <= 64:
+            raise ValueError(f"--tensor-parallel-size must be in [1, 64], got {n}")
+        if not 0 < self.distributed_timeout_seconds <= 86400:
+            raise ValueError("--distributed-timeout-seconds must be in (0, 86400], got "
+                             f"{self.distributed_timeout_seconds}")
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "fp8", "fp8_e4m3")  # --kv-cache-dtype
@@ -284,12 +288,35 @@ class SchedulerConfig:
                                "recompute", ("auto", "swap", "recompute"))
     priority_aging_s: float = opt(30.0, "a waiting request gains one priority level per this many "
                                   "seconds, so low-priority work cannot starve; 0 = no aging")
+    # Long prompts share the step (scheduler/partial_prefill.py), with vLLM's meanings.
+    long_prefill_token_threshold: int = opt(
+        0, "a prompt with more tokens than this left to prefill is long; given (> 0), every "
+        "prefill chunk is also at most this many tokens. 0: none is long, or with "
+        "--max-num-partial-prefills > 1, 4% of --max-model-len (as vLLM)",
+        parse=human_readable_int)
+    # 2, not vLLM's 1: an 8-token request sent into a 5,000-token prefill got its first
+    # token in 2 steps instead of 10, the long prompt's own TTFT unchanged within noise
+    # (BENCHMARKS.md, "Long prompts"); 1 restores vLLM's schedule.
+    max_num_partial_prefills: int = opt(
+        2, "above 1, the prompts being prefilled (up to this many) split each step's token "
+        "budget left after the running decodes' tokens, so a short prompt arriving during a "
+        "long one's prefill starts at once (1: vLLM's default, a prompt ahead takes it all)")
+    max_long_partial_prefills: int = opt(
+        1, "with --max-num-partial-prefills > 1, at most this many long prompts prefill at "
+        "once; shorter ones pass a long one waiting behind them")
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_num_seqs <= INT32_MAX:  # counts of it go out as uint32s
             raise ValueError(f"--max-num-seqs must be in [1, {INT32_MAX}], got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("--long-prefill-token-threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"need 1 <= --max-long-partial-prefills "
+                             f"({self.max_long_partial_prefills}) <= --max-num-partial-prefills "
+                             f"({self.max_num_partial_prefills})")
 
 
 # vLLM's other methods need a second model (a draft, EAGLE heads, MTP layers); we have one.

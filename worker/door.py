@@ -733,7 +733,8 @@ class Generation:
 
     async def _fail(self, out: RequestOutput) -> NoReturn:
         """INTERNAL for a fault (a model step raised, the engine thread died), UNAVAILABLE
-        when the worker shut down under the request (another replica can serve it),
+        when the worker shut down under the request or lost a tensor-parallel rank (another
+        replica can serve it),
         INVALID_ARGUMENT when what it asked for failed it (`RequestOutput.refused`)."""
         if out.refused:
             what = (f"failed after {out.completion_tokens} tokens" if out.completion_tokens
@@ -741,7 +742,7 @@ class Generation:
             await abort(self.context, grpc.StatusCode.INVALID_ARGUMENT,
                         f"request {quote(self.request_id)} {what}: {out.error}")
         bridge = self.bridge
-        shut_down = bridge.closed and not bridge.dead
+        shut_down = (bridge.closed and not bridge.dead) or getattr(bridge, "unavailable", False)
         code = grpc.StatusCode.UNAVAILABLE if shut_down else grpc.StatusCode.INTERNAL
         await abort(self.context, code,
                     f"request {quote(self.request_id)} failed after {out.completion_tokens} "

@@ -36,6 +36,7 @@ from kvcache.budget import KVBudget, fit_budget, kv_bytes_per_token
 from kvcache.events import KVEvent
 from kvcache.manager import KVCacheManager
 from scheduler.output import SchedulerOutput
+from scheduler.partial_prefill import PrefillLimits
 from scheduler.request import (
     RemoteKVState,
     Request,
@@ -54,6 +55,8 @@ from worker.lora.registry import LoraRegistry
 from worker.lora.slots import LoraSlots
 from worker.model_runner import ModelRunner, SampleResult
 from worker.outputs import OutputState, RequestOutput
+from worker.parallel import RankLost
+from worker.parallel.shard import ShardPlan
 from worker.spec_decode import NgramProposer
 from worker.structured import GrammarMatcher
 from worker.weights import LinearPolicy, LoadedModel, load_model
@@ -171,15 +174,27 @@ class Engine:
         self.config = config
         device = resolve_device(config.model.device)
         mc = config.model
+        tp = config.parallel.tensor_parallel_size
+        # Under tensor parallelism a GGUF's linears load dequantized: the shards are sliced
+        # from float weights (worker/parallel/shard.py).
+        quantized = mc.cpu_quantized_linear and tp == 1
         if loaded is None:
-            loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), mc.cpu_quantized_linear,
+            loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), quantized,
                                 mc.cpu_activations)
         else:  # a load made for other linears is made again, unless an engine runs on it
-            loaded.hold_linears(LinearPolicy.of(loaded.device, loaded.dtype, mc.cpu_quantized_linear,
+            if tp > 1:  # a split that does not divide is refused before any reload
+                ShardPlan.of(loaded.config, tp)
+            loaded.hold_linears(LinearPolicy.of(loaded.device, loaded.dtype, quantized,
                                                 mc.cpu_activations))
         log.info(loaded.describe_weights())
         loaded.taken = True
         self.loaded = loaded
+        self.lost: str | None = None  # why the tensor-parallel group broke (RankLost), if it did
+        self.tensor_parallel = None
+        if tp > 1:  # rank 0: its model is sliced here; the followers start with the runner
+            from worker.parallel.leader import TensorParallel
+
+            self.tensor_parallel = TensorParallel(config, loaded)
         self.model_name = config.model.served_model_name or loaded.name  # the id clients see
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
@@ -217,6 +232,9 @@ class Engine:
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             handoff_lease_s=kc.kv_transfer_lease_s if kv_spec and kv_spec.is_producer else None,
             max_pinned_blocks=kc.kv_transfer_max_pinned_blocks,
+            prefill_limits=PrefillLimits.from_flags(
+                sc.long_prefill_token_threshold, sc.max_num_partial_prefills,
+                sc.max_long_partial_prefills, self.max_model_len),
         )
         # LoRA adapters (worker/lora): named in host memory, the step's in device slots.
         lc = config.lora
@@ -232,17 +250,21 @@ class Engine:
                      len(lc.lora_modules), ", ".join(self.loras.names) or "none", lc.max_loras,
                      lc.max_lora_rank, lora_slots.nbytes / (1 << 20))
         ops.set_backend(config.model.kernels)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.start(self.budget.num_blocks, num_cpu_blocks, cc.block_size, self.kv_dtype)
         self.runner = ModelRunner(
             loaded.model, self.budget.num_blocks, cc.block_size, loaded.device, loaded.dtype,
             kv_dtype=self.kv_dtype, max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
             # The torch references sync with the host inside; only the kernels can be captured.
-            cuda_graphs=config.model.cuda_graphs and ops.uses_triton(loaded.device),
+            cuda_graphs=(config.model.cuda_graphs and ops.uses_triton(loaded.device)
+                         and self.tensor_parallel is None),
             max_decode_rows=_max_verify_rows(config.speculative.speculative_config, sc.max_num_seqs),
             num_cpu_blocks=num_cpu_blocks,
             cpu_packed_linear=config.model.cpu_packed_linear,
             cpu_huge_pages=config.model.cpu_huge_pages,
             lora=lora_slots,
         )
+        self.runner.step_hook = self.tensor_parallel
         log.info(self.runner.describe_kernels())
         # Prefill/decode disaggregation (worker/kv_transfer): what our blocks mean, the
         # figures, and on a decode worker the pulls (off this thread).
@@ -300,7 +322,8 @@ class Engine:
     # ----- sizing -----
 
     def _kv_budget(self) -> KVBudget:
-        m, dev, cc = self.loaded.config, self.loaded.device, self.config.cache
+        # The model's own config: under tensor parallelism a rank's (its KV heads only).
+        m, dev, cc = self.loaded.model.config, self.loaded.device, self.config.cache
         per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype.itemsize)
         activations = memory.activation_reserve(m, self.config.scheduler, self.max_model_len,
                                                 self.loaded.dtype.itemsize)
@@ -602,6 +625,9 @@ class Engine:
         engine goes on (`max_consecutive_failed_steps`)."""
         try:
             sampled = self.runner.execute(sched)
+        except RankLost as e:  # the group cannot run another step: the engine ends (loudly)
+            self.lost = str(e)
+            raise
         except Exception as e:  # a failed step fails its requests, never hangs them
             log.exception("model step failed")
             self.num_failed_steps += 1
@@ -831,6 +857,8 @@ class Engine:
             self._thread = None
         if self.puller is not None:
             self.puller.close()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def _loop(self, on_step: StepSink, wake_fd: int | None) -> None:
         defer = wake_fd is not None and self.runner.cpu_decoder is not None

@@ -147,6 +147,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_caches, max(max_num_seqs, max_decode_rows),
                                        max_model_len, block_size, device)
         self.num_graph_steps = 0  # steps replayed from a graph (benchmarks report the share)
+        # Tensor parallelism (worker/parallel/leader.py): the followers get every step's KV
+        # moves and forward arrays from here, before this rank runs them.
+        self.step_hook = None
 
     def describe_kernels(self) -> str:
         """The ops backend and which implementation runs the linears, the embedding lookup,
@@ -194,6 +197,8 @@ class ModelRunner:
         in_cpu, in_gpu = _unzip(step.blocks_to_swap_in)
         src, dst = _unzip(step.blocks_to_copy)
         assert self.cpu_caches or not (out_gpu or in_cpu), "a swap with no swap space"
+        if self.step_hook is not None:
+            self.step_hook.moves(step.blocks_to_swap_out, step.blocks_to_swap_in, step.blocks_to_copy)
         for layer, gpu_kv in enumerate(self.kv_caches):
             for i, g in enumerate(gpu_kv):  # the layer's K, then its V
                 if out_gpu:
@@ -322,6 +327,9 @@ class ModelRunner:
                                            seq_lens_np, query_start_np, max_query_len, self.kv_caches,
                                            lora=self._lora_step(step), logits=logits, argmax=argmax,
                                            wake_fd=wake_fd)
+        if self.step_hook is not None:
+            self.step_hook.forward(np.array(input_ids, dtype=np.int64), pos_np, slots_np, table_np,
+                                   seq_lens_np, query_start_np, max_query_len, max(seq_lens))
         pos_t = self._host(pos_np)
         meta = AttentionMetadata(
             lora=self._lora_step(step),

@@ -28,6 +28,11 @@ How this is estimated (a roofline; the output repeats it in one line):
   share each step (chunked prefill); TTFT = prefill + the step in flight on arrival.
   The operating batch is the largest that the KV cache and --max-num-seqs hold and that
   keeps both SLOs.
+- Tensor parallelism (-tp k): a rank holds 1/k of each layer's linears and its KV heads
+  (worker/parallel/shard.py; the embedding, norms and, on rank 0, the LM head whole), its
+  KV cache the same budget as one device; a decode step adds 2 all-reduces a layer of
+  [batch, hidden] (a ring's 2 (k - 1) / k of the bytes at the link, plus a fixed cost). A
+  model that does not fit names the smallest k that does, with per-rank figures.
 - Replicas for a QPS: Little's law, concurrency = QPS x (TTFT + output x TPOT), over the
   operating batch per replica; and the work bound, QPS x (prefill + output x step / batch)
   replica-seconds per second. The larger wins.
@@ -59,6 +64,7 @@ from typing import Any
 import torch
 
 from kvcache.budget import GIB, fit_budget, kv_bytes_per_token
+from ops.quant_records import TYPES
 from ops.quantized_linear import ACTIVATIONS, held_bytes, resolve_activations, supports
 from worker import memory
 from worker.config import (
@@ -69,6 +75,7 @@ from worker.config import (
     human_readable_int,
 )
 from worker.models.llama import LlamaConfig, fuse_shards, our_name
+from worker.parallel.shard import ShardPlan
 from worker.weights import default_model_path, dummy, gguf_file, hf_folder, hf_quantized
 from worker.weights.gguf_load import lookup_supported
 from worker.weights.quant_config import QuantFormat
@@ -88,15 +95,26 @@ class Device:
     bandwidth: float  # bytes/s
     flops: dict[str, float]  # dense FLOP/s by dtype
     note: str = ""
+    # One direction of the link between two devices of a node (NVLink; PCIe where there is
+    # none): what a tensor-parallel all-reduce moves at. 0: not modelled (the CPU).
+    link_bandwidth: float = 0.0
 
 
 _GB, _T = 10**9, 10**12
 DEVICES = {  # vendors' figures: memory in GB, bandwidth, dense FLOP/s (bf16/fp16; float32 without TF32)
-    "h100": Device("h100", "cuda", 80 * _GB, 3.35 * _T, {"bfloat16": 989 * _T, "float32": 67 * _T}),
-    "h200": Device("h200", "cuda", 141 * _GB, 4.8 * _T, {"bfloat16": 989 * _T, "float32": 67 * _T}),
-    "a100-80g": Device("a100-80g", "cuda", 80 * _GB, 2.0 * _T, {"bfloat16": 312 * _T, "float32": 19.5 * _T}),
-    "l40s": Device("l40s", "cuda", 48 * _GB, 0.864 * _T, {"bfloat16": 362 * _T, "float32": 91.6 * _T}),
+    # link: NVLink 4 (H100/H200 SXM) 900 GB/s, NVLink 3 (A100) 600 GB/s, both directions
+    # together; L40S has none: PCIe 4.0 x16, 32 GB/s a direction.
+    "h100": Device("h100", "cuda", 80 * _GB, 3.35 * _T, {"bfloat16": 989 * _T, "float32": 67 * _T},
+                   link_bandwidth=450 * _GB),
+    "h200": Device("h200", "cuda", 141 * _GB, 4.8 * _T, {"bfloat16": 989 * _T, "float32": 67 * _T},
+                   link_bandwidth=450 * _GB),
+    "a100-80g": Device("a100-80g", "cuda", 80 * _GB, 2.0 * _T, {"bfloat16": 312 * _T, "float32": 19.5 * _T},
+                       link_bandwidth=300 * _GB),
+    "l40s": Device("l40s", "cuda", 48 * _GB, 0.864 * _T, {"bfloat16": 362 * _T, "float32": 91.6 * _T},
+                   link_bandwidth=32 * _GB),
 }
+# A collective's fixed cost (launch and synchronization), beside its bytes at the link.
+ALL_REDUCE_LATENCY_S = 5e-6
 
 
 @functools.cache
@@ -194,12 +212,29 @@ _SHARDS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_
            "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def _q4_0_gptq(model: ModelInfo) -> bool:
-    """A symmetric GPTQ with fp16 scales, which the CPU holds exactly as Q4_0 blocks
-    (hf_quantized.as_gguf_blocks): 18 bytes a block of 32 weights."""
+def _cpu_records(model: ModelInfo) -> dict[str, tuple[str, int]]:
+    """A pre-quantized folder's int4 / int8 linears as the CPU kernels' records hold them
+    (hf_quantized.cpu_records: Q4_0 for symmetric int4 with fp16 scales, else Q4_G128 /
+    Q4_G32 / Q8_CH): our name -> (record type, bytes); empty where none is (fp8)."""
     fmt = model.quantization
-    return (fmt is not None and fmt.layout == "gptq" and fmt.symmetric and fmt.group_size % 32 == 0
-            and all(t.dtype == "F16" for t in model.tensors if t.name.endswith(".scales")))
+    if fmt is None or fmt.kind not in ("int4", "int8"):
+        return {}
+    scale = "scales" if fmt.layout in ("awq", "gptq") else "weight_scale"
+    fp16 = all(t.dtype in ("F16", "BF16") for t in model.tensors if t.name.endswith("." + scale))
+
+    def record(n: int, k: int) -> str | None:  # as the loader's supports() takes it
+        qtype = hf_quantized.cpu_record_type(fmt.kind, fmt.symmetric, fmt.group_size, k, fp16)
+        return qtype if qtype is not None and supports(qtype, (n, k)) else None
+
+    def held(n: int, k: int) -> int:
+        t = TYPES[record(32, k) or "Q8_0"]
+        return n // 32 * (k // t.k_multiple) * t.record
+
+    # The loader converts a fused set (shards sharing their inputs k) as one weight.
+    cfg = model.config
+    shapes = {**_linear_shapes(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    return {name: (qtype, nbytes) for name, (_, nbytes) in _scaled_linears(model, held).items()
+            if (qtype := record(*shapes[name])) is not None}
 
 
 def _scaled_linears(model: ModelInfo, held_bytes: Any = None) -> dict[str, tuple[str, int]]:
@@ -286,6 +321,7 @@ class Weights:
     matmul_params: int  # weights a token multiplies with (the linears and the head)
     head_params: int  # of those, the head's (vocab x hidden): prefill computes it for one row
     how: str
+    layer_linear_bytes: int = 0  # of `held`, the layers' linears: what tensor parallelism splits
 
 
 def _linear_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -330,12 +366,12 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
     def hold_records(parts: tuple[Tensor, ...]) -> int:  # as repacked for the kernel of `activations`
         return sum(hold(p.dtype, held_bytes(p.dtype, p.nbytes, activations)) for p in parts)
 
-    # A pre-quantized folder's linears on CUDA, as stored; on the CPU in float32 a symmetric
-    # GPTQ's (fp16 scales) as the kernels' Q4_0 records; else dequantized to dtype.
+    # A pre-quantized folder's linears on CUDA, as stored; on the CPU in float32 its int4 and
+    # int8 ones as the kernels' records (_cpu_records); else dequantized to dtype.
     scaled = _scaled_linears(model) if device.kind == "cuda" else {}
-    if on_cpu_f32 and cpu_quantized and _q4_0_gptq(model):
-        scaled = {n: ("Q4_0", nbytes) for n, (_, nbytes) in
-                  _scaled_linears(model, lambda n, k: n * k // 32 * 18).items()}
+    records = _cpu_records(model) if on_cpu_f32 and cpu_quantized else {}
+    if records:
+        scaled = records
     read = 0
     for name, (o, i) in linears.items():
         q = quantized(name)
@@ -343,6 +379,7 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
             read += hold(*scaled[name])
         else:
             read += hold_records(q) if q else hold(dtype, o * i * size)
+    layer_linears = read
     read += hold(dtype, (bias + norms) * size)
     embed = quantized("embed_tokens")
     lookup = embed is not None and lookup_supported(embed[0].dtype, embed[0].shape)
@@ -372,14 +409,29 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
     kept = sorted(k for k in held if k != dtype)
     how = (f"CPU {dtype}: {'/'.join(kept)} linears kept quantized for the C kernels, the rest {dtype}"
            if kept else f"every weight in {dtype}")
-    if scaled:
+    if records:
+        assert model.quantization is not None
+        kinds = "/".join(sorted({kind for kind, _ in records.values()}))
+        how = f"{model.quantization.name}: linears as {kinds} records for the CPU kernels, the rest {dtype}"
+    elif scaled:
         assert model.quantization is not None
         how = f"{model.quantization.name}: linears as stored (scales in float32), the rest {dtype}"
     elif model.quantization is not None:
         how = f"{model.quantization.name}: dequantized at load to {dtype} on the CPU"
-    if "Q4_0" in held and model.quantization is not None:
-        how = f"{model.quantization.name}: linears as Q4_0 records for the CPU kernels, the rest {dtype}"
-    return Weights(stored, held, read, matmul, head, how)
+    return Weights(stored, held, read, matmul, head, how, layer_linears)
+
+
+def per_rank(w: Weights, tp: int) -> Weights:
+    """Rank 0's share under tensor parallelism (worker/parallel/shard.py): 1/tp of every
+    layer's linears, and whole the embedding, the norms and the LM head (rank 0 samples)."""
+    if tp == 1:
+        return w
+    cut = w.layer_linear_bytes - w.layer_linear_bytes // tp
+    held = {"rank 0": sum(w.held.values()) - cut}
+    return Weights(w.stored, held, w.read_per_step - cut,
+                   (w.matmul_params - w.head_params) // tp + w.head_params, w.head_params,
+                   w.how + f"; a rank holds 1/{tp} of each layer's linears",
+                   w.layer_linear_bytes // tp)
 
 
 # ----- the plan -----
@@ -405,6 +457,7 @@ class Plan:
     prefill: dict[str, Any]
     slo: dict[str, Any]
     replicas: dict[str, Any]
+    parallel: dict[str, Any] = field(default_factory=dict)
     how: str = HOW
     notes: list[str] = field(default_factory=list)
 
@@ -418,12 +471,23 @@ class Roofline:
         self.bw, self.peak = device.bandwidth, device.flops.get(dtype) or device.flops["bfloat16"]
         self.context = req.prompt_len + req.output_len / 2
         self.attn = cfg.num_layers * cfg.num_heads * cfg.head_dim  # per token of context
+        self.tp, self.link = 1, device.link_bandwidth
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+
+    def all_reduce(self, rows: int) -> float:
+        """Seconds of a step's all-reduces under tensor parallelism (`cfg` is a rank's): two
+        a layer of [rows, hidden], a ring's 2 (k - 1) / k of the bytes each way at the link."""
+        if self.tp == 1 or not self.link:
+            return 0.0
+        nbytes = rows * self.cfg.hidden_size * self.dtype_bytes
+        one = 2 * (self.tp - 1) / self.tp * nbytes / self.link + ALL_REDUCE_LATENCY_S
+        return 2 * self.cfg.num_layers * one
 
     def step(self, batch: int) -> tuple[float, float, float]:
         """(seconds, memory seconds, compute seconds) of one decode step of `batch` sequences."""
         mem = (self.w.read_per_step + batch * self.context * self.kv) / self.bw
         comp = batch * (2 * self.w.matmul_params + 4 * self.attn * self.context) / self.peak
-        return max(mem, comp), mem, comp
+        return max(mem, comp) + self.all_reduce(batch), mem, comp
 
     def prefill(self) -> tuple[float, float, float]:
         p = self.req.prompt_len
@@ -442,9 +506,80 @@ class Roofline:
         return self.ttft(batch) + self.req.output_len * self.tpot(batch)
 
 
+@dataclass(frozen=True)
+class RankFit:
+    """What rank 0 of a tensor-parallel group of `tp` holds (tp = 1: the whole model), and
+    whether it fits the device (`why`: None, or why not)."""
+
+    tp: int
+    config: LlamaConfig  # a rank's view: its heads, KV heads and MLP slice
+    weights: Weights  # rank 0's
+    held: int
+    kv_per_token: int
+    budget: Any  # kvcache.budget.KVBudget, or None where it does not fit
+    why: str | None
+
+    def describe(self) -> str:
+        kv = (f"KV cache {self.budget.num_blocks} blocks ({_size(self.budget.budget_bytes)})"
+              if self.budget else "no KV cache")
+        return f"-tp {self.tp}: {_size(self.held)} of weights a rank, {kv}"
+
+
+def fit_at(model: ModelInfo, device: Device, dtype: str, tp: int, max_model_len: int,
+           cache: CacheConfig, sched: SchedulerConfig, cpu_activations: str = "auto") -> RankFit:
+    """Rank 0's weights and KV blocks at `tp`, as the worker sizes them: under tensor
+    parallelism a GGUF loads dequantized and each rank's cache holds its KV heads only, in
+    the same budget a device (ValueError where `tp` does not split the model)."""
+    cfg = model.config
+    rank_cfg = ShardPlan.of(cfg, tp).config(cfg) if tp > 1 else cfg
+    w = per_rank(weights(model, device, dtype, cpu_quantized=tp == 1, cpu_activations=cpu_activations), tp)
+    held = sum(w.held.values())
+    kv = memory.kv_cache_dtype(cache.kv_cache_dtype, torch.device(device.kind), getattr(torch, dtype))
+    per_token = kv_bytes_per_token(rank_cfg.num_layers, rank_cfg.num_kv_heads, rank_cfg.head_dim, kv.itemsize)
+    if held >= device.memory_bytes:
+        return RankFit(tp, rank_cfg, w, held, per_token, None,
+                       f"the weights ({held / _GB:.1f} GB held a rank) do not fit in "
+                       f"{device.name}'s {device.memory_bytes / _GB:.0f} GB")
+    mem = None
+    if device.kind == "cuda":  # as the engine sees it once the weights are loaded
+        free = max(device.memory_bytes - held - CUDA_CONTEXT_BYTES, 0)
+        mem = memory.DeviceMemory(total=device.memory_bytes, free=free, held=held)
+    activations = memory.activation_reserve(rank_cfg, sched, max_model_len, DTYPE_BYTES[dtype])
+    try:
+        budget = fit_budget(memory.kv_cache_bytes(cache, mem, activations),
+                            cache.block_size, per_token, max_model_len)
+    except ValueError as e:
+        return RankFit(tp, rank_cfg, w, held, per_token, None, str(e))
+    return RankFit(tp, rank_cfg, w, held, per_token, budget, None)
+
+
+TP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tried for the smallest size that fits (and 3, 6 where they divide)
+
+
+def smallest_fit(model: ModelInfo, device: Device, dtype: str, max_model_len: int,
+                 cache: CacheConfig, sched: SchedulerConfig, cpu_activations: str = "auto"
+                 ) -> tuple[list[RankFit], RankFit | None]:
+    """Every size tried in increasing order up to the first that fits (the seed lesson's
+    recipe: split only as far as the model needs), and that one (None: none up to 64)."""
+    tried: list[RankFit] = []
+    for k in sorted({*TP_SIZES, 3, 6}):
+        try:
+            fit = fit_at(model, device, dtype, k, max_model_len, cache, sched, cpu_activations)
+        except ValueError:  # k does not split the heads
+            continue
+        tried.append(fit)
+        if fit.why is None:
+            return tried, fit
+    return tried, None
+
+
 def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "auto",
               max_model_len: int = 0, cache: CacheConfig | None = None,
-              sched: SchedulerConfig | None = None, cpu_activations: str = "auto") -> Plan:
+              sched: SchedulerConfig | None = None, cpu_activations: str = "auto",
+              tp: int = 1) -> Plan:
+    """`tp`: a replica over that many devices (tensor parallelism); the figures are a rank's
+    and a step's all-reduces cost their bytes at the device's link. A model that does not fit
+    at `tp` is a ValueError naming the smallest size that does, with its per-rank figures."""
     cache, sched, cfg = cache or CacheConfig(), sched or SchedulerConfig(), model.config
     if dtype == "auto":  # as the engine resolves it
         dtype = "float32" if device.kind == "cpu" else "bfloat16"
@@ -457,29 +592,29 @@ def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "aut
     seq = req.prompt_len + req.output_len
     if seq > max_model_len:
         raise ValueError(f"--prompt-len + --output-len ({seq}) exceeds --max-model-len {max_model_len}")
-    w = weights(model, device, dtype, cpu_activations=cpu_activations)
-    held = sum(w.held.values())
-    if held >= device.memory_bytes:
-        raise ValueError(f"the weights ({held / _GB:.1f} GB held) do not fit in {device.name}'s "
-                         f"{device.memory_bytes / _GB:.0f} GB")
     # what serve's cache would hold (refused alike)
-    kv = memory.kv_cache_dtype(cache.kv_cache_dtype, torch.device(device.kind), getattr(torch, dtype))
-    per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv.itemsize)
-    mem = None
-    if device.kind == "cuda":  # as the engine sees it once the weights are loaded
-        free = max(device.memory_bytes - held - CUDA_CONTEXT_BYTES, 0)
-        mem = memory.DeviceMemory(total=device.memory_bytes, free=free, held=held)
-    activations = memory.activation_reserve(cfg, sched, max_model_len, DTYPE_BYTES[dtype])
-    budget = fit_budget(memory.kv_cache_bytes(cache, mem, activations),
-                        cache.block_size, per_token, max_model_len)
+    fit = fit_at(model, device, dtype, tp, max_model_len, cache, sched, cpu_activations)
+    if fit.why is not None and fit.held < device.memory_bytes:
+        raise ValueError(fit.why)  # the weights fit, the cache does not: as serve refuses it
+    if fit.why is not None:
+        tried, found = smallest_fit(model, device, dtype, max_model_len, cache, sched, cpu_activations)
+        where = (f"the smallest --tensor-parallel-size that fits: {found.tp} ({found.describe()}, "
+                 f"{found.tp} x {device.name} a replica)" if found else "no size up to 64 fits")
+        raise ValueError(f"{model.name} does not fit at --tensor-parallel-size {tp} on "
+                         f"{device.name}: {fit.why}. Per rank: "
+                         + "; ".join(f.describe() for f in tried) + f". {where[0].upper()}{where[1:]}")
+    w, held, per_token, budget = fit.weights, fit.held, fit.kv_per_token, fit.budget
+    full = weights(model, device, dtype, cpu_quantized=tp == 1, cpu_activations=cpu_activations)
     blocks_per_seq = -(-seq // cache.block_size)
     kv_seqs = budget.num_blocks // blocks_per_seq
     max_batch = min(kv_seqs, sched.max_num_seqs)
-    roof = Roofline(cfg, w, per_token, device, dtype, req, sched.max_num_batched_tokens)
+    roof = Roofline(fit.config, w, per_token, device, dtype, req, sched.max_num_batched_tokens)
+    roof.tp = tp
 
     def step_row(b: int) -> dict[str, Any]:
         t, mem, comp = roof.step(b)
         return {"batch": b, "step_s": t, "memory_s": mem, "compute_s": comp,
+                "all_reduce_s": roof.all_reduce(b),
                 "bound": "memory" if mem >= comp else "compute", "output_tokens_per_s": b / t,
                 "tpot_s": roof.tpot(b)}
 
@@ -523,7 +658,13 @@ def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "aut
         device={"name": device.name, "memory_bytes": device.memory_bytes,
                 "bandwidth_bytes_per_s": device.bandwidth, "peak_flops": roof.peak, "dtype": dtype,
                 "note": device.note},
-        weights={"stored_bytes": w.stored, "held_bytes": w.held, "held_total_bytes": held,
+        parallel={"tensor_parallel_size": tp, "devices_per_replica": tp,
+                  "heads_per_rank": fit.config.num_heads, "kv_heads_per_rank": fit.config.num_kv_heads,
+                  "all_reduces_per_step": 2 * cfg.num_layers if tp > 1 else 0,
+                  "link_bytes_per_s": device.link_bandwidth,
+                  "held_total_bytes_whole_model": sum(full.held.values())},
+        weights={"stored_bytes": w.stored, "held_bytes": full.held if tp > 1 else w.held,
+                 "held_total_bytes": held,
                  "read_per_step_bytes": w.read_per_step, "matmul_params": w.matmul_params,
                  "held_how": w.how},
         kv_cache={"bytes_per_token": per_token, "bytes_per_block": per_token * cache.block_size,
@@ -565,7 +706,8 @@ def render(p: Plan) -> str:
            f"heads x {m['head_dim']}, vocab {m['vocab']}, {m['params'] / 1e6:.1f}M parameters",
            "weights   stored: " + _by_size(w["stored_bytes"]),
            "          held:   " + _by_size(w["held_bytes"])
-           + f" = {_size(w['held_total_bytes'])} ({w['held_how']})",
+           + (f" = {_size(w['held_total_bytes'])}" if p.parallel.get("tensor_parallel_size", 1) == 1
+              else f"; rank 0 holds {_size(w['held_total_bytes'])}") + f" ({w['held_how']})",
            f"          read per decode step: {_size(w['read_per_step_bytes'])}",
            f"KV cache  {kv['bytes_per_token']} B/token, {_size(kv['bytes_per_block'])}/block of "
            f"{kv['block_size']}; budget {_size(kv['budget_bytes'])} = {kv['num_blocks']} blocks = "
@@ -574,10 +716,19 @@ def render(p: Plan) -> str:
            f"{kv['max_model_len']}; {kv['max_concurrent_sequences']} sequences of "
            f"{kv['sequence_tokens']} tokens ({kv['blocks_per_sequence']} blocks); max batch "
            f"{kv['max_batch']} (--max-num-seqs {kv['max_num_seqs']})"]
+    par = p.parallel
+    if par.get("tensor_parallel_size", 1) > 1:
+        link = (f"{par['link_bytes_per_s'] / _GB:.0f} GB/s a direction" if par["link_bytes_per_s"]
+                else "not modelled")
+        out.insert(2, f"parallel  -tp {par['tensor_parallel_size']}: {par['heads_per_rank']} heads / "
+                      f"{par['kv_heads_per_rank']} KV heads a rank; {par['all_reduces_per_step']} "
+                      f"all-reduces a step (link {link}); figures below are a rank's (a replica is "
+                      f"{par['devices_per_replica']} devices)")
     for key in ("batch_1", "max_batch"):
         r = dec[key]
+        ar = f", all-reduce {_ms(r['all_reduce_s'])}" if r.get("all_reduce_s") else ""
         out.append(f"decode    batch {r['batch']}: step {_ms(r['step_s'])} ({r['bound']}-bound; memory "
-                   f"{_ms(r['memory_s'])}, compute {_ms(r['compute_s'])}), "
+                   f"{_ms(r['memory_s'])}, compute {_ms(r['compute_s'])}{ar}), "
                    f"{r['output_tokens_per_s']:.0f} output tok/s; TPOT {_ms(r['tpot_s'])}")
     out.append(f"prefill   {p.prefill['prompt_len']} tokens: {_ms(p.prefill['seconds'])}")
     s = p.slo
@@ -617,7 +768,7 @@ def _run(args: argparse.Namespace) -> int:
     if min(req.qps, req.ttft_slo, req.tpot_slo) < 0:
         raise ValueError("--qps, --ttft-slo and --tpot-slo must be >= 0")
     plan = make_plan(model, device, req, dtype, args.max_model_len, cache, sched,
-                     args.cpu_activations)
+                     args.cpu_activations, args.tensor_parallel_size)
     if args.compare_step:
         rows = compare_step(args.compare_step, model, device, dtype, args.model,
                             args.cpu_activations)
@@ -679,8 +830,10 @@ def add_parser(sub: Any) -> None:
                    help="auto = float32 on cpu, bfloat16 on a GPU")
     p.add_argument("--max-model-len", type=human_readable_int, default=m.max_model_len,
                    help="as serve's (0 = the model's own limit)")
-    p.add_argument("--prompt-len", type=int, required=True, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, required=True, help="output tokens per request")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request "
+                   "(default %(default)s)")
+    p.add_argument("--output-len", type=int, default=256, help="output tokens per request "
+                   "(default %(default)s)")
     p.add_argument("--qps", type=float, default=0.0, help="requests per second to serve (all replicas)")
     p.add_argument("--ttft-slo", type=float, default=0.0, help="time to first token, seconds (0 = none)")
     p.add_argument("--tpot-slo", type=float, default=0.0, help="time per output token, seconds (0 = none)")
@@ -699,6 +852,10 @@ def add_parser(sub: Any) -> None:
                    choices=("auto", *ACTIVATIONS),
                    help="as serve's: the CPU kernels' activation arithmetic (auto: int16 with "
                    "AVX-512 VNNI, else float32; resolved on this machine)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="as serve's: a replica over N devices; a rank's weights and KV blocks, "
+                   "the all-reduces' cost at the device's link (a model that does not fit says "
+                   "the smallest N that does)")
     p.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the text")

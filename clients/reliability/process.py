@@ -20,17 +20,18 @@ class WorkerProcess:
 
     ``fault_file``: run through `benchmarks.faulty_worker` instead (a child process; nothing
     of it is imported here), which fails one model step each time that file appears (and
-    removes it).
+    removes it); `env` adds to its environment (the launcher's leak, for one).
     """
 
-    def __init__(self, *flags: str, fault_file: Path | None = None) -> None:
+    def __init__(self, *flags: str, fault_file: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         if fault_file is None:
             cmd = [sys.executable, "-m", "worker.cli", "serve"]
         else:
             cmd = [sys.executable, "-m", "benchmarks.faulty_worker", str(fault_file)]
         cmd += ["--port", "0", "--host", "127.0.0.1", "--log-format", "json", *flags]
         self.cmd = cmd
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []

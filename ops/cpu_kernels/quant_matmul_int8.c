@@ -447,7 +447,9 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
  * with D, M the sub-block's scales in float32 (quant_types.h). AVX2 without VNNI sums
  * vpmaddubsw's pairs in int16 for as many chunks as cannot overflow (4 for 4-bit quants, 2
  * for 5-bit, 1 for 6-bit), then in int32; IQ4's values go signed there, with the digits'
- * signs (as Q8_0's). The sums are exact either way: every build gives the same bits. */
+ * signs (as Q8_0's). The sums are exact either way: every build gives the same bits.
+ * Q8_CH's 8-bit q + 128 are vpdpbusd's unsigned side too, 128 times the digits' sum out;
+ * vpmaddubsw takes them as 16 a + b (nibbles), each product's pairs below 2^15. */
 
 /* The digits' sum of plane p over sub-block b's half kh (the whole block when halves == 1). */
 INLINE int32_t qn_digits(const qact *a, int p, size_t nt, int b, int halves, int kh) {
@@ -556,7 +558,16 @@ INLINE void qn_dots8(const uint8_t *body, int qt, int kh, int e, int b, int K, c
 #if QN_VNNI
                 s[r][p] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][p], lo, xl), hi, xh);
 #else
-                if (qn_table(qt)) { /* |digit| times v with the digit's sign (v > -128) */
+                if (qn_bits(qt) == 8) { /* q + 128 = 16 a + b: vpmaddubsw's pairs of a or b below 2^15 */
+                    const __m256i l4 = _mm256_set1_epi8(0x0F);
+                    const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(lo, l4), xl),
+                                                        _mm256_maddubs_epi16(_mm256_and_si256(hi, l4), xh));
+                    const __m256i pa = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(lo, 4), l4), xl),
+                        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 4), l4), xh));
+                    s[r][p] = _mm256_add_epi32(s[r][p], _mm256_add_epi32(_mm256_madd_epi16(pa, _mm256_set1_epi16(16)),
+                                                                         _mm256_madd_epi16(pb, ones)));
+                } else if (qn_table(qt)) { /* |digit| times v with the digit's sign (v > -128) */
                     s[r][p] = _mm256_add_epi32(s[r][p], _mm256_madd_epi16(
                         _mm256_maddubs_epi16(_mm256_sign_epi8(xl, xl), _mm256_sign_epi8(lo, xl)), ones));
                     s[r][p] = _mm256_add_epi32(s[r][p], _mm256_madd_epi16(
@@ -619,6 +630,7 @@ typedef void (*qn_rows_fn)(QN_ROWS_ARGS);
 #define QN_TYPE(T) QN_ROWS(T, 1) QN_ROWS(T, 2) QN_ROWS(T, 3)
 QN_TYPE(QT_Q4_0) QN_TYPE(QT_Q5_0) QN_TYPE(QT_Q5_1) QN_TYPE(QT_IQ4_NL)
 QN_TYPE(QT_Q4_K) QN_TYPE(QT_Q5_K) QN_TYPE(QT_Q6_K) QN_TYPE(QT_IQ4_XS)
+QN_TYPE(QT_Q4_G128) QN_TYPE(QT_Q4_G32) QN_TYPE(QT_Q8_CH)
 
 static qn_rows_fn qn_rows_for(int qt, int P, int group) {
 #define QN_PICK(T)                                                                           \
@@ -629,6 +641,7 @@ static qn_rows_fn qn_rows_for(int qt, int P, int group) {
     switch (qt) {
     QN_PICK(QT_Q4_0) QN_PICK(QT_Q5_0) QN_PICK(QT_Q5_1) QN_PICK(QT_IQ4_NL)
     QN_PICK(QT_Q4_K) QN_PICK(QT_Q5_K) QN_PICK(QT_Q6_K) QN_PICK(QT_IQ4_XS)
+    QN_PICK(QT_Q4_G128) QN_PICK(QT_Q4_G32) QN_PICK(QT_Q8_CH)
     default: return NULL;
     }
 #undef QN_PICK
@@ -741,6 +754,7 @@ int q8_0_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float 
     }
 QI_EXPORT(q4_0, QT_Q4_0) QI_EXPORT(q5_0, QT_Q5_0) QI_EXPORT(q5_1, QT_Q5_1) QI_EXPORT(iq4_nl, QT_IQ4_NL)
 QI_EXPORT(q4_k, QT_Q4_K) QI_EXPORT(q5_k, QT_Q5_K) QI_EXPORT(q6_k, QT_Q6_K) QI_EXPORT(iq4_xs, QT_IQ4_XS)
+QI_EXPORT(q4_g128, QT_Q4_G128) QI_EXPORT(q4_g32, QT_Q4_G32) QI_EXPORT(q8_ch, QT_Q8_CH)
 #undef QI_EXPORT
 
 #endif

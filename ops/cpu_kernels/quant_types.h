@@ -40,6 +40,17 @@
  *
  * F16 and BF16 (float32 activations only) keep their 2-byte values, one record per (tile,
  * sub-block of 32): w[32 k][32 n], 2048 bytes, the file's size.
+ *
+ * Pre-quantized checkpoints' int4 and int8 (worker/weights/hf_quantized.py), qn types whose
+ * header fields are float32, so that no checkpoint scale is rounded to fp16:
+ *
+ *   Q4_G128, Q4_G32  (AWQ / GPTQ with zero points: a group of 128 or 32, G = 4 or 1)
+ *                    d[32] f32 | m[32] f32, 256 bytes; nibbles body; w = d q + m with d = s
+ *                    and m = -s z (exact in float32 for fp16 / bf16 scales s, z < 16)
+ *   Q8_CH            (int8 per output channel: W8A8, W8A16; G = 4, 128 k a record)
+ *                    d[32] f32, 128 bytes (the channel's scale, repeated per record: +3.1%);
+ *                    8-bit body [1024]: chunks c = 8h + 2p + s (Q8_0_I8's), byte 4n' + j =
+ *                    q(16h + n', 8p + 4s + j) + 128; w = d (q - 128 + 128) = d q
  */
 #ifndef LLMWORKER_QUANT_TYPES_H
 #define LLMWORKER_QUANT_TYPES_H
@@ -51,6 +62,7 @@
 enum {
     QT_Q4_1 = 0, QT_Q8_0 = 1, QT_Q4_1_I8 = 2, QT_Q8_0_I8 = 3,
     QT_Q4_0, QT_Q5_0, QT_Q5_1, QT_IQ4_NL, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_F16, QT_BF16,
+    QT_Q4_G128, QT_Q4_G32, QT_Q8_CH, /* pre-quantized checkpoints' (float32 headers, see below) */
     QT_COUNT
 };
 #define Q4_1_RECORD 640  /* both of Q4_1's layouts */
@@ -58,11 +70,15 @@ enum {
 
 #define QN_INLINE static inline __attribute__((always_inline))
 
-QN_INLINE int qn_is(int qt) { return qt >= QT_Q4_0 && qt <= QT_IQ4_XS; }
+QN_INLINE int qn_is(int qt) { return (qt >= QT_Q4_0 && qt <= QT_IQ4_XS) || (qt >= QT_Q4_G128 && qt <= QT_Q8_CH); }
+/* The checkpoints' types: their header's fields are float32, not fp16. */
+QN_INLINE int qn_f32(int qt) { return qt >= QT_Q4_G128 && qt <= QT_Q8_CH; }
 QN_INLINE int is_f16(int qt) { return qt == QT_F16 || qt == QT_BF16; }
-QN_INLINE int qn_group(int qt) { return qt >= QT_Q4_K && qt <= QT_IQ4_XS ? 8 : 1; }
+QN_INLINE int qn_group(int qt) {
+    return qt >= QT_Q4_K && qt <= QT_IQ4_XS ? 8 : qt == QT_Q4_G128 || qt == QT_Q8_CH ? 4 : 1;
+}
 QN_INLINE int qn_bits(int qt) {
-    return qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_Q5_K ? 5 : qt == QT_Q6_K ? 6 : 4;
+    return qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_Q5_K ? 5 : qt == QT_Q6_K ? 6 : qt == QT_Q8_CH ? 8 : 4;
 }
 QN_INLINE int qn_header(int qt) {
     switch (qt) {
@@ -70,15 +86,23 @@ QN_INLINE int qn_header(int qt) {
     case QT_Q4_K: case QT_Q5_K: return 640;
     case QT_Q6_K: return 576;
     case QT_IQ4_XS: return 320;
+    case QT_Q4_G128: case QT_Q4_G32: return 256;
+    case QT_Q8_CH: return 128;
     default: return 64;
     }
 }
-QN_INLINE int qn_body(int qt) { return 512 + (qn_bits(qt) == 5 ? 128 : qn_bits(qt) == 6 ? 256 : 0); }
+QN_INLINE int qn_body(int qt) {
+    return qn_bits(qt) == 8 ? 1024 : 512 + (qn_bits(qt) == 5 ? 128 : qn_bits(qt) == 6 ? 256 : 0);
+}
 QN_INLINE int qn_record(int qt) { return qn_header(qt) + qn_group(qt) * qn_body(qt); }
-QN_INLINE int qn_has_m(int qt) { return qt == QT_Q5_1 || qt == QT_Q4_K || qt == QT_Q5_K; }
+QN_INLINE int qn_has_m(int qt) {
+    return qt == QT_Q5_1 || qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q4_G128 || qt == QT_Q4_G32;
+}
 QN_INLINE int qn_table(int qt) { return qt == QT_IQ4_NL || qt == QT_IQ4_XS; }
 QN_INLINE int qn_split(int qt) { return qt == QT_Q6_K; } /* a scale per 16 k */
-QN_INLINE int qn_zero(int qt) { return qt == QT_Q4_0 ? 8 : qt == QT_Q5_0 ? 16 : qt == QT_Q6_K ? 32 : 0; }
+QN_INLINE int qn_zero(int qt) {
+    return qt == QT_Q4_0 ? 8 : qt == QT_Q5_0 ? 16 : qt == QT_Q6_K ? 32 : qt == QT_Q8_CH ? 128 : 0;
+}
 /* Sub-block b's header and body in a tile's records. */
 QN_INLINE const uint8_t *qn_hdr(const uint8_t *tile, int qt, int b) {
     return tile + (size_t)(b / qn_group(qt)) * qn_record(qt);
@@ -122,6 +146,7 @@ QN_INLINE __m256 i8_f8(const uint8_t *p) {
 
 /* D of outputs n0..n0+7 in sub-block j (j = b % G) of a record, half kh (Q6_K) */
 QN_INLINE __m256 qn_d8(const uint8_t *hdr, int qt, int j, int kh, int n0) {
+    if (qn_f32(qt)) return _mm256_loadu_ps((const float *)(hdr + 4 * n0));
     const __m256 d = load_half8(hdr + 2 * n0);
     if (qt == QT_Q4_K || qt == QT_Q5_K) return _mm256_mul_ps(d, u8_f8(hdr + 128 + 32 * j + n0));
     if (qt == QT_IQ4_XS) return _mm256_mul_ps(d, i8_f8(hdr + 64 + 32 * j + n0));
@@ -130,6 +155,7 @@ QN_INLINE __m256 qn_d8(const uint8_t *hdr, int qt, int j, int kh, int n0) {
 }
 /* M (Q5_1: m; Q4_K, Q5_K: -(dmin mn_j)) */
 QN_INLINE __m256 qn_m8(const uint8_t *hdr, int qt, int j, int n0) {
+    if (qn_f32(qt)) return _mm256_loadu_ps((const float *)(hdr + 128 + 4 * n0));
     const __m256 m = load_half8(hdr + 64 + 2 * n0);
     if (qt == QT_Q5_1) return m;
     return _mm256_xor_ps(_mm256_mul_ps(m, u8_f8(hdr + 384 + 32 * j + n0)), _mm256_set1_ps(-0.0f));
@@ -150,6 +176,11 @@ QN_INLINE __m256i bits2_at4_8(__m256i H, int i) {
  * 0..3 the bytes of each output's 32-bit lane. */
 QN_INLINE void qn_quants8(const uint8_t *body, int qt, int p, int e, __m256i *lo, __m256i *hi) {
     const size_t part = 32 * (size_t)(e % 2);
+    if (qn_bits(qt) == 8) { /* chunks c = 8h + 2p + s of 16 outputs x 4 k (Q8_0_I8's) */
+        *lo = _mm256_loadu_si256((const __m256i *)(body + ((e / 2) * 8 + 2 * p) * 64 + part));
+        *hi = _mm256_loadu_si256((const __m256i *)(body + ((e / 2) * 8 + 2 * p + 1) * 64 + part));
+        return;
+    }
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i v = _mm256_loadu_si256((const __m256i *)(body + ((e / 2) * 4 + p) * 64 + part));
     __m256i l = _mm256_and_si256(v, low), h = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -187,6 +218,7 @@ QN_INLINE __m512 i8_f16(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 QN_INLINE __m512 qn_d16(const uint8_t *hdr, int qt, int j, int kh, int n0) {
+    if (qn_f32(qt)) return _mm512_loadu_ps((const float *)(hdr + 4 * n0));
     const __m512 d = load_half16(hdr + 2 * n0);
     if (qt == QT_Q4_K || qt == QT_Q5_K) return _mm512_mul_ps(d, u8_f16(hdr + 128 + 32 * j + n0));
     if (qt == QT_IQ4_XS) return _mm512_mul_ps(d, i8_f16(hdr + 64 + 32 * j + n0));
@@ -194,6 +226,7 @@ QN_INLINE __m512 qn_d16(const uint8_t *hdr, int qt, int j, int kh, int n0) {
     return d;
 }
 QN_INLINE __m512 qn_m16(const uint8_t *hdr, int qt, int j, int n0) {
+    if (qn_f32(qt)) return _mm512_loadu_ps((const float *)(hdr + 128 + 4 * n0));
     const __m512 m = load_half16(hdr + 64 + 2 * n0);
     if (qt == QT_Q5_1) return m;
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(m, u8_f16(hdr + 384 + 32 * j + n0))),
@@ -209,6 +242,11 @@ QN_INLINE __m512i bits2_at4_16(__m512i H, int i) {
 }
 /* The quants of outputs 16h..16h+15 for k = 8p + j (*lo) and 8p + 4 + j (*hi): chunk 4h + p. */
 QN_INLINE void qn_quants16(const uint8_t *body, int qt, int p, int h, __m512i *lo, __m512i *hi) {
+    if (qn_bits(qt) == 8) {
+        *lo = _mm512_loadu_si512(body + (8 * h + 2 * p) * 64);
+        *hi = _mm512_loadu_si512(body + (8 * h + 2 * p + 1) * 64);
+        return;
+    }
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i v = _mm512_loadu_si512(body + (4 * h + p) * 64);
     __m512i l = _mm512_and_si512(v, low), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -234,9 +272,16 @@ static inline float half_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+static inline float f32_at(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
 /* q(n, k) of a body (n, k < 32). */
 static inline int qn_quant(const uint8_t *body, int qt, int n, int k) {
     const int h = n / 16, i = 4 * (n % 16) + k % 4, p = k / 8, s = (k % 8) / 4;
+    if (qn_bits(qt) == 8) return body[(8 * h + k / 4) * 64 + i];
     int q = (body[(4 * h + p) * 64 + i] >> (4 * s)) & 15;
     if (qn_bits(qt) == 5) q |= ((body[512 + h * 64 + i] >> (2 * p + s)) & 1) << 4;
     if (qn_bits(qt) == 6) q |= ((body[512 + (2 * h + p / 2) * 64 + i] >> (2 * (2 * (p % 2) + s))) & 3) << 4;
@@ -250,13 +295,14 @@ static void qn_row(const uint8_t *tile, int qt, int K, int n, float *y) {
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
         const int j = b % qn_group(qt);
-        const float d = half_at(hdr + 2 * n);
+        const float d = qn_f32(qt) ? f32_at(hdr + 4 * n) : half_at(hdr + 2 * n);
         for (int k = 0; k < 32; k++) {
             const int q = qn_quant(body, qt, n, k);
             const float v = qn_table(qt) ? (float)kv[q] : (float)(q - qn_zero(qt));
             float w;
             switch (qt) {
             case QT_Q5_1: w = d * v + half_at(hdr + 64 + 2 * n); break;
+            case QT_Q4_G128: case QT_Q4_G32: w = d * v + f32_at(hdr + 128 + 4 * n); break;
             case QT_Q4_K: case QT_Q5_K:
                 w = (d * (float)hdr[128 + 32 * j + n]) * v - half_at(hdr + 64 + 2 * n) * (float)hdr[384 + 32 * j + n];
                 break;

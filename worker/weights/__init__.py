@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ops.quantized_linear import QuantizedWeight
+from ops.quantized_linear import QuantizedWeight, QuantLinear
 from worker.models.gemma import GemmaConfig, GemmaForCausalLM
 from worker.models.llama import LlamaConfig, LlamaForCausalLM
 from worker.tokenizer import Tokenizer
@@ -67,7 +67,7 @@ class LoadedModel:
             dtype = str(self.dtype).removeprefix("torch.")
             if self.quantization is not None:
                 how = ("kept quantized for the Triton kernels" if self.device.type == "cuda"
-                       else f"dequantized at load to {dtype} (weight-only on the CPU)")
+                       else _cpu_records_line(self.model, dtype))
                 return (f"weights: {self.config.num_params / 1e6:.0f}M parameters, "
                         f"{self.quantization.name}, {how}")
             return f"weights: {self.config.num_params / 1e6:.0f}M parameters in {dtype} ({self.source})"
@@ -88,6 +88,21 @@ class LoadedModel:
                              "(load_model again with its cpu_quantized_linear and cpu_activations)")
         again = _load(self.spec, self.device, self.dtype, policy)
         self.model, self.held, self.linears, self.quantized = again.model, again.held, again.linears, again.quantized
+
+
+def _cpu_records_line(model: torch.nn.Module, dtype: str) -> str:
+    """A pre-quantized load on the CPU: its linears per record type (count and bytes) on the
+    kernels, or that every one was dequantized."""
+    rows: dict[tuple[str, str], list[int]] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            row = rows.setdefault((m.qtype, m.activations), [0, 0])
+            row[0] += 1
+            row[1] += m.packed.nbytes
+    if not rows:
+        return f"dequantized at load to {dtype} (weight-only on the CPU)"
+    parts = [f"{q} x{n}: {b / 2**20:.1f} MiB ({act} activations)" for (q, act), (n, b) in sorted(rows.items())]
+    return f"linears held as the CPU kernels' records: {'; '.join(parts)}; the rest {dtype}"
 
 
 def default_model_path() -> Path:

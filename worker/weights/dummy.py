@@ -14,6 +14,11 @@ SHAPES: dict[str, LlamaConfig] = {
         **_LLAMA3, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False,
     ),
+    # Llama 3.1 70B's shape: 141 GB in bfloat16, more than one 80 GB GPU (tensor parallelism).
+    "llama-3-70b": LlamaConfig(
+        **_LLAMA3, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+        num_kv_heads=8, head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
     "llama-3.2-1b": LlamaConfig(
         **_LLAMA3, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
         num_kv_heads=8, head_dim=64, max_position_embeddings=131072, tie_word_embeddings=True,

@@ -62,6 +62,7 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
     names = {t.name for t in reader.tensors}
     vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
     head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
+    _refuse_unused(reader, path, arch, head_dim)
     context = int(field(reader, f"{arch}.context_length", 4096))
     scaling = _rope_scaling(reader, arch, path, context)
     if scaling is not None and scaling.context_length is not None:
@@ -103,6 +104,24 @@ def _rope_scaling(reader: GGUFFile, arch: str, path: Path, context: int) -> Rope
         return RopeScaling.from_hf({k: v for k, v in rs.items() if v is not None}, context)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+
+
+def _refuse_unused(reader: GGUFFile, path: Path, arch: str, head_dim: int) -> None:
+    """Refuse metadata that would change the model's arithmetic if it were ignored: the
+    model would load and compute something else. (llama.cpp's keys, llama-arch.cpp.)"""
+    def bad(key: str, value: Any, why: str) -> ValueError:
+        return ValueError(f"{path}: GGUF {key} = {str(value)[:100]!r}: {why}")
+
+    # {arch}.rope.scaling.type: _rope_scaling takes linear and yarn and refuses the rest
+    key = f"{arch}.expert_count"
+    if int(field(reader, key, 0) or 0) > 0:
+        raise bad(key, field(reader, key), "mixture-of-experts models are not supported")
+    key = f"{arch}.rope.dimension_count"
+    if int(field(reader, key, head_dim)) != head_dim:
+        raise bad(key, field(reader, key), f"rotary over part of a head (head_dim {head_dim}) is not supported")
+    key = f"{arch}.attention.value_length"
+    if int(field(reader, key, head_dim)) != head_dim:
+        raise bad(key, field(reader, key), f"a value head size other than the key's ({head_dim}) is not supported")
 
 
 def _rope_freq_factors(reader: GGUFFile, path: Path, head_dim: int) -> tuple[float, ...] | None:

@@ -182,6 +182,8 @@ class _Builder:
         if self.device.type != "cpu":
             return f"no GGUF kernels on {self.device.type}: dequantized at load"
         if not self.policy.quantized:
+            if self.dtype != torch.float32:
+                return f"the CPU kernels take float32 loads: dequantized at load to {str(self.dtype)[6:]}"
             return "--no-cpu-quantized-linear" if quantized_linear.available() else "no CPU kernels built"
         return "no native kernel for this type"
 

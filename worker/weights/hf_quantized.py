@@ -9,8 +9,11 @@ input, a g_idx that reorders), converted into one `ScaledWeight` in the kernels'
 (ops/scaled_linear.py), and fused as the model fuses q/k/v and gate/up. Then:
 
 - on CUDA each becomes a `ScaledLinear` on the device (the Triton kernels compute on it);
-- on the CPU each is dequantized at load into the model's dtype (weight-only: the CPU has
-  no kernels of these types yet, so it multiplies float weights as for any folder).
+- on the CPU in float32 with the C kernels built (the load's --cpu-activations), int4 and
+  int8 linears become `QuantLinear` layers on the integer kernels' records (`cpu_records`:
+  Q4_0, Q4_G128, Q4_G32, Q8_CH; no float32 copy), multiplying in that arithmetic;
+- else on the CPU (fp8, --no-cpu-quantized-linear, other dtypes) each is dequantized at load
+  into the model's dtype (weight-only: it multiplies float weights as for any folder).
 
 Everything else (embeddings, norms, float linears the config ignores) is set as it comes.
 A compressed-tensors kv_cache_scheme's k_scale / v_scale go to each layer's attention.
@@ -156,6 +159,13 @@ def convert(fmt: QuantFormat, module: str, parts: dict[str, torch.Tensor], shape
         got = tuple(int(v) for v in parts["weight_shape"].reshape(-1).tolist())
         if got != (n, k):
             raise c.fail("weight_shape", f"says {got}; this linear is {(n, k)}")
+        if fmt.kind == "int8":  # W8A16: byte i of word j is input 4j + i, as q + 128
+            words = c.shape(parts, "weight_packed", (n, k // 4), (torch.int32,))
+            q = (words.contiguous().view(torch.uint8).reshape(n, k).to(torch.int16) - 128).to(torch.int8)
+            s = c.scale(parts, "weight_scale", (n, k // g))
+            if g == k:
+                return ScaledWeight("int8", q, s.reshape(n), shape)
+            return ScaledWeight("int8", q, s, shape, block=(1, g))
         q = c.shape(parts, "weight_packed", (n, k // 8), (torch.int32,))
         s = c.scale(parts, "weight_scale", (n, k // g))
         _g_idx(c, parts, "weight_g_idx", k, g)
@@ -219,6 +229,66 @@ def as_gguf_blocks(w: ScaledWeight) -> QuantizedWeight | None:
     m_blocks = m.repeat_interleave(per, 1).numpy().view(np.uint8).reshape(n, k // 32, 2)
     blocks = np.concatenate([d_blocks, m_blocks, qs], axis=-1)
     return QuantizedWeight("Q4_1", blocks.reshape(n, -1), w.shape)
+
+
+def checkpoint_records(w: ScaledWeight) -> QuantizedWeight | None:
+    """An int4 or int8 weight as blocks of the CPU kernels' checkpoint types (quant_types.h),
+    whose scales are float32, so they hold any checkpoint's scales as they are:
+
+    - int4 in groups of 128 (or a multiple) as Q4_G128, of 32 or 64 as Q4_G32: per group
+      d = s and m = -s z (z = 8 where symmetric); w = d q + m is s (q - z) exactly where s z
+      is exact in float32 (fp16 and bf16 scales: 11 or 8 significant bits times z < 16),
+      else m is s z rounded once (float32 scales), as the dequantization's own rounding;
+    - int8 per channel, or in groups of a multiple of 128 (W8A16), as Q8_CH (in_features a
+      multiple of 128): d = the channel's (group's) scale, exactly.
+
+    None for anything else (fp8; int4 groups not a multiple of 32; int8 with in_features not
+    a multiple of 128): the loader dequantizes those."""
+    n, k = w.shape
+    g = k if w.block is None else w.block[1]
+    if w.kind == "int8" and k % 128 == 0 and g % 128 == 0 and (w.block is None or w.block[0] == 1):
+        d = w.scale.to(torch.float32).reshape(n, -1).repeat_interleave(g // 128, 1)
+        q = w.qweight.reshape(n, k // 128, 128).contiguous()
+        blocks = np.concatenate([d.numpy().view(np.uint8).reshape(n, k // 128, 4), q.numpy().view(np.uint8)], -1)
+        return QuantizedWeight("Q8_CH", blocks.reshape(n, -1), w.shape)
+    if w.kind != "int4" or w.group_size % 32:
+        return None
+    qtype, block = ("Q4_G128", 128) if w.group_size % 128 == 0 else ("Q4_G32", 32)
+    per = w.group_size // block
+    s = w.scale.to(torch.float64)
+    z = 8.0 if w.zero is None else w.zero.to(torch.float64)
+    d = s.to(torch.float32).repeat_interleave(per, 1)
+    m = (-s * z).to(torch.float32).repeat_interleave(per, 1)  # rounded once, where not exact
+    u = unpack_int4(w.qweight).reshape(n, k // 32, 32)
+    qs = (u[..., :16] | (u[..., 16:] << 4)).reshape(n, k // block, block // 2)  # k = j low, j + 16 high
+    fields = [d.numpy().view(np.uint8).reshape(n, -1, 4), m.numpy().view(np.uint8).reshape(n, -1, 4), qs.numpy()]
+    return QuantizedWeight(qtype, np.concatenate(fields, -1).reshape(n, -1), w.shape)
+
+
+def cpu_records(w: ScaledWeight) -> QuantizedWeight | None:
+    """The CPU kernels' holding of a checkpoint weight: a symmetric int4 with fp16-exact
+    scales as Q4_0 (`as_gguf_blocks`: no m term, so no cancellation with the block's sum),
+    else `checkpoint_records`; None: dequantized at load (fp8)."""
+    if w.kind == "int4" and w.zero is None:
+        blocks = as_gguf_blocks(w)
+        if blocks is not None:
+            return blocks
+    return checkpoint_records(w)
+
+
+def cpu_record_type(kind: str, symmetric: bool, group_size: int, k: int, fp16_scales: bool) -> str | None:
+    """The record type `cpu_records` picks for a linear of `k` inputs, from the format alone
+    (the planner's): `fp16_scales` where the checkpoint stores its scales in float16 or
+    bfloat16, whose values fp16 holds (bf16 ones below 2^-14 but for a few bits: there the
+    loader takes Q4_G128, the same bytes for groups of 128)."""
+    g = k if group_size <= 0 else group_size  # int8 per channel: 0 or -1
+    if kind == "int8":
+        return "Q8_CH" if k % 128 == 0 and g % 128 == 0 else None
+    if kind != "int4" or g % 32:
+        return None
+    if symmetric and fp16_scales:
+        return "Q4_0"
+    return "Q4_G128" if g % 128 == 0 else "Q4_G32"
 
 
 class _Reader:
@@ -334,10 +404,11 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
         if name == "lm_head.weight" and model.lm_head is None:
             continue
         if isinstance(item, ScaledWeight):
-            blocks = as_gguf_blocks(item) if cpu_activations and device.type == "cpu" and dequantize_on_cpu else None
+            blocks = cpu_records(item) if cpu_activations and device.type == "cpu" and dequantize_on_cpu else None
             if blocks is not None and supports(blocks.qtype, blocks.shape):
                 later.append((name.removesuffix(".weight"), blocks))
-            elif device.type == "cpu" and dequantize_on_cpu:  # weight-only: dequantized once, here
+            elif (device.type == "cpu" and dequantize_on_cpu) or (item.kind == "int8" and item.block is not None):
+                # weight-only: dequantized once, here (W8A16's int8 groups: no Triton kernel takes them)
                 _set_parameter(model, name, dequantize(item, dtype), device, dtype)
             else:
                 later.append((name.removesuffix(".weight"), item))
@@ -352,7 +423,7 @@ def load_quantized(cfg: LlamaConfig, fmt: QuantFormat, keys: list[str],
         if meta.bias is not None and meta.bias.is_meta:
             raise ValueError(f"weights missing from the checkpoint: {path}.bias")
         parent, _, child = path.rpartition(".")
-        if isinstance(w, QuantizedWeight):  # the CPU's GGUF kernels (kernels49's Q4_0 / Q4_1 records)
+        if isinstance(w, QuantizedWeight):  # the CPU's integer kernels (Q4_0, Q4_G128, Q4_G32, Q8_CH records)
             assert cpu_activations is not None
             layer: nn.Module = QuantLinear(w, meta.bias, activations_for(w, cpu_activations))
         else:

@@ -12,6 +12,8 @@
 | compressed-tensors pack-quantized, 4-bit int      | weight_packed I32 [N, K/8], weight_shape,| int4 |
 |   groups (GPTQ/RTN symmetric, AWQ asymmetric)     |   weight_scale [N, K/G], weight_zero_point|      |
 |                                                   |   [N/8, K/G] (asymmetric), weight_g_idx |      |
+| compressed-tensors pack-quantized, 8-bit int      | weight_packed I32 [N, K/4] (q + 128),   | int8 |
+|   (W8A16) groups or channel, symmetric            |   weight_shape, weight_scale [N, K/G]   |      |
 | fp8 with weight_block_size (DeepSeek, Qwen3-FP8)  | weight F8_E4M3, weight_scale_inv        | fp8  |
 |   dynamic per-token-group activations             |   [N/bn, K/bk]                          |      |
 | fbgemm_fp8 (Llama 3.1 405B FP8)                   | weight F8_E4M3, weight_scale [N,1]      | fp8  |
@@ -32,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED = ("compressed-tensors (FP8, INT8 W8A8, W4A16 pack-quantized)", "fp8 (weight_block_size)",
+SUPPORTED = ("compressed-tensors (FP8, INT8 W8A8, W4A16 and W8A16 pack-quantized)", "fp8 (weight_block_size)",
              "fbgemm_fp8", "awq (gemm)", "gptq (4-bit)")
 # Layouts: how a quantized linear's tensors are named and packed (worker/weights/hf_quantized.py).
 LAYOUTS = ("ct-float", "ct-int", "ct-pack", "fp8", "fbgemm", "awq", "gptq")
@@ -67,6 +69,8 @@ class QuantFormat:
         if self.kind == "int4":
             sym = "symmetric" if self.symmetric else "asymmetric (zero points)"
             what = f"W4A16 groups of {self.group_size if self.group_size > 0 else 'one row'}, {sym}"
+        elif self.kind == "int8" and self.layout == "ct-pack":
+            what = f"W8A16 INT8 {f'groups of {self.group_size}' if self.group_size > 0 else 'per-channel'} weights"
         elif self.strategy == "block":
             assert self.block is not None
             what = f"{self.kind.upper()} {self.block[0]}x{self.block[1]} block weights"
@@ -260,6 +264,20 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantFormat:
         if act == "group":
             raise _refuse(f"{name}: per-group int8 activations are not supported")
         return QuantFormat("compressed-tensors", "ct-int", "int8", "channel", act, group, **common)
+    if wtype == "int" and bits == 8 and gfmt == "pack-quantized":
+        if a is not None:
+            raise _refuse(f"{name}: quantized activations with pack-quantized int8 weights are not supported")
+        if not w.get("symmetric", True):
+            raise _refuse(f"{name}: asymmetric int8 weights are not supported")
+        group = -1
+        if strategy == "group":
+            group = w.get("group_size")
+            if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+                raise _refuse(f"{name}: group_size must be a positive integer, not {_bounded(group)}")
+        elif strategy != "channel":
+            raise _refuse(f"{name}: 8-bit {_bounded(strategy)} weights are not supported (group, channel)")
+        return QuantFormat("compressed-tensors", "ct-pack", "int8", "group" if group > 0 else "channel",
+                           group_size=group, **common)
     if wtype == "int" and bits == 4 and gfmt == "pack-quantized":
         if a is not None:
             raise _refuse(f"{name}: quantized activations with 4-bit weights (W4A8) are not supported")

@@ -1,0 +1,170 @@
+"""Tensor parallelism against TP = 1, served on the CPU over gloo and spoken to by gRPC.
+
+- The default model (9 heads, 3 KV heads) at `-tp 3`, chunked prefill (64-token budget)
+  and n-gram speculation on: greedy tokens of the parity prompts, prompt logprobs (within
+  1e-3), a chunked long prompt and its prefix-cache hit, n = 2 seeded samples and a
+  JSON-schema constraint, each equal to an in-process TP = 1 engine's (the GGUF dequantized
+  on both: under -tp the shards are sliced from float weights).
+- KV-head replication: tiny random models with 1 KV head at `-tp 2` (swap preemption) and
+  2 KV heads at `-tp 4` (recompute preemption), a KV cache small enough to preempt, equal
+  to TP = 1.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from llmworker.v1 import worker_pb2 as pb
+
+from scheduler.request import SamplingParams
+from tests.conftest import CHAT_PROMPTS
+from tests.test_server import run
+from tests.tp_helpers import TPWorker, followers, gone, tiny_checkpoint
+from worker import config as cfgmod
+from worker.cli import build_parser
+from worker.engine import Engine
+from worker.structured import Constraint, GrammarCompiler
+
+pytestmark = pytest.mark.slow
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
+DEFAULT_FLAGS = ("--max-num-batched-tokens", "64", "--speculative-config", SPEC)
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+          "required": ["city"], "additionalProperties": False}
+MAX_TOKENS = 8
+
+
+def _engine(*flags: str) -> Engine:
+    return Engine(cfgmod.from_args(build_parser().parse_args(["serve", *flags])))
+
+
+def _ids(complete_run) -> list[int]:
+    chunks, _ = complete_run
+    return [t for c in chunks for t in c.token_ids]
+
+
+@pytest.fixture(scope="module")
+def tp3():
+    w = TPWorker("-tp", "3", *DEFAULT_FLAGS)
+    try:
+        yield w.wait_ready()
+        procs = followers(w)
+        assert len(procs) == 2
+        w.proc.terminate()  # SIGTERM drains and stops every rank
+        assert w.proc.wait(60) == 0
+        assert gone(procs, 5)
+    finally:
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    engine = _engine("--no-cpu-quantized-linear", "--max-model-len", "2048", "--kv-cache-memory",
+                     "0.25", "--max-num-batched-tokens", "64")
+    yield engine
+    engine.shutdown()
+
+
+def _chat(tok, text: str) -> list[int]:
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True))
+
+
+def test_default_model_at_tp3_equals_tp1(tp3, tp1) -> None:
+    tok = tp1.tokenizer
+    prompts = [_chat(tok, p) for p in CHAT_PROMPTS[:3]]
+    long = _chat(tok, " ".join(CHAT_PROMPTS * 2))  # > 64 tokens: chunked prefill
+    assert len(long) > 150
+    prompts.append(long)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ref = tp1.generate([tp1.make_request(p, greedy) for p in prompts])
+
+    def served(ids: list[int], **extra):
+        return run(tp3.stub, token_ids=pb.TokenIdsInput(ids=ids), sampling=pb.SamplingParams(temperature=0.0),
+                   stopping=pb.StoppingCriteria(max_tokens=MAX_TOKENS), **extra)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # one batch, as the reference's
+        got = list(pool.map(served, prompts))
+    assert [_ids(g) for g in got] == [c.token_ids for c in ref]
+    assert served(long)[1].usage.cached_tokens >= 128  # the prefix cache's hit, same tokens
+    assert _ids(served(long)) == ref[-1].token_ids
+
+    # prompt logprobs
+    want = tp1.generate([tp1.make_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                     prompt_logprobs=0))])[0]
+    chunks, _ = run(tp3.stub, token_ids=pb.TokenIdsInput(ids=prompts[0]),
+                    sampling=pb.SamplingParams(temperature=0.0), prompt_logprobs=0,
+                    stopping=pb.StoppingCriteria(max_tokens=1))
+    lp = [e.logprob for e in chunks[0].prompt_logprobs]
+    assert len(lp) == len(prompts[0]) - 1 == len(want.prompt_logprobs)
+    assert max(abs(a - b.logprob) for a, b in zip(lp, want.prompt_logprobs, strict=True)) < 1e-3
+
+    # n = 2 seeded samples
+    sampled = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=MAX_TOKENS)
+    ref2 = tp1.generate([tp1.make_request(prompts[1], sampled)])
+    stream = tp3.stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIdsInput(ids=prompts[1]), sampling=pb.SamplingParams(temperature=0.8, seed=7, n=2),
+        stopping=pb.StoppingCriteria(max_tokens=MAX_TOKENS)), timeout=120)
+    chunks = [r.chunk for r in stream if r.HasField("chunk")]
+    for i in range(2):
+        assert [t for c in chunks if c.index == i for t in c.token_ids] == ref2[i].token_ids
+
+    # a JSON-schema constraint
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+    req = tp1.make_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=40))
+    req.grammar = compiler.compile(Constraint("json_schema", json.dumps(SCHEMA))).matcher()
+    want_json = tp1.generate([req])[0]
+    chunks, _ = run(tp3.stub, token_ids=pb.TokenIdsInput(ids=prompts[0]),
+                    sampling=pb.SamplingParams(temperature=0.0), json_schema=json.dumps(SCHEMA),
+                    stopping=pb.StoppingCriteria(max_tokens=40))
+    assert [t for c in chunks for t in c.token_ids] == want_json.token_ids
+    assert "city" in json.loads("".join(c.text for c in chunks))
+
+    status = tp3.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=10)
+    assert status.spec_draft_tokens > 0  # verification steps ran sharded too
+    assert '"tensor_parallel_size": 3' in status.config_json
+
+
+def test_the_planners_kv_blocks_at_tp3_are_the_workers(tp3) -> None:
+    from worker import plan
+
+    blocks = int(tp3.wait_for(r"KV cache: .* = (\d+) blocks x").group(1))
+    load = tp3.stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+    assert load.num_total_blocks == blocks
+    cpu = plan.Device("cpu", "cpu", 64 << 30, 1e10, {"float32": 1e11})  # KV: not its figures
+    p = plan.make_plan(plan.read_model("default"), cpu, plan.Workload(100, 28), "float32", 2048,
+                       plan.CacheConfig(kv_cache_memory=0.25), plan.SchedulerConfig(), tp=3)
+    assert p.kv_cache["num_blocks"] == blocks
+    assert p.parallel["kv_heads_per_rank"] == 1
+    assert p.kv_cache["bytes_per_token"] == 2 * 30 * 1 * 64 * 4  # K and V, 30 layers, a rank's head
+
+
+@pytest.mark.parametrize(("kv_heads", "tp", "mode"), [(1, 2, "swap"), (2, 4, "recompute")])
+def test_kv_head_replication_with_preemption_equals_tp1(tmp_path, kv_heads, tp, mode) -> None:
+    model = tiny_checkpoint(tmp_path, kv_heads=kv_heads)
+    # 12 blocks a rank: 16 tokens of 2 layers' K and V, one KV head (16 float32) a rank
+    per_block = 16 * 2 * 2 * 16 * 4
+    kv = ("--kv-cache-memory-bytes", str(12 * per_block), "--max-model-len", "128")
+    flags = ("--model", model, "--preemption-mode", mode, "--max-num-seqs", "4")
+    prompts = [[1 + i, *range(10 + 7 * i, 30 + 7 * i)] for i in range(4)]  # 21 tokens each
+    tp1 = _engine(*flags)
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    ref = [c.token_ids for c in tp1.generate([tp1.make_request(p, greedy) for p in prompts])]
+    w = TPWorker(*flags, "-tp", str(tp), kv=kv)
+    try:
+        w.wait_ready()
+        assert any(f"{tp} ranks over gloo" in line for line in w.lines)
+
+        def served(ids: list[int]) -> list[int]:
+            return _ids(run(w.stub, token_ids=pb.TokenIdsInput(ids=ids),
+                            sampling=pb.SamplingParams(temperature=0.0),
+                            stopping=pb.StoppingCriteria(max_tokens=60, ignore_eos=True)))
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(served, prompts))
+        assert got == ref
+        status = w.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=10)
+        assert status.num_preemptions > 0, "the cache was meant to be too small for all four"
+    finally:
+        w.close()

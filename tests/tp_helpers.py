@@ -1,0 +1,111 @@
+"""Shared by the tensor-parallel tests: a tiny random checkpoint, served workers whose
+followers can be found, and a stream that can be timed."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from unittest import mock
+
+import grpc
+import psutil
+from llmworker.v1 import worker_pb2 as pb
+
+from tests.helpers import save_tiny_checkpoint
+from tests.test_server import Worker
+
+
+def tiny_checkpoint(folder: Path, kv_heads: int, heads: int = 4, seed: int = 0) -> str:
+    """A 2-layer Llama of `heads` query heads and `kv_heads` KV heads (save_pretrained)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                      max_position_embeddings=2048, tie_word_embeddings=False)
+    save_tiny_checkpoint(cfg, folder, seed=seed)
+    return str(folder)
+
+
+class TPWorker(Worker):
+    """tests/test_server.Worker with `env` added to its environment; `kv` replaces its KV
+    cache size and max_model_len flags (a tiny cache, to make preemptions)."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None,
+                 kv: tuple[str, ...] | None = None) -> None:
+        with mock.patch.dict(os.environ, env or {}):
+            if kv is None:
+                super().__init__(*flags)
+                return
+            with mock.patch("subprocess.Popen", _replacing_kv(kv)):
+                super().__init__(*flags)
+
+
+def _replacing_kv(kv: tuple[str, ...]):
+    import subprocess
+
+    real = subprocess.Popen
+
+    def popen(cmd, *args, **kwargs):
+        i = cmd.index("--kv-cache-memory")
+        cmd = [*cmd[:i], *kv, *cmd[i + 4:]]  # drops --kv-cache-memory X --max-model-len Y
+        return real(cmd, *args, **kwargs)
+
+    return popen
+
+
+def start_all(specs: dict[str, tuple[tuple[str, ...], dict[str, str] | None]]) -> dict[str, Worker]:
+    """Start workers side by side (each waits for its own listening line), by name."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(TPWorker, *flags, env=env) for name, (flags, env) in specs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def followers(w: Worker) -> list[psutil.Process]:
+    found = []
+    for p in psutil.Process(w.proc.pid).children(recursive=True):
+        try:
+            if "worker.parallel.follower" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # exited meanwhile
+            pass
+    return found
+
+
+def _running(p: psutil.Process) -> bool:
+    try:  # a zombie has exited (rank 0, its parent, may be gone and not have reaped it)
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def gone(procs: list[psutil.Process], timeout: float) -> bool:
+    """Every one of `procs` exited within `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while any(map(_running, procs)):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def long_stream(w: Worker, ids: list[int], max_tokens: int = 2000):
+    return w.stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIdsInput(ids=ids), sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True)), timeout=120)
+
+
+def fail_time(stream, fault) -> tuple[grpc.StatusCode, float, str]:
+    """Read `stream` to its first chunk, call `fault()`, and time how long the stream takes
+    to end after it; returns its status code, that time and its details."""
+    it = iter(stream)
+    next(it)
+    fault()
+    t0 = time.monotonic()
+    try:
+        for _ in it:
+            pass
+    except grpc.RpcError as e:
+        return e.code(), time.monotonic() - t0, e.details() or ""
+    return grpc.StatusCode.OK, time.monotonic() - t0, ""

@@ -1,0 +1,176 @@
+"""The shard plan of the Llama decoder over k ranks, and the slicing of a loaded model.
+
+Per layer, as Megatron-LM splits it (and vLLM, nano-vllm)::
+
+    qkv_proj      column-parallel: rank r keeps its query heads' rows and its KV heads'
+    o_proj        row-parallel: the columns of its query heads, then one all-reduce
+    gate_up_proj  column-parallel: its slice of gate's rows and of up's
+    down_proj     row-parallel: the same slice of columns, then one all-reduce
+
+so a layer costs two all-reduces of [tokens, hidden] and everything between them (rotary,
+paged attention, the activation) runs on the rank's own heads and slice. The norms, the
+embedding and the residual stream are replicated: every rank holds the whole hidden state
+after each all-reduce. The LM head stays whole on rank 0 (the one that samples), and
+followers drop theirs: rank 0's logits are TP=1's computation, with no gather. (A
+vocab-parallel embedding and head would save vocab x hidden per rank; not done.)
+
+KV heads: with kv >= k each rank keeps kv/k of them (k must divide kv); with kv < k
+(k a multiple of kv) each rank keeps the one KV head its query heads read, so each KV head
+is replicated k/kv times (vLLM's rule). The KV cache of a rank holds only its heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from worker.models.llama import Linear, LlamaConfig
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    world: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    @classmethod
+    def of(cls, cfg: LlamaConfig, world: int) -> ShardPlan:
+        """The plan, or a ValueError naming the number a split of `world` does not divide."""
+        h, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        tp = f"--tensor-parallel-size {world}"
+        if h % world:
+            raise ValueError(f"{tp}: the model's {h} attention heads do not split over {world} "
+                             f"ranks (sizes that divide them: {_divisors(h)})")
+        if kv >= world and kv % world:
+            raise ValueError(f"{tp}: the model's {kv} KV heads do not split over {world} ranks "
+                             f"(sizes that divide them: {_divisors(kv)})")
+        if kv < world and world % kv:
+            raise ValueError(f"{tp}: {world} ranks cannot share the model's {kv} KV heads "
+                             f"(with fewer KV heads than ranks, the size must be a multiple of {kv})")
+        if inter % world:
+            raise ValueError(f"{tp}: the model's intermediate size {inter} does not split over "
+                             f"{world} ranks")
+        return cls(world, h, kv, cfg.head_dim, inter)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.world
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.world)
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        return self.intermediate_size // self.world
+
+    def q_heads(self, rank: int) -> range:
+        n = self.heads_per_rank
+        return range(rank * n, (rank + 1) * n)
+
+    def kv_heads(self, rank: int) -> range:
+        n = self.kv_heads_per_rank
+        if self.num_kv_heads >= self.world:
+            return range(rank * n, (rank + 1) * n)
+        group = self.num_heads // self.num_kv_heads  # query heads per KV head
+        first = self.q_heads(rank).start // group
+        return range(first, first + 1)
+
+    def config(self, cfg: LlamaConfig) -> LlamaConfig:
+        """A rank's view of the model: its heads and MLP slice (the rest as it was)."""
+        return dataclasses.replace(cfg, num_heads=self.heads_per_rank,
+                                   num_kv_heads=self.kv_heads_per_rank,
+                                   intermediate_size=self.intermediate_per_rank)
+
+    def describe(self, rank: int) -> str:
+        kv = self.kv_heads(rank)
+        replicated = " (replicated)" if self.num_kv_heads < self.world else ""
+        return (f"rank {rank}: query heads {self.q_heads(rank).start}-{self.q_heads(rank).stop - 1}, "
+                f"KV heads {kv.start}-{kv.stop - 1}{replicated}, MLP slice "
+                f"{self.intermediate_per_rank} of {self.intermediate_size}")
+
+
+class RowParallel(nn.Module):
+    """A row-parallel linear: this rank's partial product, summed over the ranks in place
+    by `reduce` (one all-reduce)."""
+
+    def __init__(self, inner: nn.Module, reduce: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.reduce = reduce
+        self.in_features = inner.in_features
+        self.out_features = inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        self.reduce(y)
+        return y
+
+
+def _float_linear(lin: nn.Module, what: str) -> nn.Linear:
+    if type(lin) not in (nn.Linear, Linear):
+        raise ValueError(f"tensor parallelism slices float linear layers; {what} is a "
+                         f"{type(lin).__name__} (GGUF files load dequantized under -tp; "
+                         "pre-quantized checkpoints are not sliced yet)")
+    return lin
+
+
+def _sliced(lin: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    out, inp = weight.shape
+    new = Linear(inp, out, bias=bias is not None, device="meta")
+    new.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        new.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    return new
+
+
+def _head_rows(heads: range, head_dim: int, offset: int) -> torch.Tensor:
+    return torch.arange(offset + heads.start * head_dim, offset + heads.stop * head_dim)
+
+
+def shard_model(model: nn.Module, plan: ShardPlan, rank: int,
+                reduce: Callable[[torch.Tensor], None]) -> None:
+    """Slice a loaded LlamaForCausalLM to rank `rank`'s shard, in place (see the top); the
+    full weights are freed as each layer's slices replace them. A row-parallel bias is
+    added once, by rank 0, before the sum. Followers (rank > 0) drop the LM head."""
+    cfg = model.config
+    d = cfg.head_dim
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+    q, kv = plan.q_heads(rank), plan.kv_heads(rank)
+    qkv_rows = torch.cat([_head_rows(q, d, 0), _head_rows(kv, d, q_size),
+                          _head_rows(kv, d, q_size + kv_size)])
+    o_cols = _head_rows(q, d, 0)
+    i, n = cfg.intermediate_size, plan.intermediate_per_rank
+    mlp_cols = torch.arange(rank * n, (rank + 1) * n)
+    gate_up_rows = torch.cat([mlp_cols, mlp_cols + i])
+    for index, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        where = f"layer {index}"
+        qkv = _float_linear(attn.qkv_proj, f"{where} qkv_proj")
+        dev = qkv.weight.device
+        attn.qkv_proj = _sliced(qkv, qkv.weight[qkv_rows.to(dev)],
+                                None if qkv.bias is None else qkv.bias[qkv_rows.to(dev)])
+        o = _float_linear(attn.o_proj, f"{where} o_proj")
+        attn.o_proj = RowParallel(_sliced(o, o.weight[:, o_cols.to(dev)], o.bias if rank == 0 else None),
+                                  reduce)
+        attn.num_heads, attn.num_kv_heads = plan.heads_per_rank, plan.kv_heads_per_rank
+        attn.q_size, attn.kv_size = plan.heads_per_rank * d, plan.kv_heads_per_rank * d
+        gu = _float_linear(mlp.gate_up_proj, f"{where} gate_up_proj")
+        mlp.gate_up_proj = _sliced(gu, gu.weight[gate_up_rows.to(dev)], None)
+        down = _float_linear(mlp.down_proj, f"{where} down_proj")
+        mlp.down_proj = RowParallel(_sliced(down, down.weight[:, mlp_cols.to(dev)],
+                                             down.bias if rank == 0 else None), reduce)
+    model.config = plan.config(cfg)
+    if rank > 0:  # rank 0 alone computes logits
+        model.lm_head = None
+        model.tied_head = None
