@@ -44,7 +44,7 @@ from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 
-from ops.activation import silu_and_mul_ref
+from ops.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from ops.attention import StepPlan, paged_attention_ref
 from ops.block_copy import copy_blocks_ref, swap_blocks
 from ops.lora import LoraRows, LoraStack, lora_add_ref
@@ -153,6 +153,7 @@ def _op(ref: Callable[P, R], triton: tuple[str, str], c: tuple[str, str] | None 
 
 rms_norm = _op(rms_norm_ref, ("ops.norm_triton", "rms_norm_triton"))
 silu_and_mul = _op(silu_and_mul_ref, ("ops.activation_triton", "silu_and_mul_triton"))
+gelu_tanh_and_mul = _op(gelu_tanh_and_mul_ref, ("ops.activation_triton", "gelu_tanh_and_mul_triton"))
 # The kernel rotates q and k in place (the reference returns new tensors).
 rotary_kv_write = _op(rotary_kv_write_ref, ("ops.rotary_triton", "rotary_kv_write_triton"))
 paged_attention = _op(paged_attention_ref, ("ops.attention_triton", "paged_attention_triton"),
@@ -184,6 +185,7 @@ __all__ = [
     "backend",
     "c_kernels_available",
     "copy_blocks",
+    "gelu_tanh_and_mul",
     "kernel_path",
     "lora_add",
     "paged_attention",

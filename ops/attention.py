@@ -191,16 +191,29 @@ def read_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch
     return x.to(dtype)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, gqa: bool,
+          softcap: float | None) -> torch.Tensor:
+    """SDPA, or with `softcap` (Gemma 2) the same with the scores soft-capped before the mask
+    as transformers does: softcap * tanh(q.k scale / softcap) (SDPA has no such hook)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    s = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def attend_prefills(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, scale: float, out: torch.Tensor, window: int | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float | None = None) -> None:
     """out[chunk] for every prefill chunk of the plan, one SDPA call each."""
     gqa = q.shape[1] != k_cache.shape[2]
     for p in plan.prefills_for(window):
         k = read_cache(_gather(k_cache, p.table, p.num_blocks), q.dtype, k_scale)
         v = read_cache(_gather(v_cache, p.table, p.num_blocks), q.dtype, v_scale)
         chunk = q[p.start : p.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        o = F.scaled_dot_product_attention(chunk, k, v, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
+        o = _sdpa(chunk, k, v, p.mask, scale, gqa, softcap)
         out[p.start : p.end] = o[0].transpose(0, 1)
 
 
@@ -218,6 +231,7 @@ def paged_attention_ref(
     window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
     int32/64; seq_lens: [B]; query_start_loc: [B + 1]. Returns [T, Hq, D]. `k_scale`,
@@ -227,15 +241,15 @@ def paged_attention_ref(
     builds one for this call. max_query_len and max_seq_len are not needed here. `window`:
     the layer's sliding window (keys in (position - window, position]), None: global; the
     decodes' keys are masked to it, each prefill chunk's gathered from its window's blocks.
+    `softcap`: tanh soft-capping of the scaled scores (Gemma 2), None: none.
     """
     p = plan_for(plan, block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    attend_prefills(p, q, k_cache, v_cache, scale, out, window, k_scale, v_scale)
+    attend_prefills(p, q, k_cache, v_cache, scale, out, window, k_scale, v_scale, softcap)
     gqa = q.shape[1] != k_cache.shape[2]
     for g in p.decode_groups_for(window):
         k = read_cache(_gather(k_cache, g.tables, g.num_blocks), q.dtype, k_scale)
         v = read_cache(_gather(v_cache, g.tables, g.num_blocks), q.dtype, v_scale)
-        o = F.scaled_dot_product_attention(q.index_select(0, g.rows)[:, :, None], k, v,
-                                           attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        o = _sdpa(q.index_select(0, g.rows)[:, :, None], k, v, g.mask, scale, gqa, softcap)
         out.index_copy_(0, g.rows, o[:, :, 0])
     return out

@@ -25,7 +25,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         p, i32 = ctypes.c_void_p, ctypes.c_int
         lib.paged_decode_attention.argtypes = [p, p, p, i32, i32, i32, i32, p, p, i32, p, i32,
-                                               ctypes.c_float, p, i32, ctypes.c_int64]
+                                               ctypes.c_float, p, i32, ctypes.c_int64, ctypes.c_float]
         lib.paged_decode_attention.restype = ctypes.c_int
     return lib
 
@@ -41,7 +41,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
            tables: torch.Tensor, lens: torch.Tensor, scale: float, out: torch.Tensor,
-           window: int | None = None) -> None:
+           window: int | None = None, softcap: float | None = None) -> None:
     """out[rows[i]] = attention of q[rows[i]] over request i's first lens[i] cached tokens
     (with a `window`, the last `window` of them only: the kernel reads no other).
     q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; rows, lens: [n] int64;
@@ -55,7 +55,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: 
     rc = lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size, num_kv_heads, q.shape[1],
         head_dim, rows.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), rows.shape[0],
-        scale, out.data_ptr(), torch.get_num_threads(), window or 0)
+        scale, out.data_ptr(), torch.get_num_threads(), window or 0, softcap or 0.0)
     if rc:
         raise RuntimeError(f"paged decode attention failed ({rc}): bad shapes or lengths")
 
@@ -72,17 +72,19 @@ def paged_attention_c(
     scale: float,
     plan: StepPlan | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref`'s contract: prefill chunks as the reference runs them, every
     decode in one call of the C kernel; the reference itself where the kernel is not
     `usable` (not float32, not built here)."""
     if not usable(q, k_cache):
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   max_query_len, max_seq_len, scale, plan, window)
+                                   max_query_len, max_seq_len, scale, plan, window,
+                                   softcap=softcap)
     p = plan_for(plan, block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     out = torch.empty_like(q)
-    attend_prefills(p, q, k_cache, v_cache, scale, out, window)
+    attend_prefills(p, q, k_cache, v_cache, scale, out, window, softcap=softcap)
     d = p.decodes
     if d is not None:
-        decode(q, k_cache, v_cache, d.rows, d.tables, d.lens, scale, out, window=window)
+        decode(q, k_cache, v_cache, d.rows, d.tables, d.lens, scale, out, window=window, softcap=softcap)
     return out

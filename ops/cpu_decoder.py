@@ -52,7 +52,7 @@ class _QLinear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
                 ("input_norm", _p), ("post_norm", _p), ("window", _i32), ("q_norm", _p), ("k_norm", _p),
-                ("cos_sin", _p)]
+                ("cos_sin", _p), ("attn_out_norm", _p), ("ffn_out_norm", _p)]
 
 
 class _LoraLinear(ctypes.Structure):
@@ -68,7 +68,8 @@ class _Model(ctypes.Structure):
                 ("head_dim", _i32), ("num_layers", _i32), ("eps", _f32), ("scale", _f32),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", _p), ("rot_dim", _i32),
                 ("embed_kind", _i32), ("embed", _p), ("block_size", _i32),
-                ("lora", ctypes.POINTER(_LoraLayer)), ("lora_rank", _i32), ("head", _QLinear)]
+                ("lora", ctypes.POINTER(_LoraLayer)), ("lora_rank", _i32), ("head", _QLinear),
+                ("embed_scale", _f32), ("softcap", _f32), ("final_softcap", _f32), ("gelu", _i32)]
 
 
 class _Step(ctypes.Structure):
@@ -158,15 +159,22 @@ class CpuDecoder:
         cos_sin = model.cos_sin.contiguous()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            norms = [layer.input_layernorm.detach().contiguous(), layer.post_attention_layernorm.detach().contiguous()]
+            # Gemma (worker/models/gemma.py): the MLP's input norm is pre_feedforward_layernorm,
+            # and the sublayers' outputs are normed (post_attention_layernorm, post_feedforward_layernorm).
+            gemma = hasattr(layer, "post_feedforward_layernorm")
+            mlp_in = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+            norms = [layer.input_layernorm.detach().contiguous(), mlp_in.detach().contiguous()]
+            outs = [layer.post_attention_layernorm.detach().contiguous(),
+                    layer.post_feedforward_layernorm.detach().contiguous()] if gemma else [None, None]
             qk = [None if n is None else n.detach().contiguous() for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))]
             # A layer's own table where it has one (two rope bases: Gemma 3's local layers).
             table_cs = cos_sin if getattr(attn, "cos_sin", None) is None else attn.cos_sin.contiguous()
-            self._keep += [*norms, *qk, table_cs, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            self._keep += [*norms, *qk, *outs, table_cs, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
             layers[i] = _Layer(_qlinear(attn.qkv_proj), _qlinear(attn.o_proj), _qlinear(mlp.gate_up_proj),
                                _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr(),
                                min(attn.window or 0, 2**31 - 1),  # (past any context a cache holds)
-                               *(None if n is None else n.data_ptr() for n in qk), table_cs.data_ptr())
+                               *(None if n is None else n.data_ptr() for n in qk), table_cs.data_ptr(),
+                               *(None if n is None else n.data_ptr() for n in outs))
         embed = model.embed_tokens
         if isinstance(embed, QuantEmbedding):
             kind, table = embed.code, embed.packed
@@ -195,7 +203,10 @@ class CpuDecoder:
                              cfg.head_dim, cfg.num_layers, cfg.rms_norm_eps, model.layers[0].self_attn.scale,
                              layers, final_norm.data_ptr(), rot_dim, kind, table.data_ptr(),
                              block_size, lora_layers, rank,
-                             _qlinear(self.head) if self.head is not None else _QLinear())
+                             _qlinear(self.head) if self.head is not None else _QLinear(),
+                             getattr(model, "embed_scale", 1.0), model.layers[0].self_attn.softcap or 0.0,
+                             getattr(cfg, "final_logit_softcapping", None) or 0.0,
+                             int(getattr(model.layers[0].mlp, "activation", "silu") == "gelu_tanh"))
         self.has_lora = lora is not None
         self._caches: tuple[list, ctypes.Array, ctypes.Array] | None = None
         self._kv_half = False

@@ -75,7 +75,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 def save_tiny_checkpoint(config, folder, seed: int = 0):
     """A Hugging Face folder as users make one: transformers' model of `config` (a config
     class instance: its own random init under `seed`, float32) saved with save_pretrained,
-    and a word-level tokenizer of config.vocab_size tokens ("t0", "t1", ...; eos "t2") saved
+    and a word-level tokenizer of the (text) config's vocab_size tokens ("t0", "t1", ...; eos "t2") saved
     the same way, so the worker loads the folder as it loads any. Returns the model."""
     from tokenizers import Tokenizer as Backend
     from tokenizers import models, pre_tokenizers
@@ -84,7 +84,7 @@ def save_tiny_checkpoint(config, folder, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(folder)
-    backend = Backend(models.WordLevel({f"t{i}": i for i in range(config.vocab_size)}, "t0"))
+    backend = Backend(models.WordLevel({f"t{i}": i for i in range(config.get_text_config().vocab_size)}, "t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1",
                             eos_token="t2").save_pretrained(folder)

@@ -61,6 +61,10 @@ typedef struct {
     int window; /* > 0: the layer's sliding window (paged_attention.c's attn_args.window); 0: none */
     const float *q_norm, *k_norm; /* [D] per-head RMSNorm weights of q and k before rotary, or NULL */
     const float *cos_sin;         /* [max_positions, rot_dim]: cos in the first half, sin in the second */
+    /* Gemma: [H] norms of the attention's and the MLP's outputs before their residual adds
+     * (post_attention_layernorm, post_feedforward_layernorm; post_norm is then the MLP's
+     * input norm, pre_feedforward_layernorm), or NULL */
+    const float *attn_out_norm, *ffn_out_norm;
 } layer_weights;
 
 #define EMBED_TABLE (-1) /* else embed_kind is the records' QT_* code */
@@ -78,6 +82,10 @@ typedef struct {
     const lora_layer *lora; /* [num_layers] adapter slots (lora.c), or NULL: LoRA off */
     int lora_rank;
     qlinear head; /* the LM head (head.w NULL: none), for decode steps that want logits */
+    float embed_scale;   /* the embedding rows times this (Gemma: sqrt(hidden)); 1: none */
+    float softcap;       /* > 0: attention scores soft-capped (paged_attention.c) */
+    float final_softcap; /* > 0: the head's logits soft-capped, c tanh(x / c) */
+    int gelu;            /* the MLP's activation: 1 GeGLU (gelu_pytorch_tanh, Gemma), 0 SwiGLU */
 } model_desc;
 
 typedef struct {
@@ -210,7 +218,8 @@ static int temps_alloc(const model_desc *m, const step_desc *s, int nthreads, te
     /* loops of a decode step: embed and final, and per layer at most 9 (4 of them inputs
      * shared among the team) */
     /* + LoRA: a shrink per linear; + the head: its input, its tiles */
-    t->num_phases = 4 + (9 + (m->lora ? 4 : 0)) * m->num_layers;
+    /* + Gemma's output norms: a loop of rows each */
+    t->num_phases = 4 + (9 + (m->lora ? 4 : 0) + (m->layers[0].attn_out_norm ? 2 : 0)) * m->num_layers;
     t->kmax = kmax;
     const size_t R = m->lora ? (size_t)m->lora_rank : 0;
     const size_t pending_bytes = ALIGN64((size_t)s->n_dec * sizeof(atomic_int));
@@ -303,13 +312,23 @@ static void silu_mul_row(const float *g, const float *u, int n, float *y) {
     }
 }
 
+/* gelu_tanh(g) * u, as torch's gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))). */
+static void gelu_mul_row(const float *g, const float *u, int n, float *y) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    for (int i = 0; i < n; i++) {
+        const float x = g[i];
+        y[i] = 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x))) * u[i];
+    }
+}
+
 static void embed_row(const model_desc *m, int64_t id, float *y) {
     const int H = m->hidden;
-    if (m->embed_kind == EMBED_TABLE) {
+    if (m->embed_kind == EMBED_TABLE)
         memcpy(y, (const float *)m->embed + (size_t)id * H, sizeof(float) * (size_t)H);
-        return;
-    }
-    quant_row((const uint8_t *)m->embed, m->embed_kind, H, id, y);
+    else
+        quant_row((const uint8_t *)m->embed, m->embed_kind, H, id, y);
+    if (m->embed_scale != 1.0f)
+        for (int i = 0; i < H; i++) y[i] *= m->embed_scale;
 }
 
 /* ---- team pieces ---- */
@@ -494,7 +513,7 @@ static attn_args decode_args(const model_desc *m, int l, const step_desc *s) {
     const attn_args a = {s->qkv, Dq + 2 * (size_t)m->num_kv_heads * m->head_dim, s->k_caches[l], s->v_caches[l],
                          s->kv_half, m->block_size, m->num_kv_heads, m->num_heads, m->head_dim, s->dec_rows,
                          s->dec_tables, s->dec_lens, s->max_blocks, s->n_dec, m->scale, s->att, Dq,
-                         NULL, NULL, m->layers[l].window};
+                         NULL, NULL, m->layers[l].window, m->softcap};
     return a;
 }
 
@@ -521,6 +540,20 @@ static void add_tile(float *r, size_t H, int tile, const float *tmp, int M) {
     }
 }
 
+/* Gemma: rows of y (M x H, the sublayer's output) normed by w, then added to the residual. */
+static void normed_add_team(const model_desc *m, const step_desc *s, float *y, const float *w, ws_local *ws) {
+    const size_t H = (size_t)m->hidden;
+    WS_FOR(ws, r, mine, s->M) {
+        float *row = y + (size_t)r * H, *res = s->residual + (size_t)r * H;
+        rms_norm_row(row, w, (int)H, m->eps, row);
+        for (size_t i = 0; i < H; i++) res[i] += row[i];
+    }
+}
+
+static void copy_tile(float *y, size_t H, int tile, const float *tmp, int M) {
+    for (int i = 0; i < M; i++) memcpy(y + (size_t)i * H + (size_t)tile * TILE, tmp + i * TILE, sizeof(float) * TILE);
+}
+
 static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps *t, ws_local *ws) {
     const layer_weights *L = m->layers + l;
     const int M = s->M, H = m->hidden, I = m->intermediate, Dq = m->num_heads * m->head_dim;
@@ -534,8 +567,10 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
         if (!mine) prepare_mine(&att, t);
         linear_tiles(&L->o, &att, M, tmp, TILE, tile, tile + 1);
         if (lo) lora_expand_tile(&ll->o, m, s, t, 0, tile * TILE, TILE, tmp, TILE);
-        add_tile(s->residual, (size_t)H, tile, tmp, M);
+        if (L->attn_out_norm) copy_tile(s->out, (size_t)H, tile, tmp, M); /* (s->out: free until the final norm) */
+        else add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
+    if (L->attn_out_norm) normed_add_team(m, s, s->out, L->attn_out_norm, ws);
     const matmul_input xn = prepare(s->residual, (size_t)H, M, H, L->post_norm, m->eps, &L->gate_up, t, ws);
     if (lgu) lora_shrink_team(&ll->gate_up, m, &xn, s, t, ws);
     /* gate tile g and up tile g + I/32 together, so that silu(gate) * up needs no barrier */
@@ -549,8 +584,8 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
             lora_expand_tile(&ll->gate_up, m, s, t, 1, g * TILE, TILE, tmp + TILE, 2 * TILE);
         }
         for (int r = 0; r < M; r++)
-            silu_mul_row(tmp + (size_t)r * 2 * TILE, tmp + (size_t)r * 2 * TILE + TILE, TILE,
-                         t->act + (size_t)r * I + (size_t)g * TILE);
+            (m->gelu ? gelu_mul_row : silu_mul_row)(tmp + (size_t)r * 2 * TILE, tmp + (size_t)r * 2 * TILE + TILE,
+                                                     TILE, t->act + (size_t)r * I + (size_t)g * TILE);
     }
     const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, &L->down, t, ws);
     if (ld) lora_shrink_team(&ll->down, m, &act, s, t, ws);
@@ -560,8 +595,10 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
         if (!mine) prepare_mine(&act, t);
         linear_tiles(&L->down, &act, M, tmp, TILE, tile, tile + 1);
         if (ld) lora_expand_tile(&ll->down, m, s, t, 0, tile * TILE, TILE, tmp, TILE);
-        add_tile(s->residual, (size_t)H, tile, tmp, M);
+        if (L->ffn_out_norm) copy_tile(s->out, (size_t)H, tile, tmp, M);
+        else add_tile(s->residual, (size_t)H, tile, tmp, M);
     }
+    if (L->ffn_out_norm) normed_add_team(m, s, s->out, L->ffn_out_norm, ws);
 }
 
 static void final_team(const model_desc *m, const step_desc *s, ws_local *ws) {
@@ -608,6 +645,12 @@ static void head_team(const model_desc *m, const step_desc *s, temps *t, ws_loca
         if (!mine) prepare_mine(&in, t);
         float *y = s->logits + (size_t)tile * TILE;
         linear_tiles(L, &in, s->M, y, (size_t)L->N, tile, tile + 1);
+        if (m->final_softcap > 0.0f)
+            for (int r = 0; r < s->M; r++)
+                for (int j = 0; j < TILE; j++) {
+                    float *v = y + (size_t)r * L->N + j;
+                    *v = m->final_softcap * tanhf(*v / m->final_softcap);
+                }
         for (int r = 0; bv && r < s->M; r++) argmax_tile(y + (size_t)r * L->N, tile * TILE, &bv[r], &bi[r]);
     }
     /* Past the loop's end every tile's fold is written (workshare.h: acquire on its count). */

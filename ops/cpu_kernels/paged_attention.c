@@ -56,6 +56,7 @@ typedef struct {
     float *parts;          /* [n][ATTN_CHUNKS] chunk partials (attention_parts floats) */
     atomic_int *pending;   /* [n] zeroed: chunks of each request done (the last combines) */
     int64_t window;        /* > 0: a row of length L reads keys [L - window, L) only; 0: every key */
+    float softcap;         /* > 0: scores soft-capped, softcap tanh(score / softcap) (Gemma 2); 0: none */
 } attn_args;
 
 /* A row of length L's first key: L - window with a window it outgrows, else 0. A row's keys
@@ -235,6 +236,8 @@ static void chunk_softmax(const attn_args *a, int64_t j0, int64_t j1, float *sco
     float *mh = part + (size_t)nh * D, *sh = mh + nh;
     for (int h = 0; h < nh; h++) {
         float *sc = scores + h * stride + j0;
+        if (a->softcap > 0.0f) /* (scalar: only Gemma 2 pays it, a tanh a score) */
+            for (int64_t j = 0; j < n; j++) sc[j] = a->softcap * tanhf(sc[j] / a->softcap);
         const float mx = row_max(sc, n);
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 acc = _mm256_setzero_ps();
@@ -654,10 +657,10 @@ static void attention_team(const attn_args *a, int64_t max_len, int nthreads, fl
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache, int block_size,
                            int num_kv_heads, int num_heads, int head_dim, const int64_t *rows,
                            const int64_t *tables, int max_blocks, const int64_t *lens, int n,
-                           float scale, float *out, int nthreads, int64_t window) {
+                           float scale, float *out, int nthreads, int64_t window, float softcap) {
     attn_args a = {q, (size_t)num_heads * head_dim, k_cache, v_cache, 0, block_size, num_kv_heads,
                    num_heads, head_dim, rows, tables, lens, max_blocks, n, scale, out,
-                   (size_t)num_heads * head_dim, NULL, NULL, window};
+                   (size_t)num_heads * head_dim, NULL, NULL, window, softcap};
     const int64_t max_len = attention_check(&a);
     if (max_len < 0) return (int)max_len;
     a.parts = aligned_alloc(64, sizeof(float) * attention_parts(&a));

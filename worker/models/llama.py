@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM")
+# Built by worker/models/gemma.py on this decoder (its GemmaConfig, GemmaForCausalLM).
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # Architectures whose attention normalizes each q and k head before rotary (RMSNorm over head_dim).
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 # transformers' names of a layer's attention (`layer_types`): a window, or every key.
@@ -66,12 +68,14 @@ class LlamaConfig:
     partial_rotary_factor: float = 1.0
     # RMSNorm of each q and k head over head_dim before rotary (Qwen3's q_norm, k_norm).
     qk_norm: bool = False
+    # The architectures this class builds (a family's subclass names its own: gemma.py).
+    ARCHITECTURES: ClassVar[tuple[str, ...]] = SUPPORTED_ARCHITECTURES
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in self.ARCHITECTURES:
             raise ValueError(
                 f"unknown architecture {self.architecture!r}; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
+                + ", ".join(SUPPORTED_ARCHITECTURES + GEMMA_ARCHITECTURES)
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -259,6 +263,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.softcap: float | None = None  # tanh soft-capping of the scores (Gemma 2's 50)
         # Qwen3's per-head RMSNorm of q and k (over head_dim), before rotary.
         self.eps = cfg.rms_norm_eps
         self.q_norm = nn.Parameter(torch.empty(cfg.head_dim)) if cfg.qk_norm else None
@@ -301,6 +306,7 @@ class Attention(nn.Module):
             self.scale,
             plan=meta.plan,
             window=self.window,
+            **({"softcap": self.softcap} if self.softcap else {}),
             **fp8,
         )
         return _linear(self.o_proj, out.reshape(n, self.q_size), lora, "o_proj")
@@ -344,12 +350,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: ClassVar[type[nn.Module]] = DecoderLayer  # a family's own (gemma.py)
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
         # A runner may swap this for a lookup on the GGUF's own blocks (QuantEmbedding).
         self.embed_tokens: nn.Module = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A runner may give a tied model a head of its own (a packed or quantized copy).

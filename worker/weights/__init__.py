@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ops.quantized_linear import QuantizedWeight, QuantLinear
+from worker.models.gemma import GemmaConfig, GemmaForCausalLM
 from worker.models.llama import LlamaConfig, LlamaForCausalLM
 from worker.tokenizer import Tokenizer
 from worker.weights import dummy, gguf_file, gguf_load, hf_folder, hf_quantized
@@ -134,7 +135,7 @@ def _building_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
 
 def _build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
     with _building_on(device, dtype):
-        model = LlamaForCausalLM(cfg)
+        model = (GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM)(cfg)
     return model.eval().requires_grad_(False)
 
 
@@ -184,6 +185,9 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype, policy: LinearPol
     fmt = hf_folder.read_quantization(path)
     files = hf_folder.safetensors_files(path)
     tokenizer = Tokenizer.from_folder(path)  # before the weights: fail fast
+    if fmt is not None and isinstance(cfg, GemmaConfig):
+        raise ValueError(f"a pre-quantized ({fmt.name}) {cfg.architecture} checkpoint: quantized Gemma "
+                         "folders are not supported yet (load its float weights)")
     if fmt is not None:  # pre-quantized (hf_quantized.py): built onto a meta model
         model = hf_quantized.load_quantized(cfg, fmt, hf_folder.tensor_names(files),
                                             hf_folder.iter_safetensors(files), device, dtype,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from worker.models.llama import LlamaConfig
+from worker.models.gemma import GemmaConfig
+from worker.models.llama import GEMMA_ARCHITECTURES, LlamaConfig
 from worker.weights import quant_config
 from worker.weights.quant_config import QuantFormat
 
@@ -49,6 +50,8 @@ def read_config(folder: Path) -> LlamaConfig:
     cfg_path = folder / "config.json"
     cfg = read_config_json(folder)
     try:
+        if (cfg.get("architectures") or [None])[0] in GEMMA_ARCHITECTURES:
+            return GemmaConfig.from_hf(cfg)  # (worker/models/gemma.py)
         return LlamaConfig.from_hf(cfg)
     except KeyError as e:
         raise ValueError(f"{cfg_path} lacks the field {e.args[0]!r}") from e
