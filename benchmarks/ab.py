@@ -286,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("native, linear")
     g.add_argument("--calls", type=int, default=10, help="calls a side a round")
     g = ap.add_argument_group("linear")
-    g.add_argument("--weight", default="token_embd.weight", help="a tensor of the default GGUF")
+    g.add_argument("--weight", default="token_embd.weight",
+                   help="a tensor of the default GGUF, or with --shape a GGUF type (Q4_K, Q6_K, ...): random blocks")
+    g.add_argument("--shape", default=None, help="NxK (out x in features) of a --weight given as a type")
     g.add_argument("--rows", type=int, default=1, help="rows of x (a decode step's batch)")
     g = ap.add_argument_group("served")
     g.add_argument("--workloads", type=lambda t: [w for w in t.split(",") if w], default=["one_stream"],
@@ -305,7 +307,7 @@ def options(workload: str, a: argparse.Namespace) -> dict[str, Any]:
                     "max_num_seqs": a.max_num_seqs},
         "native": {"batch": a.batch, "context": a.context, "drafts": a.drafts, "prefill": a.prefill,
                    "breakdown": a.breakdown, "calls": a.calls},
-        "linear": {"weight": a.weight, "rows": a.rows, "calls": a.calls},
+        "linear": {"weight": a.weight, "shape": a.shape, "rows": a.rows, "calls": a.calls},
         "served": {"workloads": a.workloads, "bench_args": a.bench_arg},
     }[workload]
 

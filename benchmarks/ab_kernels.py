@@ -10,9 +10,10 @@ kernels built from its own checkout's sources with this machine's flags.
   side's of the same settings (its hidden states for a prefill): `same_output`.
   `--breakdown` times two more calls a measurement: without the LM head (its logits not
   asked for), and with a build whose matmuls only zero their outputs.
-- `linear`: one quantized linear's kernel (`--weight`, a tensor of the default GGUF). Each
-  side repacks it with its own checkout's `ops/quantized_linear.py` (so a change of the
-  records' layout is measured) and multiplies with its own build of
+- `linear`: one quantized linear's kernel (`--weight`, a tensor of the default GGUF, or a
+  type's random blocks with `--shape NxK`: benchmarks/gguf_blocks.py). Each
+  side repacks it with its own checkout's `ops/quantized_linear.py` and `ops/quant_records.py`
+  (so a change of the records' layout is measured) and multiplies with its own build of
   `quant_matmul_int8.c` (`quant_matmul.c` for float32 activations); a 64 MB write before
   each call makes the weight come from memory, as in a decode step.
 """
@@ -179,15 +180,47 @@ def gguf_weight(name: str) -> QuantizedWeight:
     raise SystemExit(f"the default GGUF has no tensor {name!r}")
 
 
-def _their_quantized_linear(checkout: Path, tag: str) -> ModuleType:
-    """`checkout`'s ops/quantized_linear.py as a module of its own (it imports this
-    checkout's `ops.cpu_kernels`, whose API it only uses to find and build libraries)."""
-    spec = importlib.util.spec_from_file_location(f"_ab_linear_{tag}", checkout / "ops" / "quantized_linear.py")
+def random_gguf_weight(qtype: str, shape: str) -> QuantizedWeight:
+    """Random blocks of GGUF type `qtype`, shape "NxK" (a kernel's speed depends on its type
+    and shape, not on the values)."""
+    from benchmarks.gguf_blocks import random_weight
+    from ops.quant_records import TYPES
+
+    if qtype not in TYPES:
+        raise SystemExit(f"--shape needs --weight to be one of {', '.join(TYPES)}, not {qtype[:40]!r}")
+    try:
+        n, k = (int(v) for v in shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shape is NxK, e.g. 2048x2048, not {shape[:40]!r}") from None
+    return random_weight(qtype, n, k, seed=0)
+
+
+def _their_module(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _their_quantized_linear(checkout: Path, tag: str) -> ModuleType:
+    """`checkout`'s ops/quantized_linear.py as a module of its own, packing with the same
+    checkout's ops/quant_records.py where it has one (what writes the records since they
+    moved there); it imports this checkout's `ops.cpu_kernels`, whose API it only uses to
+    find and build libraries."""
+    records = checkout / "ops" / "quant_records.py"
+    if not records.is_file():
+        return _their_module(checkout / "ops" / "quantized_linear.py", f"_ab_linear_{tag}")
+    ours = sys.modules.get("ops.quant_records")
+    sys.modules["ops.quant_records"] = _their_module(records, f"_ab_records_{tag}")
+    try:
+        return _their_module(checkout / "ops" / "quantized_linear.py", f"_ab_linear_{tag}")
+    finally:
+        if ours is None:
+            del sys.modules["ops.quant_records"]
+        else:
+            sys.modules["ops.quant_records"] = ours
 
 
 class _LinearSide:
@@ -220,7 +253,7 @@ class Linear:
         if cpu_kernels.isa() is None:
             raise SystemExit("no C kernels here (no gcc, or no AVX2)")
         self.o, self.threads = o, torch.get_num_threads()
-        weight = gguf_weight(o["weight"])
+        weight = gguf_weight(o["weight"]) if not o.get("shape") else random_gguf_weight(o["weight"], o["shape"])
         self.sides: dict[str, tuple[_LinearSide, torch.Tensor]] = {}
         self.info: dict[str, dict[str, Any]] = {}
         for i, side in enumerate(sides):

@@ -83,9 +83,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_server(path: Path, threads: int, slots: int, ctx_per_slot: int) -> Iterator[str]:
+def llama_server(path: Path, threads: int, slots: int, ctx_per_slot: int, model: Path | None = None) -> Iterator[str]:
     port = free_port()
-    cmd = [str(path), "-m", str(default_model_path()), "-t", str(threads), "-tb", str(threads),
+    cmd = [str(path), "-m", str(model or default_model_path()), "-t", str(threads), "-tb", str(threads),
            "-np", str(slots), "-c", str(slots * ctx_per_slot), "--host", "127.0.0.1",
            "--port", str(port), "--no-webui"]
     env = {**os.environ, "LD_LIBRARY_PATH": str(path.parent)}
@@ -135,13 +135,13 @@ def our_worker(extra: list[str], root: Path = ROOT, env: dict[str, str] | None =
         proc.wait(30)
 
 
-def write_gguf_tokenizer(folder: Path) -> str:
-    """The default GGUF's tokenizer, as the worker builds it, as a tokenizer.json in `folder`
-    (the bench client's client-side tokenizer for text datasets)."""
+def write_gguf_tokenizer(folder: Path, model: Path | None = None) -> str:
+    """The GGUF's tokenizer (the default model's unless `model`), as the worker builds it, as a
+    tokenizer.json in `folder` (the bench client's client-side tokenizer for text datasets)."""
     from worker.tokenizer import Tokenizer
 
     path = folder / "tokenizer.json"
-    path.write_text(Tokenizer.from_gguf(default_model_path())._tok.to_str())
+    path.write_text(Tokenizer.from_gguf(model or default_model_path())._tok.to_str())
     return str(path)
 
 
@@ -181,6 +181,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a GGUF file both servers load (default: the embedded default model), e.g. one "
+                         "of benchmarks/make_gguf_models.py's")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer.json for the bench's text (default: the worker's, exported)")
     ap.add_argument("--serve-arg", action="append", default=[],
@@ -194,16 +197,17 @@ def main() -> None:
     tok = args.tokenizer
     with tempfile.TemporaryDirectory() as tmp:
         if tok is None:
-            tok = write_gguf_tokenizer(Path(tmp))
+            tok = write_gguf_tokenizer(Path(tmp), args.model)
         results: dict[str, dict[str, Any]] = {"llm-worker": {}, "llama.cpp": {}}
         rounds: dict[str, list[dict[str, Any]]] = {}
         os.environ.update({"OMP_NUM_THREADS": str(args.threads)})
-        with our_worker(args.serve_arg) as addr:
+        serve_args = [*(["--model", str(args.model)] if args.model else []), *args.serve_arg]
+        with our_worker(serve_args) as addr:
             # one slot for one stream (as one would run it), 64 for 64 streams
             for w in names:
                 slots = SLOTS[w]
                 with llama_server(args.llama_server, args.threads, slots,
-                                  4096 if slots == 1 else 2048) as url:
+                                  4096 if slots == 1 else 2048, args.model) as url:
                     targets = {"llm-worker": ["--backend", "grpc", "--target", addr],
                                "llama.cpp": ["--backend", "openai", "--base-url", url]}
                     rounds[w] = []
@@ -231,7 +235,8 @@ def main() -> None:
               "llama_server_version": (version.stdout + version.stderr).strip()[-300:],
               "llama_server_flags": {w: f"-t {args.threads} -tb {args.threads} -np {SLOTS[w]} -c "
                                      f"{4096 if SLOTS[w] == 1 else SLOTS[w] * 2048}" for w in names},
-              "serve_args": args.serve_arg, "environment": environment()}
+              "model": str(args.model or default_model_path()),
+              "serve_args": serve_args, "environment": environment()}
     print(json.dumps(ratios, indent=1))
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

@@ -132,17 +132,18 @@ def test_native_captures_a_verification_step_a_prefill_and_builds_for_the_isa_as
 
 @needs_kernels
 def test_linear_repacks_with_each_checkouts_own_code(tmp_path: Path) -> None:
-    """Each side packs the weight with its own checkout's quantized_linear.py and multiplies
-    with its own build (here a copy whose integer records end in 64 bytes more, which its
-    kernel never reads: a layout of another size); the outputs are compared."""
+    """Each side packs the weight with its own checkout's code (ops/quant_records.py, what
+    writes the records) and multiplies with its own build (here a copy whose integer records
+    end in 64 bytes more, which its kernel never reads: a layout of another size); the
+    outputs are compared."""
     other = tmp_path / "other"
     (other / "worker").mkdir(parents=True)  # a checkout, as far as a side's path goes
     shutil.copytree(ROOT / "ops", other / "ops", ignore=shutil.ignore_patterns("__pycache__"))
-    py = other / "ops" / "quantized_linear.py"
+    py = other / "ops" / "quant_records.py"
+    target = "        dst[r0 // TILE : r0 // TILE + part.shape[0]] = part.reshape(part.shape[0], tile)\n    return out\n"
+    assert py.read_text().count(target) == 1, "the test no longer finds where the records are written"
     py.write_text(py.read_text().replace(
-        "    return torch.from_numpy(np.ascontiguousarray(out).reshape(-1))\n\n\nclass QuantLinear",
-        "    return torch.cat([torch.from_numpy(np.ascontiguousarray(out).reshape(-1)), torch.zeros(64, dtype=torch.uint8)])"
-        "\n\n\nclass QuantLinear"))
+        target, target.replace("return out", "return torch.cat([out, torch.zeros(64, dtype=torch.uint8)]) if integer else out")))
     for activations in ("int8", "float32"):
         report = run(tmp_path, "linear", "--side", f"this=.,--cpu-activations={activations}",
                      "--side", f"other={other},--cpu-activations={activations}", "--weight", "blk.0.attn_output.weight",

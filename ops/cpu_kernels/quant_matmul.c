@@ -305,22 +305,36 @@ QN_INLINE void qn_fused1(const uint8_t *tile, int qt, int b, const float *x, flo
     _Pragma("GCC unroll 2")
     for (int kh = 0; kh < halves; kh++) {
         ACC_DECL(a) ACC_ZERO(a)
-        _Pragma("GCC unroll 4")
-        for (int p = kh * 4 / halves; p < (kh + 1) * 4 / halves; p++) {
-            _Pragma("GCC unroll 2")
-            for (int s = 0; s < 2; s++) {
-                const __m256i X0 = qn_vals8(body, qt, p, s, 0), X1 = qn_vals8(body, qt, p, s, 1);
-                const __m256i X2 = qn_vals8(body, qt, p, s, 2), X3 = qn_vals8(body, qt, p, s, 3);
-                _Pragma("GCC unroll 4")
-                for (int i = 0; i < 4; i++) {
-                    const __m256 xb = _mm256_broadcast_ss(x + 8 * p + 4 * s + i);
-                    a0 = _mm256_fmadd_ps(xb, byte_f8(X0, i), a0);
-                    a1 = _mm256_fmadd_ps(xb, byte_f8(X1, i), a1);
-                    a2 = _mm256_fmadd_ps(xb, byte_f8(X2, i), a2);
-                    a3 = _mm256_fmadd_ps(xb, byte_f8(X3, i), a3);
-                }
+#define QN_STEP(p, s)                                                                        \
+    {                                                                                        \
+        const __m256i X0 = qn_vals8(body, qt, p, s, 0), X1 = qn_vals8(body, qt, p, s, 1);  \
+        const __m256i X2 = qn_vals8(body, qt, p, s, 2), X3 = qn_vals8(body, qt, p, s, 3);  \
+        _Pragma("GCC unroll 4")                                                              \
+        for (int i = 0; i < 4; i++) {                                                        \
+            const __m256 xb = _mm256_broadcast_ss(x + 8 * (p) + 4 * (s) + i);                \
+            a0 = _mm256_fmadd_ps(xb, byte_f8(X0, i), a0);                                    \
+            a1 = _mm256_fmadd_ps(xb, byte_f8(X1, i), a1);                                    \
+            a2 = _mm256_fmadd_ps(xb, byte_f8(X2, i), a2);                                    \
+            a3 = _mm256_fmadd_ps(xb, byte_f8(X3, i), a3);                                    \
+        }                                                                                    \
+    }
+        if (qn_split(qt)) {
+            _Pragma("GCC unroll 4")
+            for (int p = kh * 2; p < kh * 2 + 2; p++) {
+                QN_STEP(p, 0) QN_STEP(p, 1)
+            }
+        } else {
+            /* A loop over p, not unrolled: unrolled over the whole sub-block GCC scheduled it
+             * chain by chain, the x broadcasts spilled to the stack (Q4_K and Q5_K took 2.5x
+             * this loop's time, Q4_0 1.5x, Q5_0 and IQ4_NL 1.25x: benchmarks.ab linear, one
+             * thread, AMD EPYC AVX2 build, bench-results/issue49-kernels49/). The same FMAs in
+             * the same order: the same bits. (Q6_K's halves keep the unrolled loop.) */
+            _Pragma("GCC unroll 1")
+            for (int p = 0; p < 4; p++) {
+                QN_STEP(p, 0) QN_STEP(p, 1)
             }
         }
+#undef QN_STEP
         const int f = first && kh == 0;
 #define QN_END8(e, acc) block_end8(qn_d8(hdr, qt, j, kh, 8 * (e)), has_m ? qn_m8(hdr, qt, j, 8 * (e)) : _mm256_setzero_ps(), \
                                    has_m, acc, sx, y + 8 * (e), f);
