@@ -198,14 +198,12 @@ def test_megabyte_prompts_are_refused_and_health_stays_fast(worker) -> None:
           f"{sum(probe.latencies):.1f} s in all")
     assert len(probe.latencies) >= 10
     # Tokenized on the loop, each of the 14 long prompts stalls the loop for over a second:
-    # most of the probe's time goes to checks that wait. Off it, checks take tens of ms (a
-    # 2-core CI machine once gave 116 ms to the old, 65k-char case), but a machine loaded
-    # beside us stalls a few for seconds (2.5 s at a load of 14 on 2 cores): judge the
-    # share of the probe's time spent in slow checks, not the single slowest of ~1,000.
-    stalled = sum(x for x in probe.latencies if x > 0.3) / sum(probe.latencies)
+    # 14 s or more of the probe's time goes to checks that wait. Off it, checks take tens
+    # of ms (a 2-core CI machine once gave 116 ms to the old, 65k-char case), but a machine
+    # loaded beside us stalls one or two for seconds (2.2 and 2.5 s at a load of 14 on 2
+    # cores): judge the time spent in slow checks, not the single slowest of ~1,000.
     slow = sorted(round(x, 2) for x in probe.latencies if x > 0.3)
-    assert stalled < 0.2, f"{stalled:.0%} of the probe's time in checks past 300 ms: {slow}"
-    assert worst < 5.0, f"a health check took {worst * 1000:.0f} ms"
+    assert sum(slow) < 7.0, f"{sum(slow):.1f} s of health checks past 300 ms: {slow}"
     healthy_and_free(worker)
 
 
