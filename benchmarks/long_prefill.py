@@ -31,7 +31,7 @@ from worker.weights import LoadedModel, load_model
 SETTINGS: dict[str, tuple[int, int, int]] = {
     "off": (0, 1, 1),  # vLLM's defaults: the long prompt takes every step's whole budget
     "partial-2": (0, 2, 1),  # v0: prefills split the budget; long = 4% of max_model_len
-    "threshold-half": (-1, 1, 1),  # v1: every chunk at most half the budget (-1: budget // 2)
+    "threshold-half": (-2, 1, 1),  # v1: every chunk at most half the budget (-k: budget // k)
 }
 
 
@@ -155,10 +155,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if "long_alone_ttft_s" in med:
                 off_alone = statistics.median(r["long_alone_ttft_s"] for r in base)
                 med["long_alone_ttft_vs_off"] = med["long_alone_ttft_s"] / off_alone
-            med["greedy_tokens_as_off"] = all(
-                r["tokens"] == o["tokens"] for r, o in zip(sorted(rs, key=lambda r: r["round"]),
-                                                          sorted(base, key=lambda r: r["round"]),
-                                                          strict=True))
+            off_tokens = {o["round"]: o["tokens"] for o in base}
+            med["greedy_tokens_as_off"] = all(r["tokens"] == off_tokens[r["round"]]
+                                              for r in rs if r["round"] in off_tokens)
         summary[name] = med
     return summary
 
@@ -187,12 +186,15 @@ def main(argv: list[str] | None = None) -> None:
     warm.generate([warm.make_request(_prompts(loaded, args, -1)[0][:600],
                                      SamplingParams(temperature=0, max_tokens=2))])
     del warm
-    runs = []
+    runs: list[dict[str, Any]] = []
+    info = {**machine_info(), "args": recorded(vars(args))}
     for rnd in range(args.rounds):
         order = args.settings if rnd % 2 == 0 else args.settings[::-1]
         for name in order:
             r = run_one(loaded, args, name, rnd)
             runs.append(r)
+            if args.output_json:  # after every run: a long run cut short keeps what it has
+                _write(args.output_json, info, runs)
             print(f"round {rnd} {name:<18} short TTFT {r['short_ttft_s']:6.2f} s "
                   f"({r['short_steps']} steps), done {r['short_e2e_s']:6.2f} s; long TTFT {r['long_ttft_s']:6.2f} s "
                   f"({r['long_steps']} steps), alone {r.get('long_alone_ttft_s', float('nan')):6.2f} s",
@@ -204,10 +206,13 @@ def main(argv: list[str] | None = None) -> None:
               f"(alone x{s.get('long_alone_ttft_vs_off', float('nan')):.3f}); greedy tokens "
               f"as off: {s.get('greedy_tokens_as_off')}")
     if args.output_json:
-        report = {"info": {**machine_info(), "args": recorded(vars(args))},
-                  "summary": summary, "runs": runs}
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+        _write(args.output_json, info, runs)
+
+
+def _write(path: str, info: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"info": info, "num_runs": len(runs),
+                   "summary": summarize(runs), "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ least `max_model_len` so that every prompt fits one.
     step:  running (in order)                 waiting (front first)
            [A: 1 decode][B: 1][C: 40 chunk] | [D: first chunk of its prompt] ... budget
 
+Long prompts share the step (`prefill_limits`, scheduler/partial_prefill.py: vLLM's
+``--long-prefill-token-threshold``, ``--max-num-partial-prefills``,
+``--max-long-partial-prefills``): each prefill chunk is cut to its share of the step, so
+that a short prompt arriving behind a long one is admitted in the next step; a long prompt
+beyond the long-prefill limit is passed over by shorter ones behind it, for that step only.
+
 Priorities. A LOWER `Request.priority` is MORE urgent (0 by default, negative allowed). All
 requests are ranked in one order, most urgent first: by (priority, arrival_time) and, with
 aging, by the effective priority

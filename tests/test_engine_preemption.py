@@ -21,7 +21,10 @@ def _engine(loaded, *, blocks: int, mode: str = "auto", prefix: bool = True,
         model=ModelConfig(max_model_len=512),
         cache=CacheConfig(kv_cache_memory=blocks * BLOCK_BYTES / GiB, enable_prefix_caching=prefix,
                           swap_space=swap_blocks * BLOCK_BYTES / GiB),
-        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=128, preemption_mode=mode),
+        # vLLM's one partial prefill: prompts admitted whole-budget first, as this workload's
+        # preemption counts were set for (two split steps and preempt a little less).
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=128, preemption_mode=mode,
+                                  max_num_partial_prefills=1),
     )
     engine = Engine(conf, loaded=loaded)
     assert engine.kv.num_blocks == blocks and engine.kv.num_cpu_blocks == (

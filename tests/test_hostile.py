@@ -194,15 +194,16 @@ def test_megabyte_prompts_are_refused_and_health_stays_fast(worker) -> None:
         assert "--max-prompt-chars" in details or "the prompt is" in details, details[:200]
     assert all(s == SERVING for s in probe.statuses)
     worst = max(probe.latencies)
-    print(f"health checks: {len(probe.latencies)}, worst {worst * 1000:.1f} ms")
+    print(f"health checks: {len(probe.latencies)}, worst {worst * 1000:.1f} ms, "
+          f"{sum(probe.latencies):.1f} s in all")
     assert len(probe.latencies) >= 10
-    # Tokenized on the loop, each of the 14 long prompts stalls a check for over a second;
-    # off it, the worst is tens of ms (a 2-core CI machine once gave 116 ms to the old,
-    # 65k-char case), and a machine loaded beside us may stretch a few. A kubelet's probe
-    # times out after 1 s by default: none may come near, and all but two stay fast.
-    lat = sorted(probe.latencies)
-    assert worst < 1.0, f"a health check took {worst * 1000:.0f} ms"
-    assert lat[-3] < 0.300, f"health checks past 300 ms: {[round(x, 3) for x in lat if x > 0.3]}"
+    # Tokenized on the loop, each of the 14 long prompts stalls the loop for over a second:
+    # 14 s or more of the probe's time goes to checks that wait. Off it, checks take tens
+    # of ms (a 2-core CI machine once gave 116 ms to the old, 65k-char case), but a machine
+    # loaded beside us stalls one or two for seconds (2.2 and 2.5 s at a load of 14 on 2
+    # cores): judge the time spent in slow checks, not the single slowest of ~1,000.
+    slow = sorted(round(x, 2) for x in probe.latencies if x > 0.3)
+    assert sum(slow) < 7.0, f"{sum(slow):.1f} s of health checks past 300 ms: {slow}"
     healthy_and_free(worker)
 
 
