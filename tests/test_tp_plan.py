@@ -57,7 +57,7 @@ class _Ranks:
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.barrier = threading.Barrier(world)
+        self.barrier = threading.Barrier(world, timeout=120)  # a rank that raised fails the rest
         self.parts: list[torch.Tensor | None] = [None] * world
         self.local = threading.local()
 
@@ -98,11 +98,23 @@ def test_the_shards_sum_to_the_whole_model(kv: int, world: int) -> None:
             model.lm_head = torch.nn.Identity()
             last_logits(model, ids)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            run(rank)
+        except BaseException as e:  # the others then leave the barrier broken
+            errors.append(e)
+            ranks.barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
+    if first is not None or errors:
+        raise first or errors[0]
     assert hidden[0] is not None
     torch.testing.assert_close(hidden[0], ref, atol=1e-5, rtol=1e-5)
 
