@@ -89,3 +89,35 @@ def save_tiny_checkpoint(config, folder, seed: int = 0):
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", bos_token="t1",
                             eos_token="t2").save_pretrained(folder)
     return model
+
+
+def round_linears_to_q8_0(hf_model) -> None:
+    """Each linear weight of `hf_model`'s layers replaced by its gguf-py Q8_0 round trip, so
+    its rows are Q8_0-exact: a Q8_0 load of them (q8_0_linears) computes these very weights."""
+    from gguf import GGMLQuantizationType, quants
+
+    q8 = GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if ".layers." in name and p.dim() == 2:
+                p.copy_(torch.from_numpy(quants.dequantize(quants.quantize(p.detach().numpy(), q8), q8)))
+
+
+def q8_0_linears(loaded) -> int:
+    """Make a load's layer linears (q/k/v and gate/up fused as we hold them) Q8_0
+    QuantLinears, for the fused C decoder; each must quantize to itself (the checkpoint was
+    rounded with round_linears_to_q8_0). Returns how many were replaced."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from ops.quantized_linear import QuantizedWeight, quantize_linears
+
+    q8 = GGMLQuantizationType.Q8_0
+    blocks = {}
+    for name, mod in loaded.model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
+            w = mod.weight.detach().numpy()
+            b = quants.quantize(w, q8)
+            assert np.array_equal(quants.dequantize(b, q8), w), name
+            blocks[name] = QuantizedWeight("Q8_0", np.ascontiguousarray(b), w.shape)
+    return quantize_linears(loaded.model, blocks, "float32")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from scheduler.request import SamplingParams
-from tests.helpers import last_logits, save_tiny_checkpoint
+from tests.helpers import last_logits, q8_0_linears, round_linears_to_q8_0, save_tiny_checkpoint
 from worker.config import (
     CacheConfig,
     ModelConfig,
@@ -88,28 +88,13 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     return out, lps
 
 
-def _q8_0_blocks(model) -> dict:
-    """Each linear weight of the layers quantized to Q8_0 by gguf-py, its rows as blocks, and
-    the model's weight replaced by the blocks' dequantized values."""
-    from gguf import GGMLQuantizationType, quants
-
-    blocks = {}
-    for name, p in model.named_parameters():
-        if ".layers." in name and p.dim() == 2:
-            b = quants.quantize(p.detach().numpy(), GGMLQuantizationType.Q8_0)
-            with torch.no_grad():
-                p.copy_(torch.from_numpy(quants.dequantize(b, GGMLQuantizationType.Q8_0)))
-            blocks[name] = (np.ascontiguousarray(b), tuple(p.shape))
-    return blocks
-
-
 class Checkpoint:
     """A folder (linears Q8_0-exact), its transformers model, and transformers' answers."""
 
     def __init__(self, name: str, folder) -> None:
         self.name, self.folder = name, folder
         model = save_tiny_checkpoint(family_config(name), folder)
-        self.blocks = _q8_0_blocks(model)
+        round_linears_to_q8_0(model)
         model.save_pretrained(folder)
         self.hf = model
         self.longrope = name.startswith("phi")
@@ -122,19 +107,7 @@ class Checkpoint:
         checkpoint's Q8_0-exact rows, which quantize to themselves (checked)."""
         loaded = load_model(str(self.folder))
         if quantized:
-            from gguf import GGMLQuantizationType, quants
-
-            from ops.quantized_linear import QuantizedWeight, quantize_linears
-
-            q8 = GGMLQuantizationType.Q8_0
-            blocks = {}
-            for name, mod in loaded.model.named_modules():
-                if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
-                    w = mod.weight.detach().numpy()
-                    b = quants.quantize(w, q8)
-                    assert np.array_equal(quants.dequantize(b, q8), w), name
-                    blocks[name] = QuantizedWeight("Q8_0", np.ascontiguousarray(b), w.shape)
-            assert quantize_linears(loaded.model, blocks, "float32") == 4 * 2
+            assert q8_0_linears(loaded) == 4 * 2
         return loaded
 
 

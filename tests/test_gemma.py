@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from scheduler.request import SamplingParams
-from tests.helpers import last_logits, save_tiny_checkpoint
-from tests.test_families import _q8_0_blocks
+from tests.helpers import last_logits, q8_0_linears, round_linears_to_q8_0, save_tiny_checkpoint
 from worker.config import (
     CacheConfig,
     ModelConfig,
@@ -83,7 +82,7 @@ class Checkpoint:
                     p.normal_(0.0, 0.3)
                 elif name == "gemma2" and n.endswith(("q_proj.weight", "k_proj.weight")):
                     p.mul_(8.0)  # scores past the soft cap: random weights' are far below it
-        _q8_0_blocks(model)  # linears Q8_0-exact: the fused decoder's blocks hold them as they are
+        round_linears_to_q8_0(model)  # linears Q8_0-exact: the fused decoder's blocks hold them as they are
         model.save_pretrained(folder)
         self.hf = model
         self.want = {k: hf_greedy(model, ids, n) for k, ids, n in
@@ -95,19 +94,7 @@ class Checkpoint:
         (their rows quantize to themselves, checked), so the fused C decoder takes them."""
         loaded = load_model(str(self.folder))
         if quantized:
-            from gguf import GGMLQuantizationType, quants
-
-            from ops.quantized_linear import QuantizedWeight, quantize_linears
-
-            q8 = GGMLQuantizationType.Q8_0
-            blocks = {}
-            for name, mod in loaded.model.named_modules():
-                if isinstance(mod, torch.nn.Linear) and name.startswith("layers."):
-                    w = mod.weight.detach().numpy()
-                    b = quants.quantize(w, q8)
-                    assert np.array_equal(quants.dequantize(b, q8), w), name
-                    blocks[name] = QuantizedWeight("Q8_0", np.ascontiguousarray(b), w.shape)
-            assert quantize_linears(loaded.model, blocks, "float32") == 4 * 2
+            assert q8_0_linears(loaded) == 4 * 2
         return loaded
 
 

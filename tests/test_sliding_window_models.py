@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from scheduler.request import SamplingParams
-from tests.helpers import last_logits, save_tiny_checkpoint
+from tests.helpers import last_logits, q8_0_linears, round_linears_to_q8_0, save_tiny_checkpoint
 from worker.config import (
     CacheConfig,
     ModelConfig,
@@ -73,7 +73,7 @@ class Checkpoint:
         self.folder, self.quantize = folder, quantize
         model = save_tiny_checkpoint(config, folder)
         if quantize:  # the weights as Q8_0 blocks would give them back: both sides use those
-            self.blocks = _q8_0_blocks(model)
+            round_linears_to_q8_0(model)
             model.save_pretrained(folder)
         self.hf = model
         self.want = {name: hf_greedy(model, ids, n) for name, ids, n in
@@ -89,38 +89,8 @@ class Checkpoint:
     def load(self):
         loaded = load_model(str(self.folder))
         if self.quantize:
-            from ops.quantized_linear import QuantizedWeight, quantize_linears
-            from worker.models.llama import fuse_shards, our_name
-
-            # module names ("layers.0.self_attn.qkv_proj"), fused as the model fuses them
-            named = ((our_name(h), QuantizedWeight("Q8_0", b, s)) for h, (b, s) in self.blocks.items())
-            fused = fuse_shards(((n, qw) for n, qw in named if n is not None), _cat_rows, set())
-            loaded.quantized = {n.removesuffix(".weight"): qw for n, qw in fused}
-            assert quantize_linears(loaded.model, loaded.quantized, "float32") == len(loaded.quantized)
+            assert q8_0_linears(loaded) == 4 * loaded.config.num_layers
         return loaded
-
-
-def _cat_rows(ws: list) -> object:
-    """Shards of one fused linear stacked by rows, as the model stacks its float weights."""
-    from ops.quantized_linear import QuantizedWeight
-
-    blocks = np.concatenate([w.blocks for w in ws])
-    return QuantizedWeight(ws[0].qtype, blocks, (blocks.shape[0], ws[0].shape[1]))
-
-
-def _q8_0_blocks(model) -> dict:
-    """Each linear weight of the layers quantized to Q8_0 by gguf-py, its rows as blocks, and
-    the model's weight replaced by the blocks' dequantized values."""
-    from gguf import GGMLQuantizationType, quants
-
-    blocks = {}
-    for name, p in model.named_parameters():
-        if ".layers." in name and p.dim() == 2:
-            b = quants.quantize(p.detach().numpy(), GGMLQuantizationType.Q8_0)
-            with torch.no_grad():
-                p.copy_(torch.from_numpy(quants.dequantize(b, GGMLQuantizationType.Q8_0)))
-            blocks[name] = (np.ascontiguousarray(b), tuple(p.shape))
-    return blocks
 
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2-mixed"])
