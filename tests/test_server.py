@@ -48,14 +48,17 @@ class Worker:
     """One `llm-worker serve` process; its stderr is collected by a thread."""
 
     def __init__(self, *flags: str, cpus: str | None = None,
-                 module: str = "worker.cli") -> None:
+                 module: str = "worker.cli", env: dict[str, str] | None = None,
+                 kv: tuple[str, ...] | None = None) -> None:
         """`cpus`: pin the process to those CPUs (taskset -c); `module`: what runs the
-        worker (a test's wrapper of `worker.cli`)."""
-        cmd = [sys.executable, "-m", module, "serve", "--port", "0",
-               "--kv-cache-memory", "0.25", "--max-model-len", str(MAX_MODEL_LEN), *flags]
+        worker (a test's wrapper of `worker.cli`); `env`: added to this process's
+        environment (never by patching os.environ: workers start from threads side by
+        side); `kv`: flags in place of the KV cache size and max_model_len ones."""
+        sizing = ("--kv-cache-memory", "0.25", "--max-model-len", str(MAX_MODEL_LEN)) if kv is None else kv
+        cmd = [sys.executable, "-m", module, "serve", "--port", "0", *sizing, *flags]
         if cpus is not None:
             cmd = ["taskset", "-c", cpus, *cmd]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []

@@ -140,9 +140,9 @@ def c_kernel_windows(monkeypatch) -> list:
     calls: list = []
     real = cpu_attention.decode
 
-    def spy(*args, window=None):
+    def spy(*args, window=None, **kwargs):
         calls.append(window)
-        return real(*args, window=window)
+        return real(*args, window=window, **kwargs)
 
     monkeypatch.setattr(cpu_attention, "decode", spy)
     return calls

@@ -36,6 +36,9 @@ def workers(tmp_path_factory):
         "rank0": (flags, None),
         "load": (flags, {FAULT: "1:load"}),
     } if os.environ.get("TP_ONLY") is None else {os.environ["TP_ONLY"]: (flags, None)})
+    # Each fault is its own worker's: none may reach this process's environment, which later
+    # workers inherit (patching os.environ from the starting threads once leaked "1:step:8").
+    assert FAULT not in os.environ
     yield made
     for w in made.values():
         procs = followers(w) if w.proc.poll() is None else []

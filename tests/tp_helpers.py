@@ -3,11 +3,9 @@ followers can be found, and a stream that can be timed."""
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from unittest import mock
 
 import grpc
 import psutil
@@ -29,30 +27,9 @@ def tiny_checkpoint(folder: Path, kv_heads: int, heads: int = 4, seed: int = 0) 
 
 
 class TPWorker(Worker):
-    """tests/test_server.Worker with `env` added to its environment; `kv` replaces its KV
-    cache size and max_model_len flags (a tiny cache, to make preemptions)."""
-
-    def __init__(self, *flags: str, env: dict[str, str] | None = None,
-                 kv: tuple[str, ...] | None = None) -> None:
-        with mock.patch.dict(os.environ, env or {}):
-            if kv is None:
-                super().__init__(*flags)
-                return
-            with mock.patch("subprocess.Popen", _replacing_kv(kv)):
-                super().__init__(*flags)
-
-
-def _replacing_kv(kv: tuple[str, ...]):
-    import subprocess
-
-    real = subprocess.Popen
-
-    def popen(cmd, *args, **kwargs):
-        i = cmd.index("--kv-cache-memory")
-        cmd = [*cmd[:i], *kv, *cmd[i + 4:]]  # drops --kv-cache-memory X --max-model-len Y
-        return real(cmd, *args, **kwargs)
-
-    return popen
+    """tests/test_server.Worker, named for the tensor-parallel tests (`env` and `kv` are
+    Worker's: passed to the process, so that workers started side by side from threads
+    cannot leak one another's environment, a fault injection included)."""
 
 
 def start_all(specs: dict[str, tuple[tuple[str, ...], dict[str, str] | None]]) -> dict[str, Worker]:

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from scheduler.request import Request
@@ -144,7 +145,10 @@ class EngineBridge:
         self._since_due: dict[object, int] = {}
         self.rate_window_s = rate_window_s
         self.watchdog_period_s = watchdog_period_s
-        self.on_dead: Callable[[], None] | None = None  # called on the loop if the thread dies
+        # Called on the loop if the thread dies; what it returns (the drain that sets health
+        # NOT_SERVING) is awaited, up to dead_drain_wait_s, before the streams fail.
+        self.on_dead: Callable[[], Awaitable[object] | None] | None = None
+        self.dead_drain_wait_s = 5.0
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests whose engine output has not ended, by request object (routing), and the
         # ids taken by open streams that were not aborted (duplicate check, abort by id).
@@ -212,9 +216,13 @@ class EngineBridge:
                 # by the request; its streams end UNAVAILABLE (another replica may serve them).
                 lost = getattr(self.engine, "lost", None)
                 self.unavailable = lost is not None
+                # Health says NOT_SERVING before any stream ends: a client that sees its
+                # stream fail and then asks health must not be told SERVING.
+                drained = self.on_dead() if self.on_dead is not None else None
+                if drained is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(drained), self.dead_drain_wait_s)
                 self._fail_all(lost or "the engine thread died")
-                if self.on_dead is not None:
-                    self.on_dead()
                 return
 
     def _fail_all(self, message: str) -> None:

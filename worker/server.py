@@ -157,11 +157,12 @@ async def serve(config: WorkerConfig) -> int:
     stop, force = asyncio.Event(), asyncio.Event()
     tasks: set[asyncio.Task[int]] = set()
 
-    def begin_drain() -> None:
+    def begin_drain() -> asyncio.Task[int]:
         stop.set()
         task = loop.create_task(door.start_draining())  # health NOT_SERVING at once
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        return task
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
@@ -176,11 +177,11 @@ async def serve(config: WorkerConfig) -> int:
 
     exit_code = 0
 
-    def on_engine_dead() -> None:  # exit non-zero so that a supervisor restarts us
+    def on_engine_dead() -> asyncio.Task[int]:  # exit non-zero so that a supervisor restarts us
         nonlocal exit_code
         exit_code = 1
         _say("the engine thread died; shutting down")
-        begin_drain()
+        return begin_drain()
 
     bridge: EngineBridge | None = None
     metrics: MetricsServer | None = None
