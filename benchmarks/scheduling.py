@@ -28,7 +28,7 @@ from benchmarks.offline import machine_info
 from clients.bench.environment import recorded
 from scheduler.request import SamplingParams
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from worker.engine import Engine
+from worker.engine import Engine, StepOutput
 from worker.outputs import RequestOutput
 from worker.weights import LoadedModel, load_model
 
@@ -77,17 +77,18 @@ def _chat(loaded: LoadedModel, text: str, system: str | None = None) -> list[int
 
 
 class _Recorder:
-    """The engine's output sink: first-token and finish times by request id."""
+    """The engine's step sink (`Engine.start`'s on_step: one StepOutput a step): first-token
+    and finish times by request id."""
 
     def __init__(self) -> None:
         self.first: dict[str, float] = {}
         self.done: dict[str, RequestOutput] = {}
         self.cond = threading.Condition()
 
-    def __call__(self, outputs: list[RequestOutput]) -> None:
+    def __call__(self, step: StepOutput) -> None:
         now = time.monotonic()
         with self.cond:
-            for o in outputs:
+            for o in step.outputs:
                 if o.new_token_ids and o.request_id not in self.first:
                     self.first[o.request_id] = now
                 if o.finished:
