@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from llmworker.v1 import worker_pb2 as pb
 
+from benchmarks.lora import write_adapters
 from scheduler.request import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 from tests.test_server import run
@@ -25,7 +26,9 @@ from tests.tp_helpers import TPWorker, followers, gone, tiny_checkpoint
 from worker import config as cfgmod
 from worker.cli import build_parser
 from worker.engine import Engine
+from worker.lora.adapter import TARGETS
 from worker.structured import Constraint, GrammarCompiler
+from worker.weights.dummy import dummy_config
 
 pytestmark = pytest.mark.slow
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
@@ -45,8 +48,21 @@ def _ids(complete_run) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tp3():
-    w = TPWorker("-tp", "3", *DEFAULT_FLAGS)
+def adapters(tmp_path_factory):
+    """Two random PEFT adapters on every projection of the default model (so on column- and
+    row-parallel layers both): l0 served from start-up, l1 loaded by the tests at run time."""
+    return write_adapters(tmp_path_factory.mktemp("tp_loras"), dummy_config("smollm2-135m"), 2, 8,
+                          list(TARGETS), b_std=0.1)
+
+
+def _lora_flags(adapters) -> tuple[str, ...]:
+    return ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
+            f"l0={adapters['adapter0']}")
+
+
+@pytest.fixture(scope="module")
+def tp3(adapters):
+    w = TPWorker("-tp", "3", *DEFAULT_FLAGS, *_lora_flags(adapters))
     try:
         yield w.wait_ready()
         procs = followers(w)
@@ -59,9 +75,9 @@ def tp3():
 
 
 @pytest.fixture(scope="module")
-def tp1():
+def tp1(adapters):
     engine = _engine("--no-cpu-quantized-linear", "--max-model-len", "2048", "--kv-cache-memory",
-                     "0.25", "--max-num-batched-tokens", "64")
+                     "0.25", "--max-num-batched-tokens", "64", *_lora_flags(adapters))
     yield engine
     engine.shutdown()
 
@@ -124,6 +140,32 @@ def test_default_model_at_tp3_equals_tp1(tp3, tp1) -> None:
     status = tp3.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=10)
     assert status.spec_draft_tokens > 0  # verification steps ran sharded too
     assert '"tensor_parallel_size": 3' in status.config_json
+
+
+def test_lora_adapters_at_tp3_equal_tp1(tp3, tp1, adapters) -> None:
+    """Two adapters and the base model in one batch: l0 from start-up, l1 loaded at run time
+    by the admin RPC (rank 0 alone reads it; its slot write reaches the followers)."""
+    tok = tp1.tokenizer
+    prompts = [_chat(tok, p) for p in CHAT_PROMPTS[3:6]]
+    loaded = tp3.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(
+        lora_name="l1", lora_path=str(adapters["adapter1"])), timeout=60)
+    assert loaded.adapter.name == "l1"
+    tp1.loras.load("l1", str(adapters["adapter1"]))
+    names = ["l0", "l1", None]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    ref = [c.token_ids for c in tp1.generate([tp1.make_request(p, greedy, lora_name=n)
+                                              for p, n in zip(prompts, names, strict=True)])]
+    base = [c.token_ids for c in tp1.generate([tp1.make_request(p, greedy) for p in prompts[:2]])]
+    assert ref[0] != base[0] and ref[1] != base[1], "the adapters were meant to change the tokens"
+
+    def served(ids: list[int], name: str | None) -> list[int]:
+        return _ids(run(tp3.stub, token_ids=pb.TokenIdsInput(ids=ids), lora_name=name or "",
+                        sampling=pb.SamplingParams(temperature=0.0),
+                        stopping=pb.StoppingCriteria(max_tokens=MAX_TOKENS)))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # one batch: slots 0 and 1 and base rows
+        got = list(pool.map(served, prompts, names))
+    assert got == ref
 
 
 def test_the_planners_kv_blocks_at_tp3_are_the_workers(tp3) -> None:
