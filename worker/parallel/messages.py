@@ -1,6 +1,6 @@
 """The step as rank 0 sends it to the followers: fixed binary integer arrays, never a
 pickle. Two broadcasts a message: a header of HEADER_LEN int64 (its kind and sizes), then
-one int64 payload whose layout the header fixes.
+one payload whose layout the header fixes (int64; float32 for LORA's adapter weights).
 
     FORWARD  header [1, T, R, max_blocks, max_query_len, max_seq_len, has_lora, 0]
              payload  input_ids[T] | positions[T] | slot_mapping[T]
