@@ -25,7 +25,7 @@ from scheduler.request import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 from tests.gguf_tiny import write_tiny_llama
 from tests.test_server import run
-from tests.tp_helpers import TPWorker, followers, gone, long_stream, tiny_checkpoint
+from tests.tp_helpers import TPWorker, followers, gone, tiny_checkpoint
 from worker import config as cfgmod
 from worker.cli import build_parser
 from worker.engine import Engine
@@ -151,43 +151,33 @@ def test_default_model_at_tp3_equals_tp1(tp3, tp1) -> None:
     assert '"tensor_parallel_size": 3' in status.config_json
 
 
-def test_lora_adapters_at_tp3_equal_tp1(tp3, tp1, adapters) -> None:
-    """Two adapters and the base model in one batch: l0 from start-up, l1 loaded at run time
-    by the admin RPC (rank 0 alone reads it; its slot write reaches the followers)."""
+def test_lora_adapters_and_preemption_at_tp3_equal_tp1(tp3, tp1, adapters) -> None:
+    """In one batch: two short requests of LoRA adapters, l0 from start-up and l1 loaded at
+    run time by the admin RPC (rank 0 alone reads it; its slot write reaches the followers),
+    beside four 142-token base requests generating 24 tokens each, which outgrow the 28
+    blocks: preempted by swap (mode auto, 4 GiB of swap space: KV moves on every rank); and
+    a ResetPrefixCache(requeue) as the first token streams preempts every running request
+    by recompute. Each equals TP = 1's tokens."""
     tok = tp1.tokenizer
-    prompts = [_chat(tok, p) for p in CHAT_PROMPTS[3:6]]
     loaded = tp3.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(
         lora_name="l1", lora_path=str(adapters["adapter1"])), timeout=60)
     assert loaded.adapter.name == "l1"
     tp1.loras.load("l1", str(adapters["adapter1"]))
-    names = ["l0", "l1", None]
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    ref = [c.token_ids for c in tp1.generate([tp1.make_request(p, greedy, lora_name=n)
-                                              for p, n in zip(prompts, names, strict=True)])]
-    base = [c.token_ids for c in tp1.generate([tp1.make_request(p, greedy) for p in prompts[:2]])]
+    short = [_chat(tok, p) for p in CHAT_PROMPTS[3:5]]
+    long = [_chat(tok, " ".join(CHAT_PROMPTS[i:] + CHAT_PROMPTS[:i])) for i in range(4)]
+    batch = [(short[0], "l0", MAX_TOKENS), (short[1], "l1", MAX_TOKENS), *((p, "", 24) for p in long)]
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    ref = [c.token_ids for c in tp1.generate([tp1.make_request(p, params(n), lora_name=name or None)
+                                              for p, name, n in batch])]
+    base = [c.token_ids for c in tp1.generate([tp1.make_request(p, params(MAX_TOKENS)) for p in short])]
     assert ref[0] != base[0] and ref[1] != base[1], "the adapters were meant to change the tokens"
-
-    def served(ids: list[int], name: str | None) -> list[int]:
-        return _ids(run(tp3.stub, token_ids=pb.TokenIdsInput(ids=ids), lora_name=name or "",
-                        sampling=pb.SamplingParams(temperature=0.0),
-                        stopping=pb.StoppingCriteria(max_tokens=MAX_TOKENS)))
-
-    with ThreadPoolExecutor(len(prompts)) as pool:  # one batch: slots 0 and 1 and base rows
-        got = list(pool.map(served, prompts, names))
-    assert got == ref
-
-
-def test_swap_and_recompute_preemption_at_tp3_equal_tp1(tp3, tp1) -> None:
-    """Four 142-token requests generating 24 tokens each outgrow the 28 blocks: preempted by
-    swap (mode auto, 4 GiB of swap space: KV moves on every rank); and a
-    ResetPrefixCache(requeue) as the first token streams preempts every running one by
-    recompute."""
-    tok = tp1.tokenizer
-    prompts = [_chat(tok, " ".join(CHAT_PROMPTS[i:] + CHAT_PROMPTS[:i])) for i in range(4)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ref = [c.token_ids for c in tp1.generate([tp1.make_request(p, greedy) for p in prompts])]
     before = tp3.stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=10).num_preemptions
-    streams = [long_stream(tp3, p, 24) for p in prompts]
+    streams = [tp3.stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIdsInput(ids=p), sampling=pb.SamplingParams(temperature=0.0), lora_name=name,
+        stopping=pb.StoppingCriteria(max_tokens=n, ignore_eos=True)), timeout=120) for p, name, n in batch]
     requeued: list[int] = []
 
     def read(i: int) -> list[int]:
@@ -200,8 +190,8 @@ def test_swap_and_recompute_preemption_at_tp3_equal_tp1(tp3, tp1) -> None:
                                                               timeout=30).num_requeued)
         return got
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(read, range(len(prompts))))
+    with ThreadPoolExecutor(len(batch)) as pool:
+        got = list(pool.map(read, range(len(batch))))
     assert got == ref
     assert requeued[0] > 0, "the reset was meant to requeue running requests (recompute)"
     # Each request counts its preemptions: the reset's, and the cache's (swaps) beyond them.
@@ -251,6 +241,8 @@ def test_kv_head_replication_with_preemption_equals_tp1(tmp_path, kv_heads, tp, 
     try:
         w.wait_ready()
         assert any(f"{tp} ranks over gloo" in line for line in w.lines)
+        if kv_heads == 1:  # the file's K-quant blocks, dequantized for the slicing
+            assert any("Q4_K x10" in line and "Q6_K x5" in line for line in w.lines)
 
         def served(ids: list[int]) -> list[int]:
             return _ids(run(w.stub, token_ids=pb.TokenIdsInput(ids=ids),
