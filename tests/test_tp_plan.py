@@ -165,6 +165,8 @@ def test_a_lora_adapters_shards_sum_to_the_whole_adapted_model(kv: int, world: i
                                   ids)).abs().max() > 0.1, "the adapter was meant to change the logits"
     head, payload = tp_lora.pack(0, adapter)
     assert payload.dtype == np.float32 and messages.payload_len(head) == len(payload)
+    with pytest.raises(ValueError, match=r"carries \d+ floats; this model needs"):  # a follower exits on it
+        tp_lora.unpack(head, payload[:-1], cfg)
     ranks, out = _Ranks(world), [None] * world
     state = whole.state_dict()
     plan = ShardPlan.of(cfg, world)
