@@ -247,8 +247,9 @@ class Engine:
                 self.loras.load(name, path)
             # Under tensor parallelism the slots hold this rank's share (worker/parallel/lora.py).
             tp_plan = self.tensor_parallel.plan if self.tensor_parallel is not None else None
-            lora_slots = LoraSlots(loaded.model.config, lc.max_loras, lc.max_lora_rank, loaded.device,
-                                   loaded.dtype, None if tp_plan is None else tp_plan.lora_slicer(0))
+            lora_slots = LoraSlots(mcfg if tp_plan is None else loaded.model.config, lc.max_loras,
+                                   lc.max_lora_rank, loaded.device, loaded.dtype,
+                                   None if tp_plan is None else tp_plan.lora_slicer(0))
             log.info("LoRA: %d adapter(s) loaded (%s); %d slots of rank %d (%.1f MiB)",
                      len(lc.lora_modules), ", ".join(self.loras.names) or "none", lc.max_loras,
                      lc.max_lora_rank, lora_slots.nbytes / (1 << 20))
