@@ -119,6 +119,86 @@ def test_the_shards_sum_to_the_whole_model(kv: int, world: int) -> None:
     torch.testing.assert_close(hidden[0], ref, atol=1e-5, rtol=1e-5)
 
 
+def _random_adapter(cfg: LlamaConfig, rank: int = 4):
+    from worker.lora.adapter import TARGETS, AdapterConfig, LoraAdapter, module_shapes
+
+    g = torch.Generator().manual_seed(1)
+    weights = {(layer, p): (torch.randn(rank, n_in, generator=g) / n_in ** 0.5,
+                            0.5 * torch.randn(n_out, rank, generator=g))
+               for layer in range(cfg.num_layers) for p, (n_in, n_out) in module_shapes(cfg).items()}
+    return LoraAdapter("a", "-", AdapterConfig(rank, 2.0 * rank, False, TARGETS), weights)
+
+
+@torch.inference_mode()
+def _adapted_logits(model: LlamaForCausalLM, slots, ids: list[int]) -> torch.Tensor:
+    """`last_logits` with every token on LoRA slot 0, through the model's own cache layout."""
+    from worker.models.llama import AttentionMetadata
+
+    cfg, n = model.config, len(ids)
+    kv = [(torch.zeros(1, 16, cfg.num_kv_heads, cfg.head_dim), torch.zeros(1, 16, cfg.num_kv_heads, cfg.head_dim))
+          for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             seq_lens=torch.tensor([n]), query_start_loc=torch.tensor([0, n]),
+                             max_query_len=n, max_seq_len=n, lora=slots.step([0] * n))
+    hidden = model(torch.tensor(ids), torch.arange(n), meta, kv)
+    return model.compute_logits(hidden[-1:])[0] if model.lm_head is not None else hidden
+
+
+@pytest.mark.parametrize(("kv", "world"), [(1, 2), (2, 2)])
+def test_a_lora_adapters_shards_sum_to_the_whole_adapted_model(kv: int, world: int) -> None:
+    """Each rank's slots get the adapter through a LORA message (worker/parallel/lora.py)
+    and keep their share (ShardPlan.lora_slicer): B's rows under q/k/v and gate/up, A's
+    columns under o and down (their deltas summed by the all-reduce)."""
+    from worker.lora.slots import LoraSlots
+    from worker.parallel import lora as tp_lora
+
+    torch.manual_seed(0)
+    cfg = _cfg(heads=4, kv=kv)
+    whole = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    dummy.init_dummy(whole)
+    adapter = _random_adapter(cfg)
+    ids = [3, 9, 27, 17, 5, 40, 2]
+    full = LoraSlots(cfg, 2, 8, torch.device("cpu"), torch.float32)
+    assert full.assign([adapter]) == {adapter.uid: 0}
+    ref = _adapted_logits(whole, full, ids)
+    assert (ref - _adapted_logits(whole, LoraSlots(cfg, 2, 8, torch.device("cpu"), torch.float32),
+                                  ids)).abs().max() > 0.1, "the adapter was meant to change the logits"
+    head, payload = tp_lora.pack(0, adapter)
+    assert payload.dtype == np.float32 and messages.payload_len(head) == len(payload)
+    with pytest.raises(ValueError, match=r"carries \d+ floats; this model needs"):  # a follower exits on it
+        tp_lora.unpack(head, payload[:-1], cfg)
+    ranks, out = _Ranks(world), [None] * world
+    state = whole.state_dict()
+    plan = ShardPlan.of(cfg, world)
+
+    def run(rank: int) -> None:
+        ranks.local.rank = rank
+        model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+        model.load_state_dict(state)
+        shard_model(model, plan, rank, ranks.reduce)
+        slots = LoraSlots(model.config, 2, 8, torch.device("cpu"), torch.float32, plan.lora_slicer(rank))
+        slots.write(*tp_lora.unpack(head, payload, cfg))
+        out[rank] = _adapted_logits(model, slots, ids)
+
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            run(rank)
+        except BaseException as e:
+            errors.append(e)
+            ranks.barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_step_messages_round_trip_and_refuse_bad_headers() -> None:
     a = messages.ForwardArrays(
         np.array([5, 6, 7], np.int64), np.array([0, 1, 9], np.int64), np.array([32, 33, 41], np.int64),
@@ -133,6 +213,10 @@ def test_step_messages_round_trip_and_refuse_bad_headers() -> None:
     m = messages.Moves([(1, 2)], [(3, 4), (5, 6)], [(7, 8)])
     head, payload = messages.pack_moves(m)
     assert messages.unpack_moves(head, payload) == m
+    a.lora_slots = np.array([-1, 0, 0], np.int64)
+    head, payload = messages.pack_forward(a)
+    assert messages.payload_len(head) == len(payload) == 21  # 18 + a slot a token
+    np.testing.assert_array_equal(messages.unpack_forward(head, payload).lora_slots, a.lora_slots)
     with pytest.raises(ValueError, match="unknown kind 9"):
         messages.payload_len(messages.header(9))
     with pytest.raises(ValueError, match="out of bounds"):

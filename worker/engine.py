@@ -245,7 +245,11 @@ class Engine:
             for entry in lc.lora_modules:
                 name, _, path = entry.partition("=")
                 self.loras.load(name, path)
-            lora_slots = LoraSlots(mcfg, lc.max_loras, lc.max_lora_rank, loaded.device, loaded.dtype)
+            # Under tensor parallelism the slots hold this rank's share (worker/parallel/lora.py).
+            tp_plan = self.tensor_parallel.plan if self.tensor_parallel is not None else None
+            lora_slots = LoraSlots(mcfg if tp_plan is None else loaded.model.config, lc.max_loras,
+                                   lc.max_lora_rank, loaded.device, loaded.dtype,
+                                   None if tp_plan is None else tp_plan.lora_slicer(0))
             log.info("LoRA: %d adapter(s) loaded (%s); %d slots of rank %d (%.1f MiB)",
                      len(lc.lora_modules), ", ".join(self.loras.names) or "none", lc.max_loras,
                      lc.max_lora_rank, lora_slots.nbytes / (1 << 20))
@@ -265,6 +269,8 @@ class Engine:
             lora=lora_slots,
         )
         self.runner.step_hook = self.tensor_parallel
+        if self.tensor_parallel is not None and lora_slots is not None:
+            lora_slots.on_write = self.tensor_parallel.write_lora
         log.info(self.runner.describe_kernels())
         # Prefill/decode disaggregation (worker/kv_transfer): what our blocks mean, the
         # figures, and on a decode worker the pulls (off this thread).

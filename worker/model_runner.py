@@ -327,12 +327,14 @@ class ModelRunner:
                                            seq_lens_np, query_start_np, max_query_len, self.kv_caches,
                                            lora=self._lora_step(step), logits=logits, argmax=argmax,
                                            wake_fd=wake_fd)
+        lora = self._lora_step(step)  # (under -tp: its slot writes reach the followers first)
         if self.step_hook is not None:
             self.step_hook.forward(np.array(input_ids, dtype=np.int64), pos_np, slots_np, table_np,
-                                   seq_lens_np, query_start_np, max_query_len, max(seq_lens))
+                                   seq_lens_np, query_start_np, max_query_len, max(seq_lens),
+                                   None if lora is None else lora.token_slots)
         pos_t = self._host(pos_np)
         meta = AttentionMetadata(
-            lora=self._lora_step(step),
+            lora=lora,
             slot_mapping=self._host(slots_np),
             block_tables=self._host(table_np),
             seq_lens=self._host(seq_lens_np),

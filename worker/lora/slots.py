@@ -13,13 +13,16 @@ and unloading adapters never allocates device memory.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ops.lora import LoraRows, LoraStack
 from worker.lora.adapter import LoraAdapter, module_shapes
 from worker.models.llama import LlamaConfig, StepLora
+
+# (PEFT projection, A, B) -> this rank's (A, B): ShardPlan.lora_slicer.
+Shard = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # Our fused linears and the PEFT projections they run, in the order of their output rows
 # (worker/models/llama.py FUSED_ORDER).
@@ -39,8 +42,15 @@ def _b_stack(slots: int, out: int, rank: int, dtype: torch.dtype, device: torch.
 
 class LoraSlots:
     def __init__(self, cfg: LlamaConfig, max_loras: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, shard: Shard | None = None) -> None:
+        """Slots for a model of config `cfg`. Under tensor parallelism `cfg` is the rank's
+        (its heads and MLP slice) and `shard` cuts each adapter's full A and B to the rank's
+        share (ShardPlan.lora_slicer)."""
         assert max_loras >= 1 and max_rank >= 1
+        self.shard = shard
+        # Called with (slot, adapter) after each write: rank 0 of a tensor-parallel group
+        # sends the followers the same write (worker/parallel/lora.py).
+        self.on_write: Callable[[int, LoraAdapter], None] | None = None
         self.max_loras, self.max_rank = max_loras, max_rank
         self.device, self.dtype = device, dtype
         shapes = module_shapes(cfg)
@@ -92,6 +102,13 @@ class LoraSlots:
             {g: st for g, st in layer.items() if g in groups} for layer in self.layers]
         return StepLora(rows, layers, token_slots)
 
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put `adapter` in `slot` as rank 0 chose it (a tensor-parallel follower)."""
+        if not 0 <= slot < self.max_loras or adapter.rank > self.max_rank:
+            raise ValueError(f"a LoRA write of rank {adapter.rank} into slot {slot}; this rank has "
+                             f"{self.max_loras} slots of rank {self.max_rank}")
+        self._write(slot, adapter)
+
     @torch.inference_mode()
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         r, scale = adapter.rank, adapter.scale
@@ -105,10 +122,12 @@ class LoraSlots:
                     w = adapter.weights.get((layer, proj))
                     if w is None:
                         continue  # not targeted: zeros, adds nothing
-                    a_w, b_w = w
+                    a_w, b_w = w if self.shard is None else self.shard(proj, *w)
                     st.a[slot, i * self.max_rank : i * self.max_rank + r].copy_(a_w)
                     b[:, :r].copy_(b_w * scale)
         self.uids[slot] = adapter.uid
         targets = set(adapter.config.target_modules)
         self.groups[slot] = frozenset(g for g, projs in GROUPS.items() if targets & set(projs))
         self.num_writes += 1
+        if self.on_write is not None:
+            self.on_write(slot, adapter)

@@ -209,11 +209,20 @@ LayerLora = tuple[LoraRows, Mapping[str, LoraStack]]
 def _linear(module: nn.Module, x: torch.Tensor, lora: LayerLora | None, name: str) -> torch.Tensor:
     """module(x), plus each LoRA row's adapter delta (ops/lora.py): one gathered computation
     for all the step's adapters; fused q/k/v and gate/up add theirs per output slice. A
-    linear no adapter of the step targets has no stack in `lora` and is skipped."""
-    y = module(x)
-    if lora is not None and (stack := lora[1].get(name)) is not None:
-        y = ops.lora_add(y, x, stack.a, stack.bs, lora[0])
-    return y
+    linear no adapter of the step targets has no stack in `lora` and is skipped. A
+    row-parallel linear (worker/parallel/shard.py, `sums_partials`) takes the delta as a
+    function: this rank's share of it joins its partial product before the all-reduce."""
+    stack = None if lora is None else lora[1].get(name)
+    if stack is None:
+        return module(x)
+    rows = lora[0]
+
+    def add(y: torch.Tensor) -> torch.Tensor:
+        return ops.lora_add(y, x, stack.a, stack.bs, rows)
+
+    if getattr(module, "sums_partials", False):
+        return module(x, add)
+    return add(module(x))
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """A tensor-parallel follower: `python -m worker.parallel.follower`, started by rank 0
 (leader.py) with its spec in LLMWORKER_TP_FOLLOWER. It loads the same model, keeps its
-shard, allocates its KV cache (its heads only; rank 0's block count), says `loaded`, joins
+shard, allocates its KV cache (its heads only; rank 0's block count) and, with
+--enable-lora, its adapter slots (filled by rank 0's LORA messages), says `loaded`, joins
 the group, and then runs each step rank 0 sends until STOP. It exits at once when rank 0
 dies (its stdin pipe ends) and exits 1 when a step fails: rank 0's next collective then
 fails too, and the worker stops.
@@ -46,11 +47,14 @@ def main() -> int:
     rank = int(spec["rank"])
     fault = _fault(rank)
     try:
+        import torch
+
+        from worker.parallel import lora as tp_lora
         from worker.parallel import messages
         from worker.parallel.group import Collectives
 
         collectives = Collectives()
-        runner = _load(spec, fault, collectives)
+        runner, model_cfg = _load(spec, fault, collectives)
     except Exception as e:  # the load's error goes to rank 0, which exits with it
         line = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {line}", flush=True)
@@ -64,6 +68,12 @@ def main() -> int:
             n = messages.payload_len(head)
             if int(head[0]) == messages.STOP:
                 return 0
+            if int(head[0]) == messages.LORA:  # an adapter for a slot (worker/parallel/lora.py)
+                slot, adapter = tp_lora.unpack(head, collectives.receive_payload(n, torch.float32), model_cfg)
+                if runner.lora is None:
+                    raise ValueError("a LoRA adapter sent to a rank started without --enable-lora")
+                runner.lora.write(slot, adapter)
+                continue
             payload = collectives.receive_payload(n)
             if int(head[0]) == messages.MOVES:
                 runner.move_blocks(messages.unpack_moves(head, payload))
@@ -98,12 +108,21 @@ def _load(spec: dict, fault: tuple[str, int] | None, collectives):
     if fault is not None and fault[0] == "load":
         raise ValueError(f"injected load failure on rank {rank} ({FAULT_ENV})")
     loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), False, mc.cpu_activations)
-    shard_model(loaded.model, ShardPlan.of(loaded.config, world), rank, collectives.all_reduce)
+    plan = ShardPlan.of(loaded.config, world)
+    shard_model(loaded.model, plan, rank, collectives.all_reduce)
     ops.set_backend(mc.kernels)
-    return ModelRunner(loaded.model, int(spec["num_blocks"]), int(spec["block_size"]), device,
-                       loaded.dtype, kv_dtype=getattr(torch, spec["kv_dtype"]),
-                       num_cpu_blocks=int(spec["num_cpu_blocks"]),
-                       cpu_packed_linear=mc.cpu_packed_linear)
+    lora = None
+    if spec["lora"] is not None:  # its slots: this rank's share of what rank 0 writes
+        from worker.lora.slots import LoraSlots
+
+        max_loras, max_rank = spec["lora"]
+        lora = LoraSlots(loaded.model.config, int(max_loras), int(max_rank), device, loaded.dtype,
+                         plan.lora_slicer(rank))
+    runner = ModelRunner(loaded.model, int(spec["num_blocks"]), int(spec["block_size"]), device,
+                         loaded.dtype, kv_dtype=getattr(torch, spec["kv_dtype"]),
+                         num_cpu_blocks=int(spec["num_cpu_blocks"]),
+                         cpu_packed_linear=mc.cpu_packed_linear, lora=lora)
+    return runner, loaded.config
 
 
 def _forward(runner, a) -> None:
@@ -115,7 +134,8 @@ def _forward(runner, a) -> None:
         meta = AttentionMetadata(
             slot_mapping=runner._host(a.slot_mapping), block_tables=runner._host(a.block_tables),
             seq_lens=runner._host(a.seq_lens), query_start_loc=runner._host(a.query_start_loc),
-            max_query_len=a.max_query_len, max_seq_len=a.max_seq_len)
+            max_query_len=a.max_query_len, max_seq_len=a.max_seq_len,
+            lora=None if a.lora_slots is None else runner.lora.step(a.lora_slots.tolist()))
         runner.model(runner._host(a.input_ids), runner._host(a.positions), meta, runner.kv_caches)
 
 

@@ -99,8 +99,8 @@ class Collectives:
             raise self._failed("waiting for a step", e) from e
         return head.numpy()
 
-    def receive_payload(self, n: int) -> np.ndarray:
-        t = torch.empty(n, dtype=torch.int64, device=self.device)
+    def receive_payload(self, n: int, dtype: torch.dtype = torch.int64) -> np.ndarray:
+        t = torch.empty(n, dtype=dtype, device=self.device)
         if n:
             try:
                 dist.broadcast(t, 0)

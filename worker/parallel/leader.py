@@ -20,12 +20,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from worker.config import WorkerConfig
+from worker.lora.adapter import LoraAdapter
+from worker.parallel import lora as tp_lora
 from worker.parallel import messages
 from worker.parallel.group import Collectives, free_port
 from worker.parallel.shard import ShardPlan, shard_model
@@ -54,8 +57,6 @@ class TensorParallel:
         self.config = config
         self.world = config.parallel.tensor_parallel_size
         tp = f"--tensor-parallel-size {self.world}"
-        if config.lora.enable_lora:
-            raise ValueError(f"{tp} with --enable-lora: LoRA adapters are not sharded yet")
         if config.kv_transfer.kv_transfer_config is not None:
             raise ValueError(f"{tp} with --kv-transfer-config: KV handoffs move one rank's "
                              "blocks; not supported under tensor parallelism yet")
@@ -86,11 +87,13 @@ class TensorParallel:
         port = free_port()
         timeout_s = self.config.parallel.distributed_timeout_seconds
         threads = threads_per_rank(self.world) if self.device.type == "cpu" else 0
+        lc = self.config.lora
         for rank in range(1, self.world):
             spec = {"rank": rank, "world": self.world, "port": port, "timeout_s": timeout_s,
                     "model": asdict(self.config.model), "num_blocks": num_blocks,
                     "num_cpu_blocks": num_cpu_blocks, "block_size": block_size,
-                    "kv_dtype": str(kv_dtype).removeprefix("torch."), "threads": threads}
+                    "kv_dtype": str(kv_dtype).removeprefix("torch."), "threads": threads,
+                    "lora": [lc.max_loras, lc.max_lora_rank] if lc.enable_lora else None}
             env = {**os.environ, SPEC_ENV: json.dumps(spec)}
             self.procs.append(subprocess.Popen([sys.executable, "-m", "worker.parallel.follower"],
                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -183,7 +186,12 @@ class TensorParallel:
 
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 block_tables: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
-                max_query_len: int, max_seq_len: int) -> None:
+                max_query_len: int, max_seq_len: int, lora_slots: Sequence[int] | None = None) -> None:
+        slots = None if lora_slots is None else np.asarray(lora_slots, dtype=np.int64)
         self.collectives.send(*messages.pack_forward(messages.ForwardArrays(
             input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc,
-            max_query_len, max_seq_len)))
+            max_query_len, max_seq_len, slots)))
+
+    def write_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """LoraSlots.on_write: the followers write the same adapter into the same slot."""
+        self.collectives.send(*tp_lora.pack(slot, adapter))

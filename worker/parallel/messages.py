@@ -1,16 +1,23 @@
 """The step as rank 0 sends it to the followers: fixed binary integer arrays, never a
 pickle. Two broadcasts a message: a header of HEADER_LEN int64 (its kind and sizes), then
-one int64 payload whose layout the header fixes.
+one payload whose layout the header fixes (int64; float32 for LORA's adapter weights).
 
-    FORWARD  header [1, T, R, max_blocks, max_query_len, max_seq_len, 0, 0]
+    FORWARD  header [1, T, R, max_blocks, max_query_len, max_seq_len, has_lora, 0]
              payload  input_ids[T] | positions[T] | slot_mapping[T]
                       | block_tables[R * max_blocks] | seq_lens[R] | query_start_loc[R + 1]
+                      | lora_slots[T] (with has_lora = 1: each token's adapter slot, -1 base)
     MOVES    header [2, n_out, n_in, n_copy, 0, 0, 0, 0]
              payload  (src, dst) pairs: swap out[n_out], swap in[n_in], copy[n_copy]
     STOP     header [3, 0, ...]: the followers exit 0
+    LORA     header [4, slot, r, target_mask, use_rslora, alpha (float64 bits), n, 0]
+             payload  n float32 (this kind's one float payload): a LoRA adapter for slot
+                      `slot`, every layer's targeted projections' A then B, whole, flat
+                      (worker/parallel/lora.py); each follower slices its share
 
 T: the step's tokens; R: its attention rows (ModelRunner._forward). Sampling, grammars,
-logprobs and speculation stay on rank 0: the followers only run the layers.
+logprobs and speculation stay on rank 0: the followers only run the layers. Adapters are
+registered, loaded and unloaded on rank 0 alone; a follower's slots get what rank 0's get,
+when rank 0 writes them (a LORA message before the FORWARD that first uses the slot).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 HEADER_LEN = 8
-FORWARD, MOVES, STOP = 1, 2, 3
+FORWARD, MOVES, STOP, LORA = 1, 2, 3, 4
 # A header that asks for more is refused rather than allocated (a corrupt message).
 MAX_PAYLOAD = 1 << 28
 
@@ -35,6 +42,7 @@ class ForwardArrays:
     query_start_loc: np.ndarray  # [R + 1] int64
     max_query_len: int
     max_seq_len: int
+    lora_slots: np.ndarray | None = None  # [T] int64: each token's adapter slot (-1: none)
 
 
 @dataclass
@@ -55,11 +63,15 @@ def header(kind: int, *sizes: int) -> np.ndarray:
 
 def pack_forward(a: ForwardArrays) -> tuple[np.ndarray, np.ndarray]:
     rows, max_blocks = a.block_tables.shape
-    h = header(FORWARD, len(a.input_ids), rows, max_blocks, a.max_query_len, a.max_seq_len)
-    payload = np.concatenate([a.input_ids, a.positions, a.slot_mapping,
-                              a.block_tables.reshape(-1).astype(np.int64), a.seq_lens,
-                              a.query_start_loc]).astype(np.int64, copy=False)
-    return h, payload
+    has_lora = a.lora_slots is not None
+    h = header(FORWARD, len(a.input_ids), rows, max_blocks, a.max_query_len, a.max_seq_len,
+               int(has_lora))
+    parts = [a.input_ids, a.positions, a.slot_mapping, a.block_tables.reshape(-1).astype(np.int64),
+             a.seq_lens, a.query_start_loc]
+    if a.lora_slots is not None:
+        assert len(a.lora_slots) == len(a.input_ids)
+        parts.append(a.lora_slots)
+    return h, np.concatenate(parts).astype(np.int64, copy=False)
 
 
 def payload_len(h: np.ndarray) -> int:
@@ -68,24 +80,29 @@ def payload_len(h: np.ndarray) -> int:
     kind = int(h[0])
     if kind == FORWARD:
         t, r, b = (int(x) for x in h[1:4])
-        n = 3 * t + r * b + 2 * r + 1
+        if int(h[6]) not in (0, 1):
+            raise ValueError(f"a step message header out of bounds: {h.tolist()}")
+        n = (3 + int(h[6])) * t + r * b + 2 * r + 1
     elif kind == MOVES:
         n = 2 * int(h[1:4].sum())
     elif kind == STOP:
         n = 0
+    elif kind == LORA:
+        n = int(h[6])
     else:
         raise ValueError(f"a step message of unknown kind {kind}")
-    if not 0 <= n <= MAX_PAYLOAD or (h[1:] < 0).any():
+    sizes = np.delete(h[1:], 4) if kind == LORA else h[1:]  # (alpha's bits may read < 0)
+    if not 0 <= n <= MAX_PAYLOAD or (sizes < 0).any():
         raise ValueError(f"a step message header out of bounds: {h[:6].tolist()}")
     return n
 
 
 def unpack_forward(h: np.ndarray, payload: np.ndarray) -> ForwardArrays:
-    t, r, b, max_query_len, max_seq_len = (int(x) for x in h[1:6])
-    cuts = np.cumsum([t, t, t, r * b, r])
-    ids, pos, slots, tables, seq_lens, qsl = np.split(payload, cuts)
+    t, r, b, max_query_len, max_seq_len, has_lora = (int(x) for x in h[1:7])
+    cuts = np.cumsum([t, t, t, r * b, r, r + 1])
+    ids, pos, slots, tables, seq_lens, qsl, lora_slots = np.split(payload, cuts)
     return ForwardArrays(ids, pos, slots, tables.reshape(r, b).astype(np.int32), seq_lens, qsl,
-                         max_query_len, max_seq_len)
+                         max_query_len, max_seq_len, lora_slots if has_lora else None)
 
 
 def pack_moves(m: Moves) -> tuple[np.ndarray, np.ndarray]:

@@ -92,6 +92,26 @@ class ShardPlan:
                                    num_kv_heads=self.kv_heads_per_rank,
                                    intermediate_size=self.intermediate_per_rank)
 
+    def lora_slicer(self, rank: int) -> Callable[[str, torch.Tensor, torch.Tensor],
+                                                  tuple[torch.Tensor, torch.Tensor]]:
+        """Rank `rank`'s share of a LoRA adapter's (A [r, in], B [out, r]) for a PEFT
+        projection, sliced as its base layer is: column-parallel q/k/v and gate/up keep B's
+        rows of their heads or MLP slice (A whole); row-parallel o and down keep A's columns
+        of their input slice (B whole), so their partial deltas sum in the all-reduce."""
+        d, n = self.head_dim, self.intermediate_per_rank
+        heads = _head_rows(self.q_heads(rank), d, 0)
+        kv = _head_rows(self.kv_heads(rank), d, 0)
+        mlp = torch.arange(rank * n, (rank + 1) * n)
+        b_rows = {"q_proj": heads, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+        a_cols = {"o_proj": heads, "down_proj": mlp}
+
+        def sliced(proj: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if proj in b_rows:
+                return a, b[b_rows[proj]]
+            return a[:, a_cols[proj]], b
+
+        return sliced
+
     def describe(self, rank: int) -> str:
         kv = self.kv_heads(rank)
         replicated = " (replicated)" if self.num_kv_heads < self.world else ""
@@ -102,7 +122,10 @@ class ShardPlan:
 
 class RowParallel(nn.Module):
     """A row-parallel linear: this rank's partial product, summed over the ranks in place
-    by `reduce` (one all-reduce)."""
+    by `reduce` (one all-reduce). `delta` (a LoRA adapter's, on this rank's slice of A) is
+    added to the partial product before the sum, which then adds up the whole delta."""
+
+    sums_partials = True  # worker/models/llama.py `_linear` passes the LoRA delta in
 
     def __init__(self, inner: nn.Module, reduce: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
@@ -111,8 +134,11 @@ class RowParallel(nn.Module):
         self.in_features = inner.in_features
         self.out_features = inner.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                delta: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         y = self.inner(x)
+        if delta is not None:
+            y = delta(y)
         self.reduce(y)
         return y
 
