@@ -324,9 +324,9 @@ def test_a_qwen3_gguf_equals_transformers_on_its_folder() -> None:
 
     from benchmarks import make_gguf_models as made
 
-    tools = made.find_tools()
+    tools = made.find_converter()
     if tools is None:
-        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_tools)")
+        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_converter)")
     folder = made.cache_dir() / f"qwen3-tiny-hf-{made.RECIPE}"
     if not (folder / "config.json").is_file():
         tmp = folder.with_name(folder.name + ".part")
