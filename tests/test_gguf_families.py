@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -90,6 +92,20 @@ def _make_folder(name: str, folder: Path) -> None:
         cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
 
 
+def _folder(name: str) -> Path:
+    """The family's folder in the GGUF tests' cache, made once."""
+    from benchmarks import make_gguf_models as made
+
+    folder = made.cache_dir() / f"{name}-tiny-hf-{RECIPE}"
+    if not (folder / "config.json").is_file():
+        tmp = folder.with_name(f"{folder.name}.part-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _make_folder(name, tmp)
+        tmp.rename(folder)
+    return folder
+
+
 class Converted:
     """The folder and its GGUF (kept in the GGUF tests' cache), transformers on the folder,
     and our load of the file."""
@@ -100,12 +116,7 @@ class Converted:
         from benchmarks import make_gguf_models as made
 
         self.name = name
-        folder = made.cache_dir() / f"{name}-tiny-hf-{RECIPE}"
-        if not (folder / "config.json").is_file():
-            tmp = folder.with_name(folder.name + ".part")
-            tmp.mkdir(parents=True, exist_ok=True)
-            _make_folder(name, tmp)
-            tmp.rename(folder)
+        folder = _folder(name)
         self.path = made.converted(tools, folder, f"{name}-tiny")
         self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         if name == "gemma2":  # a SentencePiece vocabulary: the model alone (the module docstring says why)
@@ -215,8 +226,8 @@ def _config_of(path: Path):
     ("gemma3", {"block_count": 0}, None, "gemma3.block_count = '0': a positive integer"),
     ("gemma3", {"attention.sliding_window": 16, "attention.sliding_window_pattern": [True, False, True]},
      None, "gemma3.attention.sliding_window_pattern"),
-    ("phi3", {"rope.dimension_count": 21}, None, "phi3.rope.dimension_count = 21"),
-    ("llama", {"rope.dimension_count": 16}, None, "llama.rope.dimension_count = 16"),
+    ("phi3", {"rope.dimension_count": 21}, None, "phi3.rope.dimension_count = '21': the rotating"),
+    ("llama", {"rope.dimension_count": 16}, None, "llama.rope.dimension_count = '16': rotary over part"),
     ("phi3", {}, {"rope_factors_long.weight": [1.0] * 16}, "rope_factors_short.weight"),
     ("phi3", {}, {"rope_factors_long.weight": [1.0] * 16, "rope_factors_short.weight": [1.0] * 16},
      "phi3.rope.scaling.original_context_length"),
@@ -238,3 +249,36 @@ def test_a_window_past_the_context_is_global_and_said(tmp_path, caplog, arch) ->
         cfg = _config_of(path)
     assert [cfg.window_of(i) for i in range(2)] == [None, None]
     assert f"{arch}.attention.sliding_window 256 is not below the context 256" in caplog.text
+
+
+# ----- a Q8_0 file in the fused C decoder -----
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+def test_a_q8_0_file_runs_in_the_fused_decoder_as_in_torch(name) -> None:
+    """The converter's --outtype q8_0 file: the fused C decoder on its blocks (Gemma's tied
+    head and embedding lookup on the Q8_0 records, the embedding scale, the float32 norms;
+    Phi-3's fused attn_qkv and gate+up) gives the tokens and logprobs (1e-4) of the torch
+    path on the same file dequantized, over the long prompt (past the window)."""
+    import numpy as np
+
+    from benchmarks import make_gguf_models as made
+    from scheduler.request import SamplingParams
+    from worker.config import CacheConfig, ModelConfig, WorkerConfig
+    from worker.engine import Engine
+
+    tools = made.find_converter()
+    if tools is None:
+        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_converter)")
+    path = made.converted(tools, _folder(name), f"{name}-tiny", "q8_0")
+    runs = {}
+    for kernels, quantized in (("auto", True), ("torch", False)):
+        conf = WorkerConfig(model=ModelConfig(device="cpu", kernels=kernels, cpu_activations="float32"),
+                            cache=CacheConfig(kv_cache_memory=0.01))
+        engine = Engine(conf, loaded=load_model(str(path), cpu_quantized_linear=quantized, cpu_activations="float32"))
+        assert (engine.runner.cpu_decoder is not None) == quantized, "the fused decoder fell back"
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+        (runs[kernels],) = engine.generate([engine.make_request(gem.LONG, params)])
+    assert runs["auto"].token_ids == runs["torch"].token_ids
+    np.testing.assert_allclose([r.logprob for r in runs["auto"].logprobs],
+                               [r.logprob for r in runs["torch"].logprobs], rtol=0, atol=1e-4)
