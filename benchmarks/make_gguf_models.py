@@ -92,6 +92,16 @@ def find_tools() -> Tools | None:
     return None
 
 
+def find_converter() -> Tools | None:
+    """Tools whose convert_hf_to_gguf.py is there (a Python script on gguf-py: nothing to
+    build), llama-quantize built or not (run_quantize fails saying so if not); None if no
+    tree has the script."""
+    for tree in _tree_candidates():
+        if (tree / "convert_hf_to_gguf.py").is_file():
+            return Tools(tree / "build" / "bin" / "llama-quantize", tree / "convert_hf_to_gguf.py")
+    return None
+
+
 def build_tools(log=print) -> Tools:
     """Fetch the llama-cpp-python sdist with pip and build only llama-quantize (Release,
     native ISA) under the cache; returns the tools (RuntimeError saying what failed)."""

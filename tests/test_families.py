@@ -38,7 +38,8 @@ from worker.engine import Engine
 from worker.models.llama import LlamaConfig
 from worker.weights import load_model
 
-ORIGINAL, WINDOW, NEW, SPEC_NEW, TRITON_NEW = 32, 24, 8, 40, 3
+ORIGINAL, WINDOW, NEW, SPEC_NEW = 32, 24, 8, 40
+TRITON_LEN, TRITON_NEW, TRITON_SPEC_NEW = 34, 2, 10  # Triton's interpreter costs per token
 _rng = random.Random(51)
 SHORT = [_rng.randrange(3, 256) for _ in range(10)]
 LONG = [_rng.randrange(3, 256) for _ in range(72)]  # past the window and the original context, twice
@@ -111,9 +112,16 @@ class Checkpoint:
         return loaded
 
 
+_MADE: dict[str, Checkpoint] = {}
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory) -> Checkpoint:
-    return Checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    """Each family's checkpoint made once in the module, whatever order pytest runs the
+    tests parametrized over a subset in (it would make one again on each regrouping)."""
+    if request.param not in _MADE:
+        _MADE[request.param] = Checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return _MADE[request.param]
 
 
 def _engine(ckpt: Checkpoint, kernels: str, budget: int = 512, spec: NgramSpeculation | None = None,
@@ -168,22 +176,42 @@ def test_short_and_long_prompts_match_transformers_in_the_fused_decoder(checkpoi
     _check(checkpoint, engine, "long", LONG)
 
 
-@pytest.mark.parametrize("checkpoint", ["qwen3", "phi4-mini"], indirect=True)
+@pytest.mark.parametrize("checkpoint", ["llama3", "qwen3", "phi4-mini"], indirect=True)
 def test_the_long_prompt_matches_transformers_in_triton(checkpoint) -> None:
-    """Triton's kernels op by op (the interpreter here: TRITON_INTERPRET=1, float32) on the
-    two families whose operations are new there (q/k norms; partial rotary over LongRoPE's
-    table; Llama 3's and Phi-3's differ from Llama only by the table, and the window has
-    tests/test_sliding_window_models.py): the long prompt, past the original context,
-    prefilled whole, its last logits within 1e-4, and TRITON_NEW greedy tokens. (The
-    interpreter runs a Python loop a program, so a prompt costs per token: this one is
-    40, past the original 32; the short prompt and the chunked, cached and speculative
-    steps run in the fused decoder.)"""
+    """Triton's kernels op by op (the interpreter here: TRITON_INTERPRET=1, float32): Llama 3
+    (its llama3 table), Qwen3 (q/k norms), Phi-4-mini (partial rotary over LongRoPE's table;
+    Phi-3's window and full-width LongRoPE in the tests below): the long prompt, past
+    the original context, prefilled whole, its last logits within 1e-4, and TRITON_NEW
+    greedy tokens. (The interpreter runs a Python loop a program, ~0.15 s a token here, so
+    a prompt costs per token: this one is 34, past the original 32; the short prompt runs in
+    the fused decoder.)"""
     pytest.importorskip("triton")
-    ids = LONG[:40]
+    ids = LONG[:TRITON_LEN]
     checkpoint.want["triton"] = hf_greedy(checkpoint.hf, ids, TRITON_NEW)
     engine = _engine(checkpoint, "triton")
     _check(checkpoint, engine, "triton", ids)
     _last_logits_close(checkpoint, engine, "triton", ids)
+
+
+def test_chunked_prefill_prefix_hits_and_speculation_match_transformers_in_triton(checkpoint) -> None:
+    """Triton's kernels, each family: a prompt of 34 in chunks of 8 (Phi-3's: later chunks'
+    windows reach into cached blocks), again (a prefix-cache hit: the rows left to compute
+    attend cached keys, the window's start inside them), and n-gram speculation on a
+    repeated prompt (verification rows; the prompt prefilled whole: Phi-3 whole in Triton).
+    Kept short for the interpreter (see above)."""
+    pytest.importorskip("triton")
+    ids = LONG[:TRITON_LEN]
+    checkpoint.want["triton"] = hf_greedy(checkpoint.hf, ids, TRITON_NEW)
+    engine = _engine(checkpoint, "triton", budget=8)
+    _check(checkpoint, engine, "triton", ids)
+    again = _check(checkpoint, engine, "triton", ids)
+    assert again.cached_tokens >= 32
+    repeated = REPEATED[:42]  # (these models' greedy tokens repeat themselves soon after 42)
+    checkpoint.want["triton-spec"] = hf_greedy(checkpoint.hf, repeated, TRITON_SPEC_NEW)
+    spec = NgramSpeculation(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    engine = _engine(checkpoint, "triton", spec=spec)
+    _check(checkpoint, engine, "triton-spec", repeated)
+    assert engine.num_accepted_tokens > 0, "no draft accepted: the verification rows went untested"
 
 
 def test_chunked_prefill_prefix_hits_and_speculation_match_transformers(checkpoint) -> None:
@@ -324,9 +352,9 @@ def test_a_qwen3_gguf_equals_transformers_on_its_folder() -> None:
 
     from benchmarks import make_gguf_models as made
 
-    tools = made.find_tools()
+    tools = made.find_converter()
     if tools is None:
-        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_tools)")
+        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_converter)")
     folder = made.cache_dir() / f"qwen3-tiny-hf-{made.RECIPE}"
     if not (folder / "config.json").is_file():
         tmp = folder.with_name(folder.name + ".part")

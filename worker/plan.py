@@ -269,10 +269,11 @@ def _by_dtype(tensors: list[Tensor]) -> dict[str, int]:
 
 def _gguf_tensors(reader: Any) -> list[Tensor]:
     out = []
+    arch = gguf_file.field(reader, "general.architecture")
     for t in reader.tensors:
         if t.name in gguf_file.CONFIG_TENSORS:
             continue
-        ours = our_name(gguf_file.hf_name(t.name))
+        ours = our_name(gguf_file.hf_name(t.name, arch))
         if ours is not None:
             shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
             out.append(Tensor(ours, t.tensor_type.name, shape, int(t.n_bytes)))

@@ -221,12 +221,22 @@ class GemmaForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.norm = _norm_param(cfg.hidden_size)
         self.embed_scale = cfg.hidden_size**0.5  # times the table's rows, in its dtype
-        if cfg.rope_local_theta is not None:
-            local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
-            self.register_buffer("cos_sin_local", _rope(local), persistent=False)
-            for i, layer in enumerate(self.layers):
-                if cfg.window_of(i) is not None or cfg.layer_types[i] == "sliding_attention":
-                    layer.self_attn.cos_sin = self.cos_sin_local
+        self._local_rope()
+
+    def _local_rope(self) -> None:
+        """Gemma 3's windowed layers' table (the local base, unscaled), shared by those layers."""
+        cfg = self.config
+        if cfg.rope_local_theta is None:
+            return
+        local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+        self.register_buffer("cos_sin_local", _rope(local), persistent=False)
+        for i, layer in enumerate(self.layers):
+            if cfg.window_of(i) is not None or cfg.layer_types[i] == "sliding_attention":
+                layer.self_attn.cos_sin = self.cos_sin_local
+
+    def make_rope_tables(self) -> None:
+        super().make_rope_tables()
+        self._local_rope()
 
     def forward(
         self,

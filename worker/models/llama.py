@@ -373,6 +373,11 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head: nn.Module | None = None
         self.register_buffer("cos_sin", rope_cache(cfg), persistent=False)
 
+    def make_rope_tables(self) -> None:
+        """The rotary tables, made on the default device: a loader that built the model on
+        `meta` (worker/weights/gguf_load.py) calls it once the weights are in."""
+        self.cos_sin = rope_cache(self.config)
+
     def serve_context(self, max_model_len: int) -> None:
         """The longest context the engine serves: the rotary table of a type whose frequencies
         depend on it (dynamic NTK, LongRoPE: ops/rotary.py's rope_inv_freq) is made for it."""

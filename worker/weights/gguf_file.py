@@ -13,11 +13,14 @@ from gguf import GGMLQuantizationType
 
 from ops.rotary import RopeScaling
 from worker.models.llama import QK_NORM_ARCHITECTURES, LlamaConfig
+from worker.weights import gguf_families
 from worker.weights.gguf_reader import GGUFFile
 
 # GGUF architecture -> (HF architecture, are q/k stored permuted for interleaved rotary?)
+# (phi3, gemma2, gemma3: worker/weights/gguf_families.py)
 _ARCHS = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
-          "qwen3": ("Qwen3ForCausalLM", False)}
+          "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
+          "gemma2": ("Gemma2ForCausalLM", False), "gemma3": ("Gemma3ForCausalLM", False)}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -53,28 +56,42 @@ def field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return reader.fields.get(key, default)
 
 
+def count(reader: GGUFFile, path: Path, key: str, default: int | None = None) -> int:
+    """A positive integer the model's shape needs; missing or other: refused naming the key."""
+    v = field(reader, key, default)
+    if v is None:
+        raise ValueError(f"{path}: GGUF metadata has no {key} (the model's shape needs it)")
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+        raise ValueError(f"{path}: GGUF {key} = {str(v)[:100]!r}: a positive integer expected "
+                         "(one value for every layer)")
+    return int(v)
+
+
 def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
     arch = field(reader, "general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"{path}: unknown GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
-    hidden = int(field(reader, f"{arch}.embedding_length"))
-    heads = int(field(reader, f"{arch}.attention.head_count"))
+    hidden = count(reader, path, f"{arch}.embedding_length")
+    heads = count(reader, path, f"{arch}.attention.head_count")
     names = {t.name for t in reader.tensors}
     vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
-    head_dim = int(field(reader, f"{arch}.attention.key_length", hidden // heads))
+    if not vocab:
+        raise ValueError(f"{path}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    head_dim = count(reader, path, f"{arch}.attention.key_length", hidden // heads)
     _refuse_unused(reader, path, arch, head_dim)
-    context = int(field(reader, f"{arch}.context_length", 4096))
+    rotary_dim = _rotary_dim(reader, path, arch, head_dim)
+    context = count(reader, path, f"{arch}.context_length", 4096)
     scaling = _rope_scaling(reader, arch, path, context)
     if scaling is not None and scaling.context_length is not None:
         context = max(context, scaling.context_length)
-    return LlamaConfig(
+    fields = dict(
         architecture=_ARCHS[arch][0],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(field(reader, f"{arch}.block_count")),
+        intermediate_size=count(reader, path, f"{arch}.feed_forward_length"),
+        num_layers=count(reader, path, f"{arch}.block_count"),
         num_heads=heads,
-        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=count(reader, path, f"{arch}.attention.head_count_kv", heads),
         head_dim=head_dim,
         rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -83,8 +100,31 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         rope_freq_factors=_rope_freq_factors(reader, path, head_dim),
         rope_scaling=scaling,
+        partial_rotary_factor=rotary_dim / head_dim,
         qk_norm=_ARCHS[arch][0] in QK_NORM_ARCHITECTURES,
     )
+    if arch == "phi3":
+        fields.update(gguf_families.phi3_fields(reader, path, fields, rotary_dim))
+    if arch in gguf_families.GEMMA:
+        return gguf_families.gemma_config(reader, path, arch, fields)
+    return LlamaConfig(**fields)
+
+
+def _rotary_dim(reader: GGUFFile, path: Path, arch: str, head_dim: int) -> int:
+    """{arch}.rope.dimension_count: how many of a head's dimensions rotate (its first ones,
+    llama.cpp's NEOX rotary as transformers' partial_rotary_factor). A permuted (interleaved)
+    layout rotating part of a head is refused: unpermute works on whole heads."""
+    key = f"{arch}.rope.dimension_count"
+    dim = count(reader, path, key, head_dim)
+    if dim == head_dim:
+        return dim
+    if _ARCHS[arch][1]:
+        raise ValueError(f"{path}: GGUF {key} = '{dim}': rotary over part of a head (head_dim {head_dim}) is "
+                         f"not supported where q/k are stored permuted ({arch})")
+    if dim > head_dim or dim % 2 or int(head_dim * (dim / head_dim)) != dim:
+        raise ValueError(f"{path}: GGUF {key} = '{dim}': the rotating dimensions of a head of {head_dim} "
+                         "must be an even count, at most head_dim")
+    return dim
 
 
 def _rope_scaling(reader: GGUFFile, arch: str, path: Path, context: int) -> RopeScaling | None:
@@ -93,6 +133,8 @@ def _rope_scaling(reader: GGUFFile, arch: str, path: Path, context: int) -> Rope
     kind = field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
+    if kind == "longrope" and arch == "phi3":
+        return None  # its factors are tensors: gguf_families.phi3_fields
     if kind not in ("linear", "yarn"):
         raise ValueError(f"{path}: {arch}.rope.scaling.type {str(kind)[:40]!r} is not supported (linear, yarn)")
     rs = {"rope_type": kind, "factor": field(reader, f"{arch}.rope.scaling.factor"),
@@ -116,9 +158,6 @@ def _refuse_unused(reader: GGUFFile, path: Path, arch: str, head_dim: int) -> No
     key = f"{arch}.expert_count"
     if int(field(reader, key, 0) or 0) > 0:
         raise bad(key, field(reader, key), "mixture-of-experts models are not supported")
-    key = f"{arch}.rope.dimension_count"
-    if int(field(reader, key, head_dim)) != head_dim:
-        raise bad(key, field(reader, key), f"rotary over part of a head (head_dim {head_dim}) is not supported")
     key = f"{arch}.attention.value_length"
     if int(field(reader, key, head_dim)) != head_dim:
         raise bad(key, field(reader, key), f"a value head size other than the key's ({head_dim}) is not supported")
@@ -140,16 +179,17 @@ def _rope_freq_factors(reader: GGUFFile, path: Path, head_dim: int) -> tuple[flo
     return tuple(float(f) for f in factors)
 
 
-# Tensors that are not model weights: read into the config (rope_freqs).
-CONFIG_TENSORS = ("rope_freqs.weight",)
+# Tensors that are not model weights: read into the config (rope_freqs, LongRoPE's factors).
+CONFIG_TENSORS = ("rope_freqs.weight", *gguf_families.LONGROPE_TENSORS)
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name of a GGUF tensor of the model ("blk.3.attn_q.weight" ->
+def hf_name(name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of an `arch` model ("blk.3.attn_q.weight" ->
     "model.layers.3.self_attn.q_proj.weight"); ValueError for a tensor we do not know."""
     m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = {**_LAYER_NAMES, **gguf_families.LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     raise ValueError(f"unexpected GGUF tensor {name[:100]!r}")

@@ -40,13 +40,13 @@ from ops.quantized_linear import (
     supports,
 )
 from ops.stacked_linear import StackedLinear
+from worker.models.gemma import GemmaConfig, GemmaForCausalLM
 from worker.models.llama import (
     Linear,
     LlamaConfig,
     LlamaForCausalLM,
     fuse_shards,
     our_name,
-    rope_cache,
 )
 from worker.weights import gguf_file
 from worker.weights.gguf_reader import GGUFFile, GGUFTensor
@@ -217,7 +217,9 @@ class _Builder:
         old = getattr(owner, attr, None)
         if not isinstance(old, nn.Parameter):
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
-        value = _floats(shards, self.dtype, self.device)
+        # Gemma's norms (1 + w, as the file stores them) stay float32 whatever the model's dtype.
+        gemma_norm = isinstance(self.model, GemmaForCausalLM) and name.endswith("norm")
+        value = _floats(shards, torch.float32 if gemma_norm else self.dtype, self.device)
         _check_shape(name, value.shape, old.shape)
         setattr(owner, attr, nn.Parameter(value, requires_grad=False))
         self.hold_floats(shards)
@@ -294,7 +296,7 @@ def _groups(reader: GGUFFile, cfg: LlamaConfig, arch: str) -> dict[str, list[_Sh
         for t in reader.tensors:
             if t.name in gguf_file.CONFIG_TENSORS:
                 continue
-            ours = our_name(gguf_file.hf_name(t.name))
+            ours = our_name(gguf_file.hf_name(t.name, arch))
             if ours is not None:
                 yield ours, _Shard(t, gguf_file.permuted_heads(t.name, cfg, arch))
 
@@ -322,7 +324,7 @@ def load_gguf(reader: GGUFFile, cfg: LlamaConfig, arch: str, device: torch.devic
     check_types(reader)
     groups = _groups(reader, cfg, arch)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = (GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM)(cfg)
     build = _Builder(reader, model, device, dtype, policy)
     modules = dict(model.named_modules())
     if "lm_head.weight" in groups and model.lm_head is None:
@@ -344,7 +346,7 @@ def load_gguf(reader: GGUFFile, cfg: LlamaConfig, arch: str, device: torch.devic
             build.linear(path, shards)
         build.release(shards)
     with torch.device(device):
-        model.cos_sin = rope_cache(cfg)
+        model.make_rope_tables()
     missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     missing += [f"{n}.weight" for n, m in model.named_modules()
                 if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.is_meta]
