@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -29,9 +30,10 @@ HUGE = 2 << 20
 ALIGN = 64  # every storage starts on a cache line (and on any element size)
 MIN_BYTES = 64 << 10  # smaller storages are not worth a copy
 
-# Arenas made so far, (start, end) addresses: a storage already inside one is not moved again
-# (a model shared by several runners is moved once).
-_arenas: list[tuple[int, int]] = []
+# Arenas alive, (start, end) addresses and their mapping (weakly): a storage already inside
+# one is not moved again (a model shared by several runners is moved once). An arena whose
+# tensors are all gone is unmapped and dropped here: its addresses may be handed out again.
+_arenas: list[tuple[int, int, weakref.ref[mmap.mmap]]] = []
 
 
 def thp_mode() -> str:
@@ -56,7 +58,7 @@ def arena(nbytes: int) -> torch.Tensor:
     except (AttributeError, OSError, ValueError):
         pass  # no THP here: plain pages
     tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-    _arenas.append((tensor.data_ptr(), tensor.data_ptr() + nbytes))
+    _arenas.append((tensor.data_ptr(), tensor.data_ptr() + nbytes, weakref.ref(mapping)))
     return tensor
 
 
@@ -66,7 +68,8 @@ def in_arena(ptr: int) -> bool:
 
 
 def _arena_of(ptr: int) -> tuple[int, int] | None:
-    return next(((lo, hi) for lo, hi in _arenas if lo <= ptr < hi), None)
+    _arenas[:] = [a for a in _arenas if a[2]() is not None]
+    return next(((lo, hi) for lo, hi, _ in _arenas if lo <= ptr < hi), None)
 
 
 def _tensors(model: nn.Module) -> Iterable[torch.Tensor]:

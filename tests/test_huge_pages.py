@@ -77,3 +77,21 @@ def test_the_engine_gives_the_same_bits_with_and_without() -> None:
     assert len(outputs[0][0]) == 12 and len(outputs[0][1]) == 12
     assert outputs[0] == outputs[1]
     assert "2 MB pages" in kernels[0] and "2 MB pages" not in kernels[1]
+
+
+def test_a_freed_arena_is_forgotten() -> None:
+    """Once an arena's tensors are gone its mapping is unmapped and its addresses may be handed
+    out again: a storage later allocated there must be moved, not taken as already placed (a
+    stale range once left a later test's weights unmoved)."""
+    import gc
+
+    t = huge_pages.arena(4 << 20)
+    lo = t.data_ptr()
+    assert huge_pages.in_arena(lo)
+    view = t[1 << 20:]
+    del t
+    gc.collect()
+    assert huge_pages.in_arena(lo), "a view still holds the arena"
+    del view
+    gc.collect()
+    assert not huge_pages.in_arena(lo)
