@@ -98,23 +98,7 @@ def test_the_shards_sum_to_the_whole_model(kv: int, world: int) -> None:
             model.lm_head = torch.nn.Identity()
             last_logits(model, ids)
 
-    errors: list[BaseException] = []
-
-    def guarded(rank: int) -> None:
-        try:
-            run(rank)
-        except BaseException as e:  # the others then leave the barrier broken
-            errors.append(e)
-            ranks.barrier.abort()
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
-    if first is not None or errors:
-        raise first or errors[0]
+    run_ranks(ranks, world, run)
     assert hidden[0] is not None
     torch.testing.assert_close(hidden[0], ref, atol=1e-5, rtol=1e-5)
 
@@ -180,22 +164,7 @@ def test_a_lora_adapters_shards_sum_to_the_whole_adapted_model(kv: int, world: i
         slots.write(*tp_lora.unpack(head, payload, cfg))
         out[rank] = _adapted_logits(model, slots, ids)
 
-    errors: list[BaseException] = []
-
-    def guarded(rank: int) -> None:
-        try:
-            run(rank)
-        except BaseException as e:
-            errors.append(e)
-            ranks.barrier.abort()
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    run_ranks(ranks, world, run)
     torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
 
 
@@ -276,3 +245,24 @@ def test_the_engine_refuses_tp2_on_the_default_model_naming_its_9_heads(default_
     with pytest.raises(ValueError, match="--tensor-parallel-size 2: the model's 9 attention heads"):
         Engine(WorkerConfig(parallel=ParallelConfig(tensor_parallel_size=2)), loaded=default_model)
     assert default_model.linears == linears and default_model.taken == taken  # refused before a reload
+
+
+def run_ranks(ranks, world: int, run) -> None:
+    """`run(rank)` on a thread a rank; a rank that raises breaks the barrier (the others then
+    leave it broken) and its error, not the others' BrokenBarrierError, is raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            run(rank)
+        except BaseException as e:
+            errors.append(e)
+            ranks.barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
