@@ -6,7 +6,12 @@ intermediate 1536), random weights as Q8_0 blocks, the fused C decoder.
 
 Shapes: `llama` (as the default model), `qwen3` (its q/k norms: an RMSNorm of every q and
 k head before rotary), `phi4-mini` (partial rotary 0.75: 48 of 64 dimensions rotating,
-LongRoPE's table). The weights are the same blocks in every shape, so a row's time differs
+LongRoPE's table), `gemma2` (its four norms a layer, GeGLU with tanh GELU, scaled
+embedding, attention scale from query_pre_attn_scalar, attention and final soft-caps 50 and
+30, every other layer windowed) and `gemma3` (Gemma 2's layer without soft-caps, plus q/k
+norms and a second rotary table for its windowed layers, five windowed in six). The
+heads, sizes and vocabulary stay the default model's in every shape (Gemma's real head_dim
+256 and vocabulary 256k are sizes, not operations). The weights are the same blocks in every shape, so a row's time differs
 from llama's only by the family's extra operations. Each batch's requests are prefilled to
 `--context` tokens, then the engines take turns `--steps` decode steps at a time for
 `--rounds` rounds (median kept), so the machine's drift falls on every row alike. `ratio`:
@@ -32,7 +37,10 @@ from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfi
 from worker.engine import Engine
 from worker.weights import LoadedModel, dummy
 
-SHAPES = ("llama", "qwen3", "phi4-mini")
+SHAPES = ("llama", "qwen3", "phi4-mini", "gemma2", "gemma3")
+# Gemma's window, past this benchmark's contexts: the windowed layers' cost is the window
+# benchmark's (benchmarks/window.py); here only the extra operations are timed.
+GEMMA_WINDOW = 4096
 
 
 def family_config(shape: str):
@@ -41,6 +49,19 @@ def family_config(shape: str):
         return base
     if shape == "qwen3":
         return dataclasses.replace(base, architecture="Qwen3ForCausalLM", qk_norm=True)
+    if shape.startswith("gemma"):
+        from worker.models.gemma import GemmaConfig
+
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        every = 2 if shape == "gemma2" else 6
+        types = tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(base.num_layers))
+        gemma2 = shape == "gemma2"
+        return GemmaConfig(**{**fields, "architecture": "Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM",
+                              "qk_norm": not gemma2, "sliding_window": GEMMA_WINDOW, "layer_types": types},
+                           query_pre_attn_scalar=float(base.head_dim),
+                           attn_logit_softcapping=50.0 if gemma2 else None,
+                           final_logit_softcapping=30.0 if gemma2 else None,
+                           rope_local_theta=None if gemma2 else 10000.0)
     assert shape == "phi4-mini"
     pairs = 24  # of 48 rotating dimensions
     rope = RopeScaling(rope_type="longrope", factor=base.max_position_embeddings / 4096,
@@ -64,9 +85,10 @@ def _blocks(model) -> dict[str, QuantizedWeight]:
 
 def _loaded(shape: str, blocks: dict[str, QuantizedWeight] | None) -> tuple[LoadedModel, dict]:
     cfg = family_config(shape)
+    from worker.models.gemma import GemmaConfig, GemmaForCausalLM
     from worker.models.llama import LlamaForCausalLM
 
-    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    model = (GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM)(cfg).eval().requires_grad_(False)
     dummy.init_dummy(model)
     blocks = blocks if blocks is not None else _blocks(model)
     quantize_linears(model, blocks, resolve_activations("auto"))

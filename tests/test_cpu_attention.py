@@ -68,6 +68,20 @@ def test_c_attention_matches_the_pure_reference(lens, q_lens, kernel_calls) -> N
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [1.5, 50.0])
+def test_soft_capped_scores_match_the_reference(softcap, kernel_calls) -> None:
+    """Gemma 2's c tanh(s / c) on the scores (the kernel's vector tanh, the reference's
+    torch.tanh): 1.5 bites on these N(0, 1) scores; lengths around the 8-lane tails."""
+    lens, q_lens = [1, 5, 17, 100, 33, 8, 9, 300], [1] * 8
+    args = _step(lens, q_lens, seed=99)
+    ref = paged_attention_ref(*args, softcap=softcap)
+    got = paged_attention_c(*args, softcap=softcap)
+    assert kernel_calls == [len(lens)]
+    if softcap < 2:  # the cap changes the result: a kernel that skipped it fails
+        assert (paged_attention_ref(*args) - ref).abs().max() > 1e-2
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_the_kernel_alone_writes_exactly_the_decode_rows() -> None:
     """cpu_attention.decode on an output poisoned with NaN: the decode rows match the
     reference, every other row is left alone."""

@@ -236,8 +236,7 @@ static void chunk_softmax(const attn_args *a, int64_t j0, int64_t j1, float *sco
     float *mh = part + (size_t)nh * D, *sh = mh + nh;
     for (int h = 0; h < nh; h++) {
         float *sc = scores + h * stride + j0;
-        if (a->softcap > 0.0f) /* (scalar: only Gemma 2 pays it, a tanh a score) */
-            for (int64_t j = 0; j < n; j++) sc[j] = a->softcap * tanhf(sc[j] / a->softcap);
+        if (a->softcap > 0.0f) softcap_inplace(sc, n, a->softcap); /* Gemma 2 */
         const float mx = row_max(sc, n);
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 acc = _mm256_setzero_ps();
