@@ -177,6 +177,32 @@ def bench(server: list[str], workload: str, tokenizer: str, seed: int = 0,
             "completed": summary.get("completed")}
 
 
+def read_floor(model: Path, threads: int, repeat: int = 7) -> dict[str, float]:
+    """The decode step's memory floor for one stream: the bytes a step reads (every tensor of
+    the file but the token embedding, which a step reads one row of, unless it is also the
+    tied head) over this machine's read bandwidth (a float32 sum over 512 MB on `threads`
+    threads, the median of `repeat`; one warm-up)."""
+    import torch
+
+    from worker.weights.gguf_reader import GGUFFile
+
+    f = GGUFFile(model)
+    names = {t.name for t in f.tensors}
+    step_bytes = sum(t.n_bytes for t in f.tensors
+                     if t.name != "token_embd.weight" or "output.weight" not in names)
+    torch.set_num_threads(threads)
+    big = torch.ones(128 * 1024 * 1024)
+    big.sum()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - t0)
+    gbs = big.numel() * 4 / statistics.median(times) / 1e9
+    return {"step_bytes": step_bytes, "read_bandwidth_gbs": round(gbs, 2),
+            "floor_tokens_per_s": round(gbs * 1e9 / step_bytes, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER)
@@ -190,6 +216,8 @@ def main() -> None:
                     help="extra `llm-worker serve` flags (repeatable)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=1, help="alternating runs a side per workload")
+    ap.add_argument("--read-floor", action="store_true",
+                    help="also measure one stream's memory floor (read_floor) and record it")
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args()
     assert args.llama_server.exists(), f"no llama-server at {args.llama_server}"
@@ -237,6 +265,9 @@ def main() -> None:
                                      f"{4096 if SLOTS[w] == 1 else SLOTS[w] * 2048}" for w in names},
               "model": str(args.model or default_model_path()),
               "serve_args": serve_args, "environment": environment()}
+    if args.read_floor:
+        record["read_floor"] = read_floor(args.model or default_model_path(), args.threads)
+        print("read floor", record["read_floor"], flush=True)
     print(json.dumps(ratios, indent=1))
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

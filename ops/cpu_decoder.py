@@ -1,5 +1,6 @@
 """A Llama-family model's forward pass on the CPU in float32 as one native call per step
-(`cpu_kernels/decoder.c`), for a model whose every linear layer is a `QuantLinear`.
+(`cpu_kernels/decoder.c`), for a model whose every linear layer is a `QuantLinear` (a q/k/v may be a
+`StackedLinear` of up to three, one per block type: a GGUF file's attn_v in another type).
 
 Op by op, a batch-1 decode step of the default model issues hundreds of small torch ops and
 ctypes calls (norms, rotary, cache writes, activations, 121 matmuls, 30 attentions), and
@@ -38,6 +39,7 @@ from torch import nn
 from ops import cpu_kernels
 from ops.lora import LoraStack
 from ops.quantized_linear import QuantEmbedding, QuantLinear
+from ops.stacked_linear import StackedLinear
 
 # decoder.c's embed_kind for a float32 table (else the lookup's records' qtype code)
 _EMBED_TABLE = -1
@@ -52,7 +54,8 @@ class _QLinear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
                 ("input_norm", _p), ("post_norm", _p), ("window", _i32), ("q_norm", _p), ("k_norm", _p),
-                ("cos_sin", _p), ("attn_out_norm", _p), ("ffn_out_norm", _p)]
+                ("cos_sin", _p), ("attn_out_norm", _p), ("ffn_out_norm", _p),
+                ("qkv_rest", _QLinear * 2), ("qkv_heads", _i32 * 3)]
 
 
 class _LoraLinear(ctypes.Structure):
@@ -124,15 +127,51 @@ def unsupported(model: nn.Module) -> str | None:
     if model.norm.dtype != torch.float32 or model.norm.device.type != "cpu":
         return "not float32 on the CPU"
     for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        qkv = layer.self_attn.qkv_proj
+        if isinstance(qkv, StackedLinear):
+            why = _stacked_unsupported(qkv, cfg.head_dim)
+            if why:
+                return why
+        elif not isinstance(qkv, QuantLinear):
+            return "a linear layer is not quantized"
+        for lin in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if not isinstance(lin, QuantLinear):
-                return "a linear layer is not quantized"
+                return ("a layer's gate_up_proj in blocks of two types" if isinstance(lin, StackedLinear)
+                        else "a linear layer is not quantized")
     embed = model.embed_tokens
     if not isinstance(embed, QuantEmbedding) and not (
         isinstance(embed, nn.Embedding) and embed.weight.dtype == torch.float32
     ):
         return "an embedding of neither GGUF blocks nor a float32 table"
     return None
+
+
+def _stacked_unsupported(qkv: StackedLinear, head_dim: int) -> str | None:
+    """Why a q/k/v of parts in several block types cannot be decoder.c's qkv parts."""
+    parts = list(qkv.parts)
+    if len(parts) > 3 or not all(isinstance(p, QuantLinear) for p in parts):
+        return "a q/k/v of more than three parts, or of parts not quantized"
+    if any(p.out_features % head_dim for p in parts):
+        return "a q/k/v whose block types change within a head"
+    if len({p.planes for p in parts}) > 1:
+        return "a q/k/v whose parts take different activations"
+    return None
+
+
+def _qkv(qkv: nn.Module, head_dim: int) -> tuple[_QLinear, Any, Any]:
+    """decoder.c's qkv, qkv_rest and qkv_heads of a layer's q/k/v (one QuantLinear, or a
+    StackedLinear of up to three)."""
+    parts = list(qkv.parts) if isinstance(qkv, StackedLinear) else [qkv]
+    rest = (_QLinear * 2)(*(_qlinear(p) for p in parts[1:]))
+    heads = (_i32 * 3)(*(p.out_features // head_dim for p in parts))
+    return _qlinear(parts[0]), rest, heads
+
+
+def _linears(layer: nn.Module) -> list[QuantLinear]:
+    """A layer's QuantLinears (a stacked q/k/v's parts one by one)."""
+    qkv = layer.self_attn.qkv_proj
+    return [*(qkv.parts if isinstance(qkv, StackedLinear) else [qkv]), layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
 def _qlinear(lin: QuantLinear) -> _QLinear:
@@ -170,11 +209,12 @@ class CpuDecoder:
             # A layer's own table where it has one (two rope bases: Gemma 3's local layers).
             table_cs = cos_sin if getattr(attn, "cos_sin", None) is None else attn.cos_sin.contiguous()
             self._keep += [*norms, *qk, *outs, table_cs, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            layers[i] = _Layer(_qlinear(attn.qkv_proj), _qlinear(attn.o_proj), _qlinear(mlp.gate_up_proj),
+            qkv, qkv_rest, qkv_heads = _qkv(attn.qkv_proj, cfg.head_dim)
+            layers[i] = _Layer(qkv, _qlinear(attn.o_proj), _qlinear(mlp.gate_up_proj),
                                _qlinear(mlp.down_proj), norms[0].data_ptr(), norms[1].data_ptr(),
                                min(attn.window or 0, 2**31 - 1),  # (past any context a cache holds)
                                *(None if n is None else n.data_ptr() for n in qk), table_cs.data_ptr(),
-                               *(None if n is None else n.data_ptr() for n in outs))
+                               *(None if n is None else n.data_ptr() for n in outs), qkv_rest, qkv_heads)
         embed = model.embed_tokens
         if isinstance(embed, QuantEmbedding):
             kind, table = embed.code, embed.packed
@@ -182,8 +222,7 @@ class CpuDecoder:
             kind, table = _EMBED_TABLE, embed.weight.detach().contiguous()
         final_norm = model.norm.detach().contiguous()
         self._keep += [layers, table, final_norm, cos_sin]
-        self.activations = ", ".join(sorted({lin.activations for layer in model.layers for lin in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)}))
+        self.activations = ", ".join(sorted({lin.activations for layer in model.layers for lin in _linears(layer)}))
         lora_layers, rank = None, 0
         if lora is not None:
             assert len(lora) == cfg.num_layers

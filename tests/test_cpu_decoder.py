@@ -204,6 +204,42 @@ def test_a_decode_steps_logits_from_the_same_call_are_the_heads_bits(decoder) ->
         assert torch.equal(hidden, dec(*reqs.step([(r, lens[r], 1) for r in range(b)])))
 
 
+@pytest.mark.parametrize("activations", ["float32", "int16"])
+def test_a_qkv_in_two_block_types(activations) -> None:
+    """A GGUF file may store attn_v in another type than q and k (llama-quantize's Q4_K_M in
+    half the layers): the q/k/v is then a StackedLinear of one QuantLinear a type, which the
+    C layers take as parts (decoder.c's qkv_rest). Here every other layer's q and k as Q8_0
+    and its v as Q4_1 (a type with a min, so the float path's block sums come from the second
+    part): the fused decoder takes the model and matches the op-by-op model on it."""
+    from gguf import GGMLQuantizationType, quants
+
+    from ops.stacked_linear import StackedLinear
+
+    loaded = load_model("default", cpu_activations=activations)  # (no reload by the engine)
+    model, cfg = loaded.model, loaded.config
+    qk_rows = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+
+    def part(w: torch.Tensor, qtype: GGMLQuantizationType) -> ql.QuantLinear:
+        blocks = quants.quantize(np.ascontiguousarray(w.numpy()), qtype)
+        return ql.QuantLinear(ql.QuantizedWeight(qtype.name, blocks, tuple(w.shape)), activations=activations)
+
+    for layer in model.layers[::2]:
+        with torch.no_grad():
+            w = layer.self_attn.qkv_proj(torch.eye(cfg.hidden_size)).T.contiguous()  # its dequantized rows
+        layer.self_attn.qkv_proj = StackedLinear([part(w[:qk_rows], GGMLQuantizationType.Q8_0),
+                                                  part(w[qk_rows:], GGMLQuantizationType.Q4_1)])
+    engine = Engine(WorkerConfig(model=ModelConfig(cpu_activations=activations)), loaded=loaded)
+    dec = engine.runner.cpu_decoder
+    assert dec is not None, cpu_decoder.unsupported(model)
+    reqs = _Requests(model, [37, 5, 70], seed=3)
+    for chunks in ([(0, 0, 37), (1, 0, 5)], [(0, 37, 1), (1, 5, 1), (2, 0, 70)], [(0, 37, 1), (1, 5, 1), (2, 70, 1)]):
+        fused = dec(*reqs.step(chunks))
+        with torch.inference_mode():
+            ref = model(*reqs.step(chunks))
+        rel = ((fused - ref).abs().max() / ref.abs().max()).item()
+        assert rel < {"float32": 1e-4, "int16": 1e-3}[activations], f"{chunks}: relative error {rel:.2e}"
+
+
 def test_the_runner_takes_it_and_the_torch_backend_does_not() -> None:
     loaded = load_model("default")
     engine = Engine(WorkerConfig(), loaded=loaded)

@@ -65,6 +65,12 @@ typedef struct {
      * (post_attention_layernorm, post_feedforward_layernorm; post_norm is then the MLP's
      * input norm, pre_feedforward_layernorm), or NULL */
     const float *attn_out_norm, *ffn_out_norm;
+    /* qkv's rows in up to three parts of their own block types (a GGUF file's attn_v in
+     * another type than q and k: llama-quantize's Q4_K_M does it in half the layers;
+     * ops/stacked_linear.py): qkv is the first part, qkv_rest the others; qkv_heads[p] the
+     * heads (q, then k, then v, in that order) part p holds, 0 past the last. */
+    qlinear qkv_rest[2];
+    int qkv_heads[3];
 } layer_weights;
 
 #define EMBED_TABLE (-1) /* else embed_kind is the records' QT_* code */
@@ -482,7 +488,12 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
     const layer_weights *L = m->layers + l;
     const int M = s->M, H = m->hidden, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const size_t ld = (size_t)(Hq + 2 * Hkv) * D;
-    const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, &L->qkv, t, ws);
+    /* The parts share the activations' planes (one setting a model); the float kernels' block
+     * sums are made where any part's type has a min. */
+    const qlinear *prep = &L->qkv;
+    for (int p = 1; p < 3 && L->qkv_heads[p]; p++)
+        if (needs_sums(&L->qkv_rest[p - 1])) prep = &L->qkv_rest[p - 1];
+    const matmul_input in = prepare(s->residual, (size_t)H, M, H, L->input_norm, m->eps, prep, t, ws);
     const lora_linear *lq = lora_on(m, s, LORA_QKV) ? &m->lora[l].qkv : NULL;
     if (lq) lora_shrink_team(lq, m, &in, s, t, ws);
     warm_next(ws, s, &L->o, H / TILE, 1, 0); /* streams in during the attention */
@@ -490,7 +501,9 @@ static void attn_in_team(const model_desc *m, int l, const step_desc *s, temps *
     WS_FOR(ws, h, mine, Hq + 2 * Hkv) {
         if (!mine) prepare_mine(&in, t);
         float *y = s->qkv + (size_t)h * D;
-        linear_tiles(&L->qkv, &in, M, y, ld, h * D / TILE, (h + 1) * D / TILE);
+        int p = 0, hp = h; /* the part holding head h, and the head's index there */
+        while (hp >= L->qkv_heads[p]) hp -= L->qkv_heads[p++];
+        linear_tiles(p ? &L->qkv_rest[p - 1] : &L->qkv, &in, M, y, ld, hp * D / TILE, (hp + 1) * D / TILE);
         const int is_k = h >= Hq && h < Hq + Hkv, is_v = h >= Hq + Hkv;
         if (lq) /* slices q, k, v: the head's columns within its slice */
             lora_expand_tile(lq, m, s, t, is_k ? 1 : is_v ? 2 : 0, (is_k ? h - Hq : is_v ? h - Hq - Hkv : h) * D,
@@ -594,7 +607,7 @@ static void attn_out_team(const model_desc *m, int l, const step_desc *s, temps 
     }
     const matmul_input act = prepare(t->act, (size_t)I, M, I, NULL, 0.0f, &L->down, t, ws);
     if (ld) lora_shrink_team(&ll->down, m, &act, s, t, ws);
-    if (l + 1 < m->num_layers) warm_next(ws, s, &m->layers[l + 1].qkv, m->num_heads + 2 * m->num_kv_heads, m->head_dim / TILE, 0);
+    if (l + 1 < m->num_layers) warm_next(ws, s, &m->layers[l + 1].qkv, m->layers[l + 1].qkv_heads[0], m->head_dim / TILE, 0);
     else if (s->logits) warm_next(ws, s, &m->head, m->head.N / TILE, 1, 0);
     WS_FOR(ws, tile, mine, H / TILE) {
         if (!mine) prepare_mine(&act, t);
@@ -688,7 +701,7 @@ int cpu_decoder_decode(const model_desc *m, const step_desc *s) {
     {
         /* this thread's view of the loops */
         ws_local ws = {t.phases, t.counters, t.num_phases, 0, omp_get_thread_num(), omp_get_num_threads(), {0}, {0}};
-        warm_next(&ws, s, &m->layers[0].qkv, m->num_heads + 2 * m->num_kv_heads, m->head_dim / TILE, 0);
+        warm_next(&ws, s, &m->layers[0].qkv, m->layers[0].qkv_heads[0], m->head_dim / TILE, 0);
         embed_team(m, s, &ws);
         for (int i = 0; i < m->num_layers; i++) {
             attn_in_team(m, i, s, &t, &ws);
