@@ -445,6 +445,37 @@ def test_other_tokenizer_models_are_refused_by_name(tmp_path) -> None:
             Tokenizer.from_gguf(path)
 
 
+def test_phi3_s_special_tokens_strip_the_whitespace_after_them(tmp_path) -> None:
+    """llama.cpp's rule for a model named Phi-3 (general.name): whitespace after a special or
+    user-defined token is dropped (not after <unk>, <s>, <|endoftext|>); other names keep it."""
+    model = train_spm(False)
+    for i, (name, strips) in enumerate((("Phi-3 Mini 4k Instruct", True), ("Llama 2 7b", False))):
+        tok = Tokenizer.from_gguf(_named(tmp_path / f"{i}.gguf", model, name))
+        assert (tok.encode("<start_of_turn> \n user") == tok.encode("<start_of_turn>user")) == strips, name
+        assert (tok.encode("<tool>\tx", parse_special_tokens=False) == tok.encode("<tool>x")) == strips, name
+        assert tok.encode("<unk>  x") != tok.encode("<unk>x")
+
+
+def _named(path: Path, model: bytes, name: str) -> Path:
+    """A Phi-3 file of the model's vocabulary (the space prefix on) named `name`."""
+    tokens, scores, types = vocab_of(model)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_name(name)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def test_defaults_when_keys_are_missing(tmp_path) -> None:
     """llama.cpp's SPM defaults: BOS 1, EOS 2, add BOS, the space prefix."""
     model = train_spm(False)
@@ -474,9 +505,10 @@ def test_a_unigram_model_tokenizes_as_llamacpp_does(tmp_path) -> None:
 # ----- the converter's files -----
 
 
-def spm_folder(folder: Path, model: bytes, gemma: bool) -> None:
+def spm_folder(folder: Path, model: bytes, gemma: bool, chat_template: str | None = None) -> None:
     """`tokenizer.model` and the tokenizer_config.json a Gemma/Llama repository ships
-    (added_tokens_decoder: the control pieces special, the user-defined ones not)."""
+    (added_tokens_decoder: the control pieces special, the user-defined ones not; the chat
+    template if given)."""
     tokens, _, types = vocab_of(model)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (folder / f).unlink(missing_ok=True)
@@ -492,6 +524,8 @@ def spm_folder(folder: Path, model: bytes, gemma: bool) -> None:
         cfg["pad_token"] = "<pad>"
     else:
         cfg["legacy"] = True  # Llama 2's: a space prefix on every text, as SentencePiece
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
