@@ -529,10 +529,10 @@ def spm_folder(folder: Path, model: bytes, gemma: bool, chat_template: str | Non
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-@pytest.fixture(scope="module", params=["gemma2", "llama"])
+@pytest.fixture(scope="module", params=["gemma2", "llama", "llama-unigram"])
 def converted(request, tmp_path_factory) -> tuple[str, bytes, Path, Path]:
-    """A tiny checkpoint of the family with the SentencePiece model, and its GGUF by
-    convert_hf_to_gguf.py."""
+    """A tiny checkpoint of the family with the SentencePiece model (a Unigram one for
+    "llama-unigram"), and its GGUF by convert_hf_to_gguf.py."""
     pytest.importorskip("transformers")
     from benchmarks import make_gguf_models as made
     from tests.helpers import save_tiny_checkpoint
@@ -543,7 +543,7 @@ def converted(request, tmp_path_factory) -> tuple[str, bytes, Path, Path]:
     from transformers import Gemma2Config, LlamaConfig
 
     gemma = request.param == "gemma2"
-    model = train_spm(gemma)
+    model = train_spm(gemma, "unigram" if request.param == "llama-unigram" else "bpe")
     n = spm.SentencePieceProcessor(model_proto=model).vocab_size()
     shape = dict(vocab_size=n + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
@@ -564,6 +564,8 @@ def test_the_converter_s_file(converted) -> None:
     from worker.weights.gguf_reader import GGUFFile
 
     name, model, _, path = converted
+    if name == "llama-unigram":
+        pytest.skip("a Unigram model: test_a_unigram_model_tokenizes_as_llamacpp_does, and llama.cpp's own below")
     sp = spm.SentencePieceProcessor(model_proto=model)
     reader = GGUFFile(path)
     f = reader.fields
@@ -590,6 +592,8 @@ def test_the_converter_s_file_against_transformers(converted) -> None:
     from transformers import AutoTokenizer
 
     name, _, folder, path = converted
+    if name == "llama-unigram":
+        pytest.skip("a Unigram model: llama.cpp's tokens are not transformers' (test_a_unigram_model...)")
     tok = Tokenizer.from_gguf(path)
     on_folder = AutoTokenizer.from_pretrained(str(folder))
     on_gguf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -600,3 +604,74 @@ def test_the_converter_s_file_against_transformers(converted) -> None:
         assert (ours == on_folder.encode(text)) != (llama and any(p.startswith(" ") for p in pieces)), text
         assert (ours == on_gguf.encode(text)) != (llama and (text.startswith(" ") or tok.has_special_text(text))), text
         assert tok.decode(ours) == on_folder.decode(ours, skip_special_tokens=True), text
+
+
+def _libllama():
+    """llama.cpp's own tokenizer (libllama.so of the tree find_converter finds, loaded with
+    ctypes; the model's vocabulary only): `load(path)` gives `tokenize(text, add_special,
+    parse_special)`; None where the library is not built."""
+    import ctypes
+
+    from benchmarks import make_gguf_models as made
+
+    tools = made.find_converter()
+    lib_dir = tools.convert.parent / "build" / "bin" if tools else None
+    if lib_dir is None or not (lib_dir / "libllama.so").is_file():
+        return None
+
+    class ModelParams(ctypes.Structure):  # llama.h's struct llama_model_params
+        _fields_ = [("devices", ctypes.c_void_p), ("tensor_buft_overrides", ctypes.c_void_p),
+                    ("n_gpu_layers", ctypes.c_int32), ("split_mode", ctypes.c_int), ("load_mode", ctypes.c_int),
+                    ("lazy_mode", ctypes.c_int), ("main_gpu", ctypes.c_int32), ("tensor_split", ctypes.c_void_p),
+                    ("progress_callback", ctypes.c_void_p), ("progress_callback_user_data", ctypes.c_void_p),
+                    ("kv_overrides", ctypes.c_void_p), ("vocab_only", ctypes.c_bool), ("check_tensors", ctypes.c_bool),
+                    ("use_extra_bufts", ctypes.c_bool), ("no_host", ctypes.c_bool), ("no_alloc", ctypes.c_bool),
+                    ("load_mtp", ctypes.c_bool)]
+
+    for dep in ("libggml-base.so", "libggml-cpu.so", "libggml.so"):
+        ctypes.CDLL(str(lib_dir / dep), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(str(lib_dir / "libllama.so"))
+    quiet = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_: None)
+    lib.llama_log_set(quiet, None)
+    lib.llama_backend_init()
+    lib.llama_model_default_params.restype = ModelParams
+    lib.llama_model_load_from_file.restype = ctypes.c_void_p
+    lib.llama_model_load_from_file.argtypes = [ctypes.c_char_p, ModelParams]
+    lib.llama_model_get_vocab.restype = ctypes.c_void_p
+    lib.llama_model_get_vocab.argtypes = [ctypes.c_void_p]
+    lib.llama_tokenize.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+                                   ctypes.c_int32, ctypes.c_bool, ctypes.c_bool]
+
+    def load(path: Path):
+        params = lib.llama_model_default_params()
+        params.vocab_only = True
+        model = lib.llama_model_load_from_file(str(path).encode(), params)
+        assert model, f"libllama could not load {path}"
+        vocab = lib.llama_model_get_vocab(model)
+
+        def tokenize(text: str, add_special: bool, parse_special: bool) -> list[int]:
+            data = text.encode()
+            out = (ctypes.c_int32 * (len(data) + 8))()
+            n = lib.llama_tokenize(vocab, data, len(data), out, len(out), add_special, parse_special)
+            assert n >= 0
+            return list(out[:n])
+
+        return tokenize, quiet  # (the callback must outlive the library's use of it)
+
+    return load
+
+
+def test_the_converter_s_file_as_llama_cpp_itself(converted) -> None:
+    """llama.cpp's own tokenizer (libllama, where built) on the converter's file: our ids,
+    with and without BOS, special tokens parsed or not; a Unigram model's too."""
+    load = _libllama()
+    if load is None:
+        pytest.skip("llama.cpp's libllama.so is not built (shared/tools/build_llamacpp.sh)")
+    _, _, _, path = converted
+    llama_tokenize, _keep = load(path)
+    tok = Tokenizer.from_gguf(path)
+    for text in TEXTS + _training_lines(2)[:30]:
+        for add_special in (False, True):
+            for parse_special in (True, False):
+                assert tok.encode(text, add_special, parse_special) == llama_tokenize(text, add_special, parse_special), \
+                    (text, add_special, parse_special)
