@@ -248,7 +248,9 @@ def test_metadata(made) -> None:
     sp = spm.SentencePieceProcessor(model_proto=model)
     tok = Tokenizer.from_gguf(path)
     assert tok.vocab_size == sp.vocab_size()
-    assert (tok.bos_token_id, tok.eos_token_ids, tok.unk_token_id) == (sp.bos_id(), (sp.eos_id(),), sp.unk_id())
+    # EOS, and <end_of_turn> by its text as llama.cpp (the file has no tokenizer.ggml.eot_token_id)
+    end = sp.PieceToId("<end_of_turn>")
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.unk_token_id) == (sp.bos_id(), (sp.eos_id(), end), sp.unk_id())
     assert tok.pad_token_id == (0 if name == "gemma" else None)
     assert tok.add_bos and not tok.add_eos
     special = {i for i in range(tok.vocab_size) if tok.is_special(i)}
@@ -477,14 +479,16 @@ def _named(path: Path, model: bytes, name: str) -> Path:
 
 
 def test_defaults_when_keys_are_missing(tmp_path) -> None:
-    """llama.cpp's SPM defaults: BOS 1, EOS 2, add BOS, the space prefix."""
+    """llama.cpp's SPM defaults: BOS 1, EOS 2 (and <end_of_turn>, by its text), add BOS, the
+    space prefix."""
     model = train_spm(False)
     path = write_gguf(tmp_path / "d.gguf", model, False, bos_token_id=_DROP, eos_token_id=_DROP,
                       add_bos_token=_DROP, add_eos_token=True)
     tok = Tokenizer.from_gguf(path)
-    assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos, tok.add_eos) == (1, (2,), True, True)
-    assert tok.encode("hi", add_special_tokens=True) == [1, *tok.encode("hi"), 2]
     sp = spm.SentencePieceProcessor(model_proto=model)
+    end = sp.PieceToId("<end_of_turn>")
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos, tok.add_eos) == (1, (2, end), True, True)
+    assert tok.encode("hi", add_special_tokens=True) == [1, *tok.encode("hi"), 2]
     assert tok.encode(" hi") == sp.encode(" hi")  # the prefix: "▁▁hi"
 
 
@@ -641,6 +645,9 @@ def _libllama():
     lib.llama_model_get_vocab.argtypes = [ctypes.c_void_p]
     lib.llama_tokenize.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                    ctypes.c_int32, ctypes.c_bool, ctypes.c_bool]
+    lib.llama_vocab_is_eog.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.llama_vocab_is_eog.restype = ctypes.c_bool
+    lib.llama_vocab_n_tokens.argtypes = [ctypes.c_void_p]
 
     def load(path: Path):
         params = lib.llama_model_default_params()
@@ -656,20 +663,23 @@ def _libllama():
             assert n >= 0
             return list(out[:n])
 
-        return tokenize, quiet  # (the callback must outlive the library's use of it)
+        eog = {i for i in range(lib.llama_vocab_n_tokens(vocab)) if lib.llama_vocab_is_eog(vocab, i)}
+        return tokenize, eog, quiet  # (the callback must outlive the library's use of it)
 
     return load
 
 
 def test_the_converter_s_file_as_llama_cpp_itself(converted) -> None:
     """llama.cpp's own tokenizer (libllama, where built) on the converter's file: our ids,
-    with and without BOS, special tokens parsed or not; a Unigram model's too."""
+    with and without BOS, special tokens parsed or not, and our end-of-generation tokens; a
+    Unigram model's too."""
     load = _libllama()
     if load is None:
         pytest.skip("llama.cpp's libllama.so is not built (shared/tools/build_llamacpp.sh)")
     _, _, _, path = converted
-    llama_tokenize, _keep = load(path)
+    llama_tokenize, eog, _keep = load(path)
     tok = Tokenizer.from_gguf(path)
+    assert set(tok.eos_token_ids) == eog
     for text in TEXTS + _training_lines(2)[:30]:
         for add_special in (False, True):
             for parse_special in (True, False):

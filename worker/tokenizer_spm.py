@@ -16,7 +16,13 @@ src/llama-vocab.cpp), which is SentencePiece's own BPE encoding:
   space prefix, drops the first leading space (SentencePiece's decode, and transformers');
 - CONTROL and UNKNOWN tokens are special (matched in trusted text only, skipped when decoding
   with skip_special_tokens); USER_DEFINED ones are always matched whole in the raw text, as
-  in llama.cpp (Gemma's whitespace-run tokens are stored with real spaces for this).
+  in llama.cpp (Gemma's whitespace-run tokens are stored with real spaces for this); for a
+  model named Phi-3 the whitespace after them is dropped, as llama.cpp does;
+- generation ends on EOS, the end-of-turn and end-of-message ids, and the tokens llama.cpp
+  recognises by their text (<end_of_turn>, <|end|>...: Gemma's and Phi-3's files name no
+  end-of-turn id); ids and flags default as llama.cpp's (BOS 1, EOS 2, add BOS).
+
+Checked against llama.cpp itself (libllama) on the converter's files: tests/test_tokenizer_spm.py.
 
 Known differences from llama.cpp, all in vocabularies no converter writes: two different
 tokens of equal score merge in rank order here, leftmost first there; a character outside
@@ -45,6 +51,11 @@ SPACE = "\u2581"  # "▁": SentencePiece's escaped space
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
+# The texts llama.cpp (llama-vocab.cpp, special_eog_ids) ends generation on, in any file.
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[")
 
 
 class SpmVocabError(ValueError):
@@ -147,8 +158,11 @@ def build(meta: Callable[[str], Any], path: Path) -> dict[str, Any]:
     tok.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=rstrip(t))
                     for t, ty in typed if ty == USER_DEFINED])
     add_bos, add_eos = meta("tokenizer.ggml.add_bos_token"), meta("tokenizer.ggml.add_eos_token")
-    # llama.cpp stops generation on any of EOS, end-of-turn and end-of-message.
-    eos_ids = [i for i in (eos, token_id("eot_token_id", None), token_id("eom_token_id", None)) if i is not None]
+    # llama.cpp stops generation on any of EOS, end-of-turn and end-of-message, and on the
+    # tokens its text list names: Gemma 2/3's and Phi-3's files carry no end-of-turn id, and
+    # their chat turns end with <end_of_turn> and <|end|>.
+    keyed = (eos, token_id("eot_token_id", None), token_id("eom_token_id", None))
+    eos_ids = [i for i in keyed if i is not None] + [vocab[t] for t in EOG_TEXTS if t in vocab]
     return {
         "tokenizer": tok,
         "bos_token_id": bos,
