@@ -61,9 +61,11 @@ def _training_lines(seed: int = 0) -> list[str]:
     return lines
 
 
-def train_spm(gemma: bool, model_type: str = "bpe", byte_fallback: bool = True) -> bytes:
+def train_spm(gemma: bool, model_type: str = "bpe", byte_fallback: bool = True,
+              control: tuple[str, ...] = ()) -> bytes:
     """A tiny SentencePiece model (tokenizer.model bytes) shaped like Gemma's (ids pad 0, eos 1,
-    bos 2, unk 3; no space prefix) or Llama 2's (unk 0, bos 1, eos 2; the space prefix)."""
+    bos 2, unk 3; no space prefix) or Llama 2's (unk 0, bos 1, eos 2; the space prefix);
+    `control`: more control symbols."""
     ids = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3) if gemma else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
     pieces = dict(pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>") if gemma else {}
     size = (520 if byte_fallback else 270) if model_type == "bpe" else (340 if byte_fallback else 90)
@@ -72,7 +74,7 @@ def train_spm(gemma: bool, model_type: str = "bpe", byte_fallback: bool = True) 
         sentence_iterator=iter(_training_lines()), model_writer=buf, vocab_size=size, model_type=model_type,
         character_coverage=1.0, byte_fallback=byte_fallback, normalization_rule_name="identity",
         remove_extra_whitespaces=False, add_dummy_prefix=not gemma, allow_whitespace_only_pieces=True,
-        split_digits=True, user_defined_symbols=USER_SYMBOLS, control_symbols=CONTROL_SYMBOLS,
+        split_digits=True, user_defined_symbols=USER_SYMBOLS, control_symbols=CONTROL_SYMBOLS + list(control),
         minloglevel=2, **ids, **pieces)
     return buf.getvalue()
 
@@ -138,13 +140,14 @@ def write_gguf(path: Path, proto: bytes, gemma: bool, **keys) -> Path:
 
 
 def llamacpp_spm(tokens: list[str], scores: list[float], types: list[int], text: str, *,
-                 add_space_prefix: bool, parse_special: bool) -> list[int]:
+                 add_space_prefix: bool, parse_special: bool, phi3: bool = False) -> list[int]:
     """llama.cpp's SPM tokenize (llama-vocab.cpp), re-implemented: the text cut at special
     tokens (longest first; control and unknown ones only when parsing special tokens,
     user-defined ones always), each text fragment prefixed with a space when the space prefix
     is on (a fragment follows a token or starts the text), spaces escaped to "▁", then
     llm_tokenizer_spm_session: characters merged pairwise, the best-scored resulting token
-    first, leftmost on ties; a symbol that is no token as its bytes' <0xNN> tokens."""
+    first, leftmost on ties; a symbol that is no token as its bytes' <0xNN> tokens. `phi3`:
+    the whitespace after a special token (not <unk>, <s>, <|endoftext|>) dropped (RSTRIP)."""
     ids = {t: i for i, t in enumerate(tokens)}
     kinds = (CONTROL, UNKNOWN, USER_DEFINED) if parse_special else (USER_DEFINED,)
     specials = sorted((i for i, ty in enumerate(types) if ty in kinds), key=lambda i: -len(tokens[i].encode()))
@@ -155,9 +158,11 @@ def llamacpp_spm(tokens: list[str], scores: list[float], types: list[int], text:
             if isinstance(f, int):
                 out.append(f)
                 continue
+            strip = phi3 and tokens[sid] not in ("<unk>", "<s>", "<|endoftext|>")
             for j, piece in enumerate(f.split(tokens[sid])):
                 if j:
                     out.append(sid)
+                    piece = piece.lstrip(" \t\n\v\f\r") if strip else piece  # C's isspace
                 if piece:
                     out.append(piece)
         fragments = out
@@ -533,7 +538,7 @@ def spm_folder(folder: Path, model: bytes, gemma: bool, chat_template: str | Non
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-@pytest.fixture(scope="module", params=["gemma2", "llama", "llama-unigram"])
+@pytest.fixture(scope="module", params=["gemma2", "llama", "phi3", "llama-unigram"])
 def converted(request, tmp_path_factory) -> tuple[str, bytes, Path, Path]:
     """A tiny checkpoint of the family with the SentencePiece model (a Unigram one for
     "llama-unigram"), and its GGUF by convert_hf_to_gguf.py."""
@@ -544,15 +549,22 @@ def converted(request, tmp_path_factory) -> tuple[str, bytes, Path, Path]:
     tools = made.find_converter()
     if tools is None:
         pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_converter)")
-    from transformers import Gemma2Config, LlamaConfig
+    from transformers import Gemma2Config, LlamaConfig, Phi3Config
 
     gemma = request.param == "gemma2"
-    model = train_spm(gemma, "unigram" if request.param == "llama-unigram" else "bpe")
+    # (llama.cpp's Phi-3 rule looks <|endoftext|> up: a Phi-3 vocabulary without it fails to load there)
+    model = train_spm(gemma, "unigram" if request.param == "llama-unigram" else "bpe",
+                      control=("<|endoftext|>",) if request.param == "phi3" else ())
     n = spm.SentencePieceProcessor(model_proto=model).vocab_size()
     shape = dict(vocab_size=n + 4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
-    config = Gemma2Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=2) if gemma else \
-        LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)
+    if gemma:
+        config = Gemma2Config(**shape, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    elif request.param == "phi3":  # (the folder's name, "phi3...", names the model Phi-3 in the file)
+        config = Phi3Config(**{k: v for k, v in shape.items() if k != "head_dim"}, pad_token_id=None,
+                            bos_token_id=1, eos_token_id=2)
+    else:
+        config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)
     folder = tmp_path_factory.mktemp(request.param)
     save_tiny_checkpoint(config, folder)
     spm_folder(folder, model, gemma)
@@ -575,16 +587,17 @@ def test_the_converter_s_file(converted) -> None:
     f = reader.fields
     tok = Tokenizer.from_gguf(path, reader)
     assert f["tokenizer.ggml.model"] == "llama" and len(f["tokenizer.ggml.tokens"]) == sp.vocab_size() + 4
-    assert f.get("tokenizer.ggml.add_space_prefix", True) == (name == "llama")
+    assert f.get("tokenizer.ggml.add_space_prefix", True) == (name != "gemma2")
     assert (tok.bos_token_id, tok.eos_token_ids[0]) == (sp.bos_id(), sp.eos_id()) and tok.add_bos
     for text in PLAIN:
         ids = tok.encode(text, parse_special_tokens=False)
         assert ids == sp.encode(text), text
         assert tok.decode(ids) == sp.decode(ids)
     tokens, scores, types = (f[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+    assert ("phi3" in str(f["general.name"]).lower()) == (name == "phi3")
     for text in TEXTS:
-        assert tok.encode(text) == llamacpp_spm(tokens, scores, types, text, add_space_prefix=name == "llama",
-                                                parse_special=True), text
+        assert tok.encode(text) == llamacpp_spm(tokens, scores, types, text, add_space_prefix=name != "gemma2",
+                                                parse_special=True, phi3=name == "phi3"), text
 
 
 def test_the_converter_s_file_against_transformers(converted) -> None:
@@ -602,9 +615,14 @@ def test_the_converter_s_file_against_transformers(converted) -> None:
     on_folder = AutoTokenizer.from_pretrained(str(folder))
     on_gguf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for text in PLAIN:
+        if name == "phi3" and tok.has_special_text(text):
+            continue  # llama.cpp's whitespace strip after Phi-3's special tokens (test_..._as_llama_cpp_itself)
         ours = tok.encode(text, add_special_tokens=True)
         pieces = tok._special_re.split(text) if tok._special_re else [text]
-        llama = name == "llama"
+        llama = name != "gemma2"
+        if name == "phi3":  # transformers builds Phi-3's GGUF tokenizer with llama.cpp's prefix rule
+            assert ours == on_folder.encode(text) == on_gguf.encode(text), text
+            continue
         assert (ours == on_folder.encode(text)) != (llama and any(p.startswith(" ") for p in pieces)), text
         assert (ours == on_gguf.encode(text)) != (llama and (text.startswith(" ") or tok.has_special_text(text))), text
         assert tok.decode(ours) == on_folder.decode(ours, skip_special_tokens=True), text
