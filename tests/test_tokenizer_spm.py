@@ -7,12 +7,15 @@ symbols), then written into a GGUF two ways: by GGUFWriter as llama.cpp's conver
 them (_create_vocab_sentencepiece: pieces, scores, token types; the user-defined pieces as
 USER_DEFINED, as a folder's added_tokens_decoder makes them) -- these tests need only gguf,
 sentencepiece and tokenizers and run in CI -- and by convert_hf_to_gguf.py itself from tiny
-Gemma 2 and Llama checkpoints (skipped where the converter is not found).
+Gemma 2, Llama and Phi-3 checkpoints (and a Unigram model's; skipped where the converter is
+not found).
 
 References: SentencePiece's own processor on the model (text without special tokens), an
 independent re-implementation of llama.cpp's SPM tokenizer (llama-vocab.cpp: special-token
-fragments, the space prefix on each, merges by score, byte fallback) for text with special
-and user-defined tokens, and transformers' AutoTokenizer on the GGUF and on the folder.
+fragments, the space prefix on each, merges by score, byte fallback, Phi-3's strip) for text
+with special and user-defined tokens, llama.cpp itself (libllama through ctypes, where the
+tree find_converter finds has it built) on the converter's files, and transformers'
+AutoTokenizer on the GGUF and on the folder.
 
 Where they disagree (asserted below, so a change shows):
 - after a user-defined token ("<tool>") in text, llama.cpp gives the next text its space
