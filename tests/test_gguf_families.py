@@ -9,10 +9,11 @@ float32: the config it reads, the last position's logits within 1e-4 relative on
 prompt and on one past the window and the original context, and greedy tokens. Then bad
 metadata refused at load naming the key.
 
-Gemma 2's converter writes a SentencePiece vocabulary (tokenizer.ggml.model "llama"), which
-our GGUF tokenizer does not read (worker/tokenizer.py: byte-level BPE only), so its model is
-loaded below the tokenizer (gguf_file + gguf_load); Gemma 3's and Phi's take the default
-model's byte-level BPE tokenizer (Phi-4's GPT2Tokenizer route) and load whole."""
+Every file loads whole (load_model). Gemma 2's folder ships a SentencePiece tokenizer.model
+(tests/test_tokenizer_spm.py's, shaped like Gemma's), which its converter writes as a
+SentencePiece vocabulary (tokenizer.ggml.model "llama", worker/tokenizer_spm.py): the file's
+tokenizer tokenizes as SentencePiece on the folder's model; Gemma 3's and Phi's take the
+default model's byte-level BPE tokenizer (Phi-4's GPT2Tokenizer route)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,13 @@ import torch
 from tests import test_families as fam
 from tests import test_gemma as gem
 from tests.helpers import last_logits
-from worker.weights import gguf_file, gguf_load, load_model
+from worker.weights import gguf_file, load_model
 from worker.weights.gguf_reader import GGUFFile
 
 NEW = 4
-RECIPE = "f1"  # bump when a folder's recipe changes: the cache keeps folders and files by name
+RECIPE = "f2"  # bump when a folder's recipe changes: the cache keeps folders and files by name (both carry it)
 VOCAB = 49152  # the default model's tokenizer (byte-level BPE the converter recognises)
+SPM_VOCAB = 524  # Gemma 2's: its SentencePiece model's 520 pieces, padded by the converter
 FAMILIES = ["gemma2", "gemma3", "phi3", "phi4-mini"]
 
 
@@ -43,8 +45,9 @@ def _config(name: str):
 
     # query_pre_attn_scalar = head_dim: a GGUF has no such key (llama.cpp scales by head_dim)
     shape = {**gem.SHAPE, "query_pre_attn_scalar": 32}
-    if name == "gemma2":
-        return Gemma2Config(**shape, attn_logit_softcapping=2.0, final_logit_softcapping=0.5)
+    if name == "gemma2":  # its SentencePiece model's vocabulary and ids (_spm_model), as Gemma's
+        return Gemma2Config(**{**shape, "vocab_size": SPM_VOCAB, "bos_token_id": 2, "eos_token_id": 1},
+                            attn_logit_softcapping=2.0, final_logit_softcapping=0.5)
     if name == "gemma3":
         return Gemma3TextConfig(**{**shape, "vocab_size": VOCAB, "pad_token_id": None, "num_hidden_layers": 6},
                                 rope_theta=1e6, rope_local_base_freq=1e4,
@@ -55,17 +58,14 @@ def _config(name: str):
 
 
 def _spm_model(folder: Path) -> None:
-    """A tiny SentencePiece tokenizer.model: Gemma 2's converter reads its vocabulary from one."""
-    import io
+    """Gemma's tokenizer.model and tokenizer_config (a tiny SentencePiece BPE model with byte
+    fallback, tests/test_tokenizer_spm.py's; Gemma 2's chat template): Gemma 2's converter
+    reads its vocabulary and template from them."""
+    from tests import test_tokenizer_spm as spm_tests  # deferred: it skips without sentencepiece
 
-    import sentencepiece as spm
-
-    lines = [" ".join(f"w{i * j % 97}" for j in range(12)) for i in range(200)]
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=64,
-                                   model_type="bpe", character_coverage=1.0, pad_id=0, bos_id=1, eos_id=2,
-                                   unk_id=3, minloglevel=2)
-    (folder / "tokenizer.model").write_bytes(buf.getvalue())
+    model = spm_tests.train_spm(gemma=True)
+    template = (Path(__file__).parent / "templates" / "gemma2.jinja").read_text()
+    spm_tests.spm_folder(folder, model, gemma=True, chat_template=template)
 
 
 def _make_folder(name: str, folder: Path) -> None:
@@ -117,16 +117,11 @@ class Converted:
 
         self.name = name
         folder = _folder(name)
-        self.path = made.converted(tools, folder, f"{name}-tiny")
+        self.path = made.converted(tools, folder, f"{name}-tiny-{RECIPE}")
         self.hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-        if name == "gemma2":  # a SentencePiece vocabulary: the model alone (the module docstring says why)
-            reader = GGUFFile(self.path)
-            self.config = gguf_file.config_from_gguf(reader, self.path)
-            self.model, _ = gguf_load.load_gguf(reader, self.config, "gemma2", torch.device("cpu"),
-                                                torch.float32, gguf_load.LinearPolicy(False))
-        else:
-            loaded = load_model(str(self.path))
-            self.config, self.model = loaded.config, loaded.model
+        self.folder = folder
+        loaded = load_model(str(self.path))
+        self.config, self.model, self.tokenizer = loaded.config, loaded.model, loaded.tokenizer
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -148,6 +143,7 @@ def test_the_file_reads_as_the_folder(converted) -> None:
     if name == "gemma2":
         assert windows == [gem.WINDOW, None]
         assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (2.0, 0.5)
+        _tokenizes_as_the_folder(converted)
     elif name == "gemma3":
         assert windows == [gem.WINDOW] * 5 + [None] and cfg.qk_norm
         assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.rope_type) == (1e6, 1e4, "linear")
@@ -160,6 +156,27 @@ def test_the_file_reads_as_the_folder(converted) -> None:
         want = fam.family_config(name).rope_parameters
         assert list(rs.short_factor) == pytest.approx(want["short_factor"])
         assert list(rs.long_factor) == pytest.approx(want["long_factor"])
+
+
+def _tokenizes_as_the_folder(converted: Converted) -> None:
+    """Gemma 2's file's own SentencePiece tokenizer: SentencePiece's ids on the folder's
+    tokenizer.model and transformers' on the folder, chat text with its control tokens too."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from tests import test_tokenizer_spm as spm_tests
+
+    sp = spm.SentencePieceProcessor(model_file=str(converted.folder / "tokenizer.model"))
+    hf = AutoTokenizer.from_pretrained(str(converted.folder))
+    tok = converted.tokenizer
+    assert tok.vocab_size == SPM_VOCAB and (tok.bos_token_id, tok.eos_token_ids[0]) == (2, 1)
+    for text in spm_tests.TEXTS:
+        ids = tok.encode(text, add_special_tokens=True)
+        assert ids == hf.encode(text), text
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+        if not tok.has_special_text(text):  # (SentencePiece reads them as text, and writes <unk> " ⁇ ")
+            assert ids == sp.encode(text, add_bos=True), text
+            assert tok.decode(ids) == sp.decode(ids), text
 
 
 def _ours_greedy(model, ids: list[int], n: int, longrope: bool) -> tuple[list[int], torch.Tensor]:
@@ -189,6 +206,39 @@ def test_the_file_equals_transformers_on_its_folder(converted, prompt) -> None:
     assert rel < 1e-4, f"{converted.name} {prompt}: relative max logit error {rel:.2e}"
     want, _ = fam.hf_greedy(converted.hf, ids, NEW)
     assert tokens == want, f"{converted.name} {prompt}: ours {tokens}, transformers {want}"
+
+
+def test_a_gemma2_file_s_chat_through_serve_and_grpc_matches_transformers() -> None:
+    """`llm-worker serve --model <Gemma 2 GGUF>`: a chat over gRPC, rendered by the file's chat
+    template and tokenized by its SentencePiece tokenizer, has the ids of transformers'
+    apply_chat_template on the folder: its greedy tokens (float32) on those ids come back."""
+    from llmworker.v1 import worker_pb2 as pb
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks import make_gguf_models as made
+    from tests.test_chat_gemma import CONVERSATION
+    from tests.test_server import Worker, run
+
+    tools = made.find_converter()
+    if tools is None:
+        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_converter)")
+    folder = _folder("gemma2")
+    path = made.converted(tools, folder, f"gemma2-tiny-{RECIPE}")
+    ids = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        CONVERSATION, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    want, _ = fam.hf_greedy(hf, ids, NEW)
+    w = Worker("--model", str(path), "--max-model-len", "128")
+    try:
+        w.wait_ready()
+        chunks, done = run(w.stub, chat=pb.ChatInput(messages=[pb.ChatMessage(**m) for m in CONVERSATION]),
+                           sampling=pb.SamplingParams(temperature=0.0),
+                           stopping=pb.StoppingCriteria(max_tokens=NEW, ignore_eos=True))
+    finally:
+        w.close()
+    assert done.usage.prompt_tokens == len(ids)
+    assert [t for c in chunks for t in c.token_ids] == want
 
 
 # ----- bad metadata, refused at load naming the key -----
@@ -271,7 +321,7 @@ def test_a_q8_0_gemma3_file_runs_in_the_fused_decoder_as_in_torch() -> None:
     tools = made.find_converter()
     if tools is None:
         pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_converter)")
-    path = made.converted(tools, _folder(name), f"{name}-tiny", "q8_0")
+    path = made.converted(tools, _folder(name), f"{name}-tiny-{RECIPE}", "q8_0")
     runs = {}
     for kernels, quantized in (("auto", True), ("torch", False)):
         conf = WorkerConfig(model=ModelConfig(device="cpu", kernels=kernels, cpu_activations="float32"),

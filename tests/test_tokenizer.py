@@ -330,7 +330,7 @@ def test_small_smollm_gguf_isolates_numbers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("pre", "model", "complaint"),
-    [("unknown-pre", "gpt2", "pre-tokenizer 'unknown-pre'"), ("gpt2", "llama", "model 'llama'")],
+    [("unknown-pre", "gpt2", "pre-tokenizer 'unknown-pre'"), ("gpt2", "bert", "model 'bert'")],
 )
 def test_unsupported_gguf(tmp_path: Path, pre: str, model: str, complaint: str) -> None:
     path = _write_gguf(tmp_path / "t.gguf", pre, model)

@@ -4,8 +4,9 @@ A `Tokenizer` wraps a `tokenizers.Tokenizer` built from one of two sources:
 
 - a Hugging Face folder: `tokenizer.json` plus the config files next to it;
 - a GGUF file's metadata (the embedded default model), rebuilt here with `tokenizers`
-  the way llama.cpp reads it. Only byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`)
-  are supported; the pre-tokenizer is chosen by `tokenizer.ggml.pre` (see `_GGUF_PRE`).
+  the way llama.cpp reads it: byte-level BPE vocabularies (`tokenizer.ggml.model = gpt2`),
+  whose pre-tokenizer is chosen by `tokenizer.ggml.pre` (see `_GGUF_PRE`), and SentencePiece
+  ones (`llama`, worker/tokenizer_spm.py); other models ("bert", "t5", "rwkv"...) are refused.
 
 Chat templates are rendered with jinja2 exactly as `transformers` renders them.
 `IncrementalDetokenizer` turns a growing list of ids into text deltas for streaming.
@@ -120,6 +121,7 @@ class Tokenizer:
         unk_token_id: int | None = None,
         chat_template: str | None = None,
         add_bos: bool = False,
+        add_eos: bool = False,
     ) -> None:
         self._tok = tokenizer
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -130,6 +132,7 @@ class Tokenizer:
         self.unk_token_id = unk_token_id
         self.chat_template = chat_template
         self.add_bos = add_bos  # does the model's tokenizer prepend BOS to a plain prompt?
+        self.add_eos = add_eos  # ... and append EOS (a GGUF's tokenizer.ggml.add_eos_token)?
         named = [("bos", bos_token_id), ("pad", pad_token_id), ("unk", unk_token_id)]
         for name, tid in named + [("eos", t) for t in self.eos_token_ids]:
             if tid is not None and not 0 <= tid < self.vocab_size:
@@ -169,10 +172,18 @@ class Tokenizer:
             return fields.get(key, default)
 
         model = meta("tokenizer.ggml.model")
+        if model == "llama":  # SentencePiece (Llama 2, Mistral, Gemma 2/3, Phi-3-mini)
+            from worker import tokenizer_spm
+
+            try:
+                parts = tokenizer_spm.build(meta, path)
+            except tokenizer_spm.SpmVocabError as e:
+                raise TokenizerError(f"{path}: {e}") from e
+            return cls(chat_template=meta("tokenizer.chat_template"), **parts)
         if model != "gpt2":
             raise TokenizerError(
                 f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, "
-                "'gpt2'); load the model from its Hugging Face folder instead"
+                "'gpt2', and SentencePiece, 'llama'); load the model from its Hugging Face folder instead"
             )
         pre = meta("tokenizer.ggml.pre", "gpt2")
         if pre not in _GGUF_PRE:
@@ -284,7 +295,8 @@ class Tokenizer:
         template) special-token strings in it ("<|im_start|>") become their ids; without,
         they are tokenized as the text they are (what a user typed).
 
-        `add_special_tokens` prepends BOS only if the model's tokenizer adds one to plain text;
+        `add_special_tokens` prepends BOS only if the model's tokenizer adds one to plain text
+        (and appends EOS if it adds that, as a GGUF may say);
         a rendered chat template writes its own, so encode it with the default False.
 
         `encode_batch` is used even for one text: unlike `encode`, it releases the GIL, so a
@@ -297,6 +309,8 @@ class Tokenizer:
         ids = tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self.add_eos and self.eos_token_ids:
+            ids.append(self.eos_token_ids[0])
         return ids
 
     def has_special_text(self, text: str) -> bool:
