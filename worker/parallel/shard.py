@@ -213,6 +213,7 @@ def shard_model(model: nn.Module, plan: ShardPlan, rank: int,
     if rank > 0:  # rank 0 alone computes logits
         model.lm_head = None
         model.tied_head = None
+        model.computes_logits = False
 
 
 def _without_bias(lin: nn.Module) -> nn.Module:
