@@ -119,3 +119,38 @@ def test_the_default_models_rank_holds_its_q4_1_slices_as_the_planner_says() -> 
     fit = plan.fit_at(plan.read_model("default"), CPU, "float32", 3, 512, plan.CacheConfig(kv_cache_memory_bytes=1 << 24),
                       plan.SchedulerConfig())
     assert fit.held == _held_bytes(loaded.model)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma3"])
+def test_a_familys_q8_0_file_at_tp2_sums_to_the_whole(name) -> None:
+    """llama.cpp's converter's --outtype q8_0 files of tiny Phi-3 (one attn_qkv tensor and
+    one gate+up ffn_up: a rank's rows are three and two spans of one tensor) and Gemma 3 (its
+    q/k norms, the scaled embedding, the tied Q8_0 head) at -tp 2 (2 heads, 1 KV head:
+    replicated), each rank on its Q8_0 records, against TP = 1 on the same file."""
+    from benchmarks import make_gguf_models as made
+    from tests.test_gguf_families import _folder
+
+    tools = made.find_converter()
+    if tools is None:
+        pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_converter)")
+    path = made.converted(tools, _folder(name), f"{name}-tiny", "q8_0")
+    whole = _load(path, "float32")
+    ids = IDS[:6]
+    ref = last_logits(whole.model, ids)
+    loads = [_load(path, "float32", (2, r)) for r in range(2)]
+    plan, ranks, out = ShardPlan.of(whole.config, 2), Ranks(2), [None, None]
+
+    def run(rank: int) -> None:
+        ranks.local.rank = rank
+        model = loads[rank].model
+        shard_model(model, plan, rank, ranks.reduce, sliced=True)
+        if rank > 0:
+            model.lm_head = torch.nn.Identity()
+        out[rank] = last_logits(model, ids)
+
+    run_ranks(ranks, 2, run)
+    torch.testing.assert_close(out[0], ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
+    layer = loads[1].model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.out_features == 3 * 32
+    assert layer.self_attn.o_proj.inner.in_features == 32 and layer.mlp.down_proj.inner.in_features == 64
+    assert layer.mlp.gate_up_proj.out_features == 128
