@@ -99,6 +99,13 @@ def test_a_split_off_the_blocks_is_refused_by_its_numbers(tmp_path) -> None:
                                              r"rank is not a whole number of Q4_K blocks of 256; sizes "
                                              r"that work: 1 \(or --no-cpu-quantized-linear"):
         _load(path, "float32", (2, 0))
+    from tests.test_plan import CPU
+    from worker import plan
+
+    info = plan.read_model(str(path))  # the planner refuses it as the worker does
+    with pytest.raises(ValueError, match=r"layer 0 o_proj: 128 columns a rank is not a whole number"):
+        plan.fit_at(info, CPU, "float32", 2, 128, plan.CacheConfig(), plan.SchedulerConfig())
+    assert plan.fit_at(info, CPU, "bfloat16", 2, 128, plan.CacheConfig(), plan.SchedulerConfig()).tp == 2
     floats = _load(path, "float32", (2, 1), quantized=False)
     assert floats.model.layers[0].self_attn.o_proj.weight.shape == (256, 128)
     assert not _linears(floats.model)

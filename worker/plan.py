@@ -75,7 +75,7 @@ from worker.config import (
     human_readable_int,
 )
 from worker.models.llama import LlamaConfig, fuse_shards, our_name
-from worker.parallel.shard import ShardPlan
+from worker.parallel import gguf_split
 from worker.weights import default_model_path, dummy, gguf_file, hf_folder, hf_quantized
 from worker.weights.gguf_load import lookup_supported
 from worker.weights.quant_config import QuantFormat
@@ -533,7 +533,11 @@ def fit_at(model: ModelInfo, device: Device, dtype: str, tp: int, max_model_len:
     whole (worker/parallel/gguf_split.py), and each rank's cache holds its KV heads only,
     in the same budget a device (ValueError where `tp` does not split the model)."""
     cfg = model.config
-    rank_cfg = ShardPlan.of(cfg, tp).config(cfg) if tp > 1 else cfg
+    rank_cfg = cfg
+    if tp > 1:  # the worker's refusals: heads, the MLP, a GGUF's blocks where the kernels hold them
+        quantized = device.kind == "cpu" and dtype == "float32" and model.source == "gguf"
+        pieces = {t.name: [(p.dtype, p.shape) for p in t.pieces] for t in model.tensors}
+        rank_cfg = gguf_split.check(cfg, tp, pieces, quantized).config(cfg)
     w = per_rank(weights(model, device, dtype, cpu_activations=cpu_activations), tp)
     held = sum(w.held.values())
     kv = memory.kv_cache_dtype(cache.kv_cache_dtype, torch.device(device.kind), getattr(torch, dtype))

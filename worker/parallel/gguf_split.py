@@ -21,12 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ops.quantized_linear import supports
 from worker.models.llama import LlamaConfig
 from worker.parallel.shard import ShardPlan
-from worker.weights.gguf_piece import Piece
+
+if TYPE_CHECKING:  # worker.weights' loader imports this module: no import back at run time
+    from worker.weights.gguf_piece import Piece
 
 # A layer's weight or bias by this model's name: its module ("qkv_proj", "o_proj", ...).
 _LAYER = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.(weight|bias)$")
@@ -40,16 +46,9 @@ class GGUFSplit:
     @classmethod
     def of(cls, cfg: LlamaConfig, world: int, rank: int, groups: dict[str, list[Piece]],
            quantized: bool) -> GGUFSplit:
-        """Rank `rank`'s split, or a ValueError naming what does not divide: the heads or the
-        MLP (ShardPlan.of), or, where the load holds the linears on their blocks
-        (`quantized`), a weight's blocks."""
-        plan = ShardPlan.of(cfg, world)
-        why = _refusal(plan, groups, quantized)
-        if why is not None:
-            fits = [str(k) for k in range(1, cfg.num_heads + 1) if _fits(cfg, k, groups, quantized)]
-            raise ValueError(f"--tensor-parallel-size {world}: {why}; sizes that work: {', '.join(fits)} "
-                             "(or --no-cpu-quantized-linear: the linears dequantized, sliced anywhere)")
-        return cls(plan, rank)
+        """Rank `rank`'s split, or a ValueError naming what does not divide (`check`)."""
+        shapes = {name: [(p.qtype, p.full_shape) for p in pieces] for name, pieces in groups.items()}
+        return cls(check(cfg, world, shapes, quantized), rank)
 
     def apply(self, groups: dict[str, list[Piece]]) -> dict[str, list[Piece]]:
         return {name: self.pieces(name, pieces) for name, pieces in groups.items()}
@@ -61,53 +60,75 @@ class GGUFSplit:
             return pieces
         module, kind = m.group(2), m.group(3)
         rows = self.plan.rows(self.rank).get(module)
-        if rows is not None:
-            return _rows_of(pieces, rows)
+        if rows is not None:  # a piece left with none of its rows is dropped
+            mine = _rows_of([p.full_shape[0] for p in pieces], rows)
+            return [dataclasses.replace(p, rows=r) for p, r in zip(pieces, mine, strict=True) if r]
         cols = self.plan.cols(self.rank).get(module)
         if cols is not None and kind == "weight":
             return [dataclasses.replace(p, cols=cols) for p in pieces]
         return pieces
 
 
-def _rows_of(pieces: list[Piece], spans: tuple[range, ...]) -> list[Piece]:
-    """`spans` (rows of the fused weight) as each piece's own rows; a piece left with none
-    is dropped."""
+def check(cfg: LlamaConfig, world: int, weights: Mapping[str, Sequence[tuple[str, tuple[int, ...]]]],
+          quantized: bool) -> ShardPlan:
+    """The plan of `world` ranks, or a ValueError naming what does not divide: the heads or
+    the MLP (ShardPlan.of), or, where the linears are held on their blocks (`quantized`), a
+    weight's blocks, with the sizes that work. `weights`: by this model's name, each weight's
+    pieces as (stored type, (out, in)) in row order (the loader's or the planner's)."""
+    plan = ShardPlan.of(cfg, world)
+    why = _refusal(plan, weights, quantized)
+    if why is not None:
+        fits = [str(k) for k in range(1, cfg.num_heads + 1) if _fits(cfg, k, weights, quantized)]
+        raise ValueError(f"--tensor-parallel-size {world}: {why}; sizes that work: {', '.join(fits)} "
+                         "(or --no-cpu-quantized-linear: the linears dequantized, sliced anywhere)")
+    return plan
+
+
+def _rows_of(counts: list[int], spans: tuple[range, ...]) -> list[tuple[range, ...]]:
+    """`spans` (rows of the fused weight) as each piece's own rows, for pieces of `counts`
+    rows in row order (an empty tuple: none of its rows)."""
     out, offset = [], 0
-    for p in pieces:
-        n = p.full_shape[0]
-        mine = tuple(range(max(r.start, offset) - offset, min(r.stop, offset + n) - offset)
-                     for r in spans if r.start < offset + n and r.stop > offset)
-        if mine:
-            out.append(dataclasses.replace(p, rows=mine))
+    for n in counts:
+        out.append(tuple(range(max(r.start, offset) - offset, min(r.stop, offset + n) - offset)
+                         for r in spans if r.start < offset + n and r.stop > offset))
         offset += n
     return out
 
 
-def _refusal(plan: ShardPlan, groups: dict[str, list[Piece]], quantized: bool) -> str | None:
+def _refusal(plan: ShardPlan, weights: Mapping[str, Sequence[tuple[str, tuple[int, ...]]]],
+             quantized: bool) -> str | None:
     """Why a rank's slices do not fall on the blocks of a linear the kernels would hold at
     TP = 1 (None: every one does). Every rank's slices have rank 0's sizes."""
     if not quantized:
         return None
-    split = GGUFSplit(plan, 0)
-    for name, whole in groups.items():
+    rows, cols = plan.rows(0), plan.cols(0)
+    for name, whole in weights.items():
         m = _LAYER.match(name)
-        if m is None or m.group(3) != "weight" or not all(supports(p.qtype, p.full_shape) for p in whole):
+        if m is None or m.group(3) != "weight" or not all(supports(q, shape) for q, shape in whole):
             continue
-        where = f"layer {m.group(1)} {m.group(2)}"
-        for p in split.pieces(name, whole):
-            cols, rows = p.shape[1], p.shape[0]
-            if p.cols is not None and cols % p.block_size:
-                return (f"{where}: {cols} columns a rank is not a whole number of {p.qtype} blocks "
-                        f"of {p.block_size}")
-            if not supports(p.qtype, p.shape):
-                return (f"{where}: a rank's {rows} x {cols} slice of {p.tensor.name} ({p.qtype}) is not "
-                        "what the CPU kernels take (whole tiles of 32 rows, whole blocks of columns)")
+        where, module = f"layer {m.group(1)} {m.group(2)}", m.group(2)
+        if module not in rows and module not in cols:
+            continue
+        if module in cols:
+            parts = [(q, (shape[0], len(cols[module]))) for q, shape in whole]
+        else:
+            counts = _rows_of([shape[0] for _, shape in whole], rows[module])
+            parts = [(q, (sum(len(r) for r in mine), shape[1])) for (q, shape), mine in zip(whole, counts, strict=True)
+                     if mine]
+        for qtype, (out, n) in parts:
+            block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
+            if n % block:
+                return f"{where}: {n} columns a rank is not a whole number of {qtype} blocks of {block}"
+            if not supports(qtype, (out, n)):
+                return (f"{where}: a rank's {out} x {n} slice ({qtype}) is not what the CPU kernels take "
+                        "(whole tiles of 32 rows, whole blocks of columns)")
     return None
 
 
-def _fits(cfg: LlamaConfig, world: int, groups: dict[str, list[Piece]], quantized: bool) -> bool:
+def _fits(cfg: LlamaConfig, world: int, weights: Mapping[str, Sequence[tuple[str, tuple[int, ...]]]],
+          quantized: bool) -> bool:
     try:
         plan = ShardPlan.of(cfg, world)
     except ValueError:
         return False
-    return _refusal(plan, groups, quantized) is None
+    return _refusal(plan, weights, quantized) is None
