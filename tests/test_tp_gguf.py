@@ -39,6 +39,32 @@ def _load(path, activations: str, split=None, quantized: bool = True):
     return load_model(str(path), "cpu", torch.float32, quantized, activations, split)
 
 
+def _sharded_logits(loads, ids: list[int]) -> torch.Tensor:
+    """Each load (rank r's slices, in rank order) made its rank's shard and run as a thread,
+    summed at a barrier; rank 0's last logits."""
+    world = len(loads)
+    plan, ranks, out = ShardPlan.of(loads[0].config, world), Ranks(world), [None] * world
+
+    def run(rank: int) -> None:
+        ranks.local.rank = rank
+        model = loads[rank].model
+        shard_model(model, plan, rank, ranks.reduce, sliced=True)
+        if rank > 0:  # followers run the layers only (no head: rank 0 computes logits)
+            assert model.lm_head is None and model.tied_head is None
+            model.lm_head = torch.nn.Identity()
+        out[rank] = last_logits(model, ids)
+
+    run_ranks(ranks, world, run)
+    return out[0]
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """The sum over the ranks is the whole product in another order of float32 additions
+    (each kernel's integer activations are per block of 32, the same in a slice): a few
+    units in the 5th digit of logits near 100 (int16's own distance from float32's: ~1e-4)."""
+    torch.testing.assert_close(got, ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
+
+
 @pytest.mark.parametrize("activations", ["float32", "auto"])
 def test_a_k_quant_files_rank_slices_stay_quantized_and_sum_to_the_whole(tmp_path, activations) -> None:
     """hidden 512 (16 heads of 32, 1 KV head, intermediate 1024) at -tp 2: o_proj's 256
@@ -48,25 +74,9 @@ def test_a_k_quant_files_rank_slices_stay_quantized_and_sum_to_the_whole(tmp_pat
     ref = last_logits(whole.model, IDS)
     theirs = _by_name(whole.model)
     whole_bytes = sum(m.packed.nbytes for m in theirs.values())
-    world, ranks, out = 2, Ranks(2), [None, None]
+    world = 2
     loads = [_load(path, activations, (world, r)) for r in range(world)]
-    plan = ShardPlan.of(whole.config, world)
-
-    def run(rank: int) -> None:
-        ranks.local.rank = rank
-        model = loads[rank].model
-        shard_model(model, plan, rank, ranks.reduce, sliced=True)
-        if rank > 0:  # followers run the layers only (no head: rank 0 computes logits)
-            assert model.lm_head is None and model.tied_head is None
-            model.lm_head = torch.nn.Identity()
-        out[rank] = last_logits(model, IDS)
-
-    run_ranks(ranks, world, run)
-    # The sum over the ranks is the whole product in another order of float32 additions
-    # (each kernel's integer activations are per block of 32, the same in a slice): a few
-    # units in the 5th digit of logits near 100 (int16's own distance from float32's: ~1e-4).
-    torch.testing.assert_close(out[0], ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
-    assert not torch.equal(out[0], torch.zeros_like(ref))
+    _close(_sharded_logits(loads, IDS), ref)
     for rank, loaded in enumerate(loads):
         layer = loaded.model.layers[0]
         qkv, o, down = layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj
@@ -106,9 +116,11 @@ def test_a_split_off_the_blocks_is_refused_by_its_numbers(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"layer 0 o_proj: 128 columns a rank is not a whole number"):
         plan.fit_at(info, CPU, "float32", 2, 128, plan.CacheConfig(), plan.SchedulerConfig())
     assert plan.fit_at(info, CPU, "bfloat16", 2, 128, plan.CacheConfig(), plan.SchedulerConfig()).tp == 2
-    floats = _load(path, "float32", (2, 1), quantized=False)
-    assert floats.model.layers[0].self_attn.o_proj.weight.shape == (256, 128)
-    assert not _linears(floats.model)
+    floats = [_load(path, "float32", (2, r), quantized=False) for r in range(2)]
+    assert floats[1].model.layers[0].self_attn.o_proj.weight.shape == (256, 128)
+    assert not _linears(floats[1].model)
+    whole = _load(path, "float32", quantized=False)  # the float slices (q/k unpermuted by head) sum up too
+    _close(_sharded_logits(floats, IDS), last_logits(whole.model, IDS))
 
 
 def test_the_default_models_rank_holds_its_q4_1_slices_as_the_planner_says() -> None:
@@ -145,18 +157,7 @@ def test_a_familys_q8_0_file_at_tp2_sums_to_the_whole(name) -> None:
     ids = IDS[:6]
     ref = last_logits(whole.model, ids)
     loads = [_load(path, "float32", (2, r)) for r in range(2)]
-    plan, ranks, out = ShardPlan.of(whole.config, 2), Ranks(2), [None, None]
-
-    def run(rank: int) -> None:
-        ranks.local.rank = rank
-        model = loads[rank].model
-        shard_model(model, plan, rank, ranks.reduce, sliced=True)
-        if rank > 0:
-            model.lm_head = torch.nn.Identity()
-        out[rank] = last_logits(model, ids)
-
-    run_ranks(ranks, 2, run)
-    torch.testing.assert_close(out[0], ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
+    _close(_sharded_logits(loads, ids), ref)
     layer = loads[1].model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.out_features == 3 * 32
     assert layer.self_attn.o_proj.inner.in_features == 32 and layer.mlp.down_proj.inner.in_features == 64
