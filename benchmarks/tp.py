@@ -5,10 +5,11 @@
 Variants, each an in-process engine over the default model (this process is rank 0; the
 followers are processes of their own, over gloo):
 - `tp1-quantized`: TP = 1 as served by default (GGUF blocks, the fused C decoder);
-- `tp1-float32`: TP = 1 on the dequantized weights, op by op (what every rank runs under
-  -tp: the shards are sliced from float weights and the fused decoder does not run sharded);
-- `tpK`: TP = K, with rank 0's all-reduces a step (count and seconds) and its step
-  messages' seconds (two broadcasts a step: the header, then the arrays).
+- `tp1-float32`: TP = 1 on the dequantized weights, op by op;
+- `tpK`: TP = K as served by default (each rank its slices of the GGUF blocks, op by op
+  with the C kernels: the fused decoder does not run sharded), with rank 0's all-reduces a
+  step (count and seconds) and its step messages' seconds (two broadcasts a step: the
+  header, then the arrays).
 
 This is a test bed, not a speed-up: the ranks share the machine's cores (each gets
 cores / K torch threads), so the step is slower at TP > 1; the figures say where its time
@@ -31,7 +32,7 @@ from worker.engine import Engine
 
 
 def config(variant: str, batch: int, tp: int) -> WorkerConfig:
-    model = ModelConfig(cpu_quantized_linear=variant == "tp1-quantized", max_model_len=2048)
+    model = ModelConfig(cpu_quantized_linear=variant != "tp1-float32", max_model_len=2048)
     return WorkerConfig(model=model, parallel=ParallelConfig(tensor_parallel_size=tp),
                         cache=CacheConfig(kv_cache_memory=0.25, swap_space=0),
                         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192))

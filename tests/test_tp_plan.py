@@ -4,13 +4,12 @@ step messages. The multi-process tests are tests/test_tp_served.py."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
 
 from tests.test_no_pickle import violations
+from tests.tp_helpers import Ranks, run_ranks
 from worker.models.llama import LlamaConfig, LlamaForCausalLM
 from worker.parallel import messages
 from worker.parallel.shard import ShardPlan, shard_model
@@ -51,24 +50,6 @@ def test_kv_heads_are_the_ones_each_ranks_query_heads_read(kv, world, expected) 
         assert len(kv_heads) == plan.kv_heads_per_rank == max(1, kv // world)
 
 
-class _Ranks:
-    """`world` sharded copies run in lockstep, one thread each, whose all-reduce is a sum
-    over the copies at a barrier: the group's arithmetic without processes."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.barrier = threading.Barrier(world, timeout=120)  # a rank that raised fails the rest
-        self.parts: list[torch.Tensor | None] = [None] * world
-        self.local = threading.local()
-
-    def reduce(self, t: torch.Tensor) -> None:
-        self.parts[self.local.rank] = t.clone()
-        self.barrier.wait()
-        total = torch.stack(self.parts).sum(0)  # type: ignore[arg-type]
-        self.barrier.wait()
-        t.copy_(total)
-
-
 @pytest.mark.parametrize(("kv", "world"), [(1, 2), (2, 4), (2, 2)])
 def test_the_shards_sum_to_the_whole_model(kv: int, world: int) -> None:
     from tests.helpers import last_logits
@@ -79,7 +60,7 @@ def test_the_shards_sum_to_the_whole_model(kv: int, world: int) -> None:
     dummy.init_dummy(whole)
     ids = [3, 9, 27, 17, 5, 40, 2]
     ref = last_logits(whole, ids)
-    ranks = _Ranks(world)
+    ranks = Ranks(world)
     hidden: list[torch.Tensor | None] = [None] * world
     state = whole.state_dict()
 
@@ -151,7 +132,7 @@ def test_a_lora_adapters_shards_sum_to_the_whole_adapted_model(kv: int, world: i
     assert payload.dtype == np.float32 and messages.payload_len(head) == len(payload)
     with pytest.raises(ValueError, match=r"carries \d+ floats; this model needs"):  # a follower exits on it
         tp_lora.unpack(head, payload[:-1], cfg)
-    ranks, out = _Ranks(world), [None] * world
+    ranks, out = Ranks(world), [None] * world
     state = whole.state_dict()
     plan = ShardPlan.of(cfg, world)
 
@@ -245,24 +226,3 @@ def test_the_engine_refuses_tp2_on_the_default_model_naming_its_9_heads(default_
     with pytest.raises(ValueError, match="--tensor-parallel-size 2: the model's 9 attention heads"):
         Engine(WorkerConfig(parallel=ParallelConfig(tensor_parallel_size=2)), loaded=default_model)
     assert default_model.linears == linears and default_model.taken == taken  # refused before a reload
-
-
-def run_ranks(ranks, world: int, run) -> None:
-    """`run(rank)` on a thread a rank; a rank that raises breaks the barrier (the others then
-    leave it broken) and its error, not the others' BrokenBarrierError, is raised here."""
-    errors: list[BaseException] = []
-
-    def guarded(rank: int) -> None:
-        try:
-            run(rank)
-        except BaseException as e:
-            errors.append(e)
-            ranks.barrier.abort()
-
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])

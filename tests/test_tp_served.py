@@ -5,16 +5,20 @@
   prompts, prompt logprobs (within 1e-3), a chunked long prompt and its prefix-cache hit,
   n = 2 seeded samples, a JSON-schema constraint, two LoRA adapters beside the base model
   (one loaded at run time), and swap and recompute preemption, each equal to an in-process
-  TP = 1 engine's (the GGUF dequantized on both: under -tp the shards are sliced from float
-  weights).
+  TP = 1 engine's (the GGUF on its Q4_1/Q8_0 blocks on both: each rank holds its slices of
+  the file's blocks, o_proj's 192 columns and down_proj's 512 whole blocks of 32).
 - KV-head replication: tiny random models with 1 KV head at `-tp 2` (swap preemption; a
-  GGUF of K-quant blocks, Q4_K and Q6_K) and 2 KV heads at `-tp 4` (recompute preemption),
-  a KV cache small enough to preempt, equal to TP = 1.
+  GGUF of K-quant blocks, Q4_K and Q6_K, each rank's slices on them) and 2 KV heads at
+  `-tp 4` (recompute preemption), a KV cache small enough to preempt, equal to TP = 1; a
+  K-quant split off the blocks refused at start-up by its numbers.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,7 +28,7 @@ from benchmarks.lora import write_adapters
 from scheduler.request import SamplingParams
 from tests.conftest import CHAT_PROMPTS
 from tests.gguf_tiny import write_tiny_llama
-from tests.test_server import run
+from tests.test_server import ROOT, run
 from tests.tp_helpers import TPWorker, followers, gone, tiny_checkpoint
 from worker import config as cfgmod
 from worker.cli import build_parser
@@ -35,7 +39,12 @@ from worker.weights.dummy import dummy_config
 
 pytestmark = pytest.mark.slow
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
-DEFAULT_FLAGS = ("--max-num-batched-tokens", "64", "--speculative-config", SPEC)
+# float32 activations on both sides: with int16's (auto on AVX-512 VNNI) the ranks' sums, in
+# another order of float32 additions, move values across int16's rounding steps, and the
+# prompt logprobs of -tp 3 and TP = 1 part by int16's own error (~3e-3 here; 1e-2 is its
+# bound against float32), not by 1e-3 (float32: 2e-5).
+ACTIVATIONS = ("--cpu-activations", "float32")
+DEFAULT_FLAGS = ("--max-num-batched-tokens", "64", "--speculative-config", SPEC, *ACTIVATIONS)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
           "required": ["city"], "additionalProperties": False}
 MAX_TOKENS = 8
@@ -85,7 +94,7 @@ def tp3(adapters):
 
 @pytest.fixture(scope="module")
 def tp1(adapters):
-    engine = _engine("--no-cpu-quantized-linear", "--max-model-len", "2048", "--kv-cache-memory",
+    engine = _engine(*ACTIVATIONS, "--max-model-len", "2048", "--kv-cache-memory",
                      "0.25", "--max-num-batched-tokens", "64", *_lora_flags(adapters))
     yield engine
     engine.shutdown()
@@ -214,35 +223,43 @@ def test_the_planners_kv_blocks_at_tp3_are_the_workers(tp3) -> None:
     assert p.kv_cache["bytes_per_token"] == 2 * 30 * 1 * 64 * 4  # K and V, 30 layers, a rank's head
 
 
-# A GGUF of K-quant blocks (Q4_K, attn_v, ffn_down and the embedding Q6_K), hidden 256
-# (whole 256-value super-blocks): 8 heads of 32, 1 KV head.
+# A GGUF of K-quant blocks (Q4_K, attn_v, ffn_down and the embedding Q6_K), hidden 512:
+# 16 heads of 32, 1 KV head, intermediate 1024; at -tp 2 a rank's o_proj is 256 columns
+# (one Q4_K block of 256) and its down_proj 512 (two Q6_K blocks).
 KQUANT_TYPES = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 
 
 @pytest.mark.parametrize(("kv_heads", "tp", "mode"), [(1, 2, "swap"), (2, 4, "recompute")])
 def test_kv_head_replication_with_preemption_equals_tp1(tmp_path, kv_heads, tp, mode) -> None:
-    """1 KV head at -tp 2 on a K-quant GGUF (each rank slices the dequantized blocks; TP = 1
-    on the same file, dequantized too), 2 KV heads at -tp 4 on a transformers checkpoint."""
+    """1 KV head at -tp 2 on a K-quant GGUF (each rank its slices of the file's blocks, on
+    the CPU kernels as TP = 1 on the same file), 2 KV heads at -tp 4 on a transformers
+    checkpoint."""
     if kv_heads == 1:
-        model = str(write_tiny_llama(tmp_path / "kquant.gguf", "Q4_K", hidden=256, layers=2,
+        model = str(write_tiny_llama(tmp_path / "kquant.gguf", "Q4_K", hidden=512, layers=2,
                                      types=KQUANT_TYPES))
-        head_dim, extra = 32, ("--no-cpu-quantized-linear",)
+        head_dim = 32
     else:
-        model, head_dim, extra = tiny_checkpoint(tmp_path, kv_heads=kv_heads), 16, ()
+        model, head_dim = tiny_checkpoint(tmp_path, kv_heads=kv_heads), 16
     # 12 blocks a rank: 16 tokens of 2 layers' K and V, one KV head a rank (float32)
     per_block = 16 * 2 * 2 * head_dim * 4
     kv = ("--kv-cache-memory-bytes", str(12 * per_block), "--max-model-len", "128")
     flags = ("--model", model, "--preemption-mode", mode, "--max-num-seqs", "4")
     prompts = [[1 + i, *range(10 + 7 * i, 30 + 7 * i)] for i in range(4)]  # 21 tokens each
-    tp1 = _engine(*flags, *extra)
+    tp1 = _engine(*flags)
     greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     ref = [c.token_ids for c in tp1.generate([tp1.make_request(p, greedy) for p in prompts])]
     w = TPWorker(*flags, "-tp", str(tp), kv=kv)
     try:
         w.wait_ready()
         assert any(f"{tp} ranks over gloo" in line for line in w.lines)
-        if kv_heads == 1:  # the file's K-quant blocks, dequantized for the slicing
-            assert any("Q4_K x10" in line and "Q6_K x5" in line for line in w.lines)
+        if kv_heads == 1:  # each rank holds its slices as records of the file's K-quant blocks
+            assert any("Q4_K x10" in line and "as Q4_K records" in line and "Q6_K x4" in line
+                       for line in w.lines if "tensor parallel rank" not in line)  # rank 0's
+            follower = next(line for line in w.lines if line.startswith("tensor parallel rank 1: GGUF"))
+            assert "Q4_K records" in follower and "Q6_K records" in follower, follower
+            file_mib, held_mib = map(float, re.search(r"in all ([\d.]+) MiB in the file, ([\d.]+) MiB "
+                                                      r"held", follower).groups())
+            assert held_mib < 0.75 * file_mib, follower  # half the layers' linears (k, v whole)
 
         def served(ids: list[int]) -> list[int]:
             return _ids(run(w.stub, token_ids=pb.TokenIdsInput(ids=ids),
@@ -256,3 +273,14 @@ def test_kv_head_replication_with_preemption_equals_tp1(tmp_path, kv_heads, tp, 
         assert status.num_preemptions > 0, "the cache was meant to be too small for all four"
     finally:
         w.close()
+
+
+def test_a_k_quant_split_off_the_blocks_is_refused_at_start_up(tmp_path) -> None:
+    """hidden 256 (8 heads of 32) at -tp 2: o_proj's 128 columns a rank are half a Q4_K
+    block; serve exits non-zero naming them before any follower starts."""
+    model = write_tiny_llama(tmp_path / "k256.gguf", "Q4_K", hidden=256, layers=1, types=KQUANT_TYPES)
+    done = subprocess.run([sys.executable, "-m", "worker.cli", "serve", "--port", "0", "--model", str(model),
+                           "-tp", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert ("layer 0 o_proj: 128 columns a rank is not a whole number of Q4_K blocks of 256; "
+            "sizes that work: 1") in done.stderr, done.stderr[-2000:]

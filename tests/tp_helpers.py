@@ -1,14 +1,16 @@
 """Shared by the tensor-parallel tests: a tiny random checkpoint, served workers whose
-followers can be found, and a stream that can be timed."""
+followers can be found, a stream that can be timed, and ranks run as threads."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import psutil
+import torch
 from llmworker.v1 import worker_pb2 as pb
 
 from tests.helpers import save_tiny_checkpoint
@@ -86,3 +88,42 @@ def fail_time(stream, fault) -> tuple[grpc.StatusCode, float, str]:
     except grpc.RpcError as e:
         return e.code(), time.monotonic() - t0, e.details() or ""
     return grpc.StatusCode.OK, time.monotonic() - t0, ""
+
+
+class Ranks:
+    """`world` sharded copies run in lockstep, one thread each, whose all-reduce is a sum
+    over the copies at a barrier: the group's arithmetic without processes."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=120)  # a rank that raised fails the rest
+        self.parts: list[torch.Tensor | None] = [None] * world
+        self.local = threading.local()
+
+    def reduce(self, t: torch.Tensor) -> None:
+        self.parts[self.local.rank] = t.clone()
+        self.barrier.wait()
+        total = torch.stack(self.parts).sum(0)  # type: ignore[arg-type]
+        self.barrier.wait()
+        t.copy_(total)
+
+
+def run_ranks(ranks, world: int, run) -> None:
+    """`run(rank)` on a thread a rank; a rank that raises breaks the barrier (the others then
+    leave it broken) and its error, not the others' BrokenBarrierError, is raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            run(rank)
+        except BaseException as e:
+            errors.append(e)
+            ranks.barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])

@@ -175,17 +175,18 @@ class Engine:
         device = resolve_device(config.model.device)
         mc = config.model
         tp = config.parallel.tensor_parallel_size
-        # Under tensor parallelism a GGUF's linears load dequantized: the shards are sliced
-        # from float weights (worker/parallel/shard.py).
-        quantized = mc.cpu_quantized_linear and tp == 1
+        # Under tensor parallelism a GGUF loads rank 0's slices only, on the file's blocks
+        # as at TP = 1 (worker/parallel/gguf_split.py); other sources are sliced after.
+        quantized = mc.cpu_quantized_linear
+        split = (tp, 0) if tp > 1 else None
         if loaded is None:
             loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), quantized,
-                                mc.cpu_activations)
+                                mc.cpu_activations, split)
         else:  # a load made for other linears is made again, unless an engine runs on it
             if tp > 1:  # a split that does not divide is refused before any reload
                 ShardPlan.of(loaded.config, tp)
             loaded.hold_linears(LinearPolicy.of(loaded.device, loaded.dtype, quantized,
-                                                mc.cpu_activations))
+                                                mc.cpu_activations), split)
         log.info(loaded.describe_weights())
         loaded.taken = True
         self.loaded = loaded

@@ -101,7 +101,7 @@ class ModelRunner:
         cfg = model.config
         if cpu_packed_linear and can_pack(device, dtype):
             pack_linears(model)
-            if model.lm_head is None and model.tied_head is None:
+            if model.lm_head is None and model.tied_head is None and model.computes_logits:
                 # The tied head gets a packed copy; the embedding lookup keeps the table.
                 model.tied_head = PackedLinear(model.embed_tokens.weight)
         self.model = model

@@ -75,7 +75,7 @@ from worker.config import (
     human_readable_int,
 )
 from worker.models.llama import LlamaConfig, fuse_shards, our_name
-from worker.parallel.shard import ShardPlan
+from worker.parallel import gguf_split
 from worker.weights import default_model_path, dummy, gguf_file, hf_folder, hf_quantized
 from worker.weights.gguf_load import lookup_supported
 from worker.weights.quant_config import QuantFormat
@@ -529,11 +529,16 @@ class RankFit:
 def fit_at(model: ModelInfo, device: Device, dtype: str, tp: int, max_model_len: int,
            cache: CacheConfig, sched: SchedulerConfig, cpu_activations: str = "auto") -> RankFit:
     """Rank 0's weights and KV blocks at `tp`, as the worker sizes them: under tensor
-    parallelism a GGUF loads dequantized and each rank's cache holds its KV heads only, in
-    the same budget a device (ValueError where `tp` does not split the model)."""
+    parallelism a GGUF's rank holds its slices on the file's blocks as TP = 1 holds the
+    whole (worker/parallel/gguf_split.py), and each rank's cache holds its KV heads only,
+    in the same budget a device (ValueError where `tp` does not split the model)."""
     cfg = model.config
-    rank_cfg = ShardPlan.of(cfg, tp).config(cfg) if tp > 1 else cfg
-    w = per_rank(weights(model, device, dtype, cpu_quantized=tp == 1, cpu_activations=cpu_activations), tp)
+    rank_cfg = cfg
+    if tp > 1:  # the worker's refusals: heads, the MLP, a GGUF's blocks where the kernels hold them
+        quantized = device.kind == "cpu" and dtype == "float32" and model.source == "gguf"
+        pieces = {t.name: [(p.dtype, p.shape) for p in t.pieces] for t in model.tensors}
+        rank_cfg = gguf_split.check(cfg, tp, pieces, quantized).config(cfg)
+    w = per_rank(weights(model, device, dtype, cpu_activations=cpu_activations), tp)
     held = sum(w.held.values())
     kv = memory.kv_cache_dtype(cache.kv_cache_dtype, torch.device(device.kind), getattr(torch, dtype))
     per_token = kv_bytes_per_token(rank_cfg.num_layers, rank_cfg.num_kv_heads, rank_cfg.head_dim, kv.itemsize)
@@ -605,7 +610,7 @@ def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "aut
                          f"{device.name}: {fit.why}. Per rank: "
                          + "; ".join(f.describe() for f in tried) + f". {where[0].upper()}{where[1:]}")
     w, held, per_token, budget = fit.weights, fit.held, fit.kv_per_token, fit.budget
-    full = weights(model, device, dtype, cpu_quantized=tp == 1, cpu_activations=cpu_activations)
+    full = weights(model, device, dtype, cpu_activations=cpu_activations)
     blocks_per_seq = -(-seq // cache.block_size)
     kv_seqs = budget.num_blocks // blocks_per_seq
     max_batch = min(kv_seqs, sched.max_num_seqs)

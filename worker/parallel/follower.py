@@ -107,9 +107,12 @@ def _load(spec: dict, fault: tuple[str, int] | None, collectives):
     device = rank_device(base, rank)
     if fault is not None and fault[0] == "load":
         raise ValueError(f"injected load failure on rank {rank} ({FAULT_ENV})")
-    loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), False, mc.cpu_activations)
+    loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), mc.cpu_quantized_linear,
+                        mc.cpu_activations, (world, rank))
     plan = ShardPlan.of(loaded.config, world)
-    shard_model(loaded.model, plan, rank, collectives.all_reduce)
+    shard_model(loaded.model, plan, rank, collectives.all_reduce, sliced=loaded.split is not None)
+    # What this rank holds (its slices, on the file's blocks where TP = 1's are), on rank 0's stderr.
+    print(f"tensor parallel rank {rank}: {loaded.describe_weights()}", file=sys.stderr, flush=True)
     ops.set_backend(mc.kernels)
     lora = None
     if spec["lora"] is not None:  # its slots: this rank's share of what rank 0 writes

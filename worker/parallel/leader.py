@@ -66,7 +66,7 @@ class TensorParallel:
         self.collectives.on_lost = self._lost
         self.procs: list[subprocess.Popen[bytes]] = []
         self._closed = False
-        shard_model(loaded.model, self.plan, 0, self.collectives.all_reduce)
+        shard_model(loaded.model, self.plan, 0, self.collectives.all_reduce, sliced=loaded.split is not None)
 
     def describe(self) -> str:
         dev = self.device
@@ -75,8 +75,8 @@ class TensorParallel:
         return (f"tensor parallel: {self.world} ranks over {backend} ({devices}); "
                 + "; ".join(self.plan.describe(r) for r in range(self.world))
                 + "; embedding replicated, LM head on rank 0"
-                + ("; on the CPU op by op with the C kernels (the fused decoder does not run sharded; "
-                   "weights float32)" if dev.type == "cpu" else "; no CUDA graphs under -tp yet"))
+                + ("; on the CPU op by op with the C kernels (the fused decoder does not run sharded)"
+                   if dev.type == "cpu" else "; no CUDA graphs under -tp yet"))
 
     # ----- start-up -----
 

@@ -17,6 +17,10 @@ vocab-parallel embedding and head would save vocab x hidden per rank; not done.)
 KV heads: with kv >= k each rank keeps kv/k of them (k must divide kv); with kv < k
 (k a multiple of kv) each rank keeps the one KV head its query heads read, so each KV head
 is replicated k/kv times (vLLM's rule). The KV cache of a rank holds only its heads.
+
+Where the slices come from: a GGUF file is cut as it loads, on its own blocks
+(gguf_split.py: `rows` and `cols` below, by whole blocks); a float load (safetensors,
+dummy) is sliced here after it (`shard_model`); a pre-quantized folder is refused.
 """
 
 from __future__ import annotations
@@ -92,6 +96,24 @@ class ShardPlan:
                                    num_kv_heads=self.kv_heads_per_rank,
                                    intermediate_size=self.intermediate_per_rank)
 
+    def rows(self, rank: int) -> dict[str, tuple[range, ...]]:
+        """Rank `rank`'s rows of each column-parallel weight, as rows of the fused weight:
+        qkv_proj its query heads', then its KV heads' under k and under v; gate_up_proj its
+        MLP slice under gate and under up."""
+        d, n, i = self.head_dim, self.intermediate_per_rank, self.intermediate_size
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        kv = self.kv_heads(rank)
+        return {"qkv_proj": (_span(self.q_heads(rank), d), _span(kv, d, q_size),
+                             _span(kv, d, q_size + kv_size)),
+                "gate_up_proj": (range(rank * n, (rank + 1) * n), range(i + rank * n, i + (rank + 1) * n))}
+
+    def cols(self, rank: int) -> dict[str, range]:
+        """Rank `rank`'s input columns of each row-parallel weight: o_proj its query heads',
+        down_proj its MLP slice."""
+        n = self.intermediate_per_rank
+        return {"o_proj": _span(self.q_heads(rank), self.head_dim),
+                "down_proj": range(rank * n, (rank + 1) * n)}
+
     def lora_slicer(self, rank: int) -> Callable[[str, torch.Tensor, torch.Tensor],
                                                   tuple[torch.Tensor, torch.Tensor]]:
         """Rank `rank`'s share of a LoRA adapter's (A [r, in], B [out, r]) for a PEFT
@@ -99,8 +121,9 @@ class ShardPlan:
         rows of their heads or MLP slice (A whole); row-parallel o and down keep A's columns
         of their input slice (B whole), so their partial deltas sum in the all-reduce."""
         d, n = self.head_dim, self.intermediate_per_rank
-        heads = _head_rows(self.q_heads(rank), d, 0)
-        kv = _head_rows(self.kv_heads(rank), d, 0)
+        cpu = torch.device("cpu")
+        heads = _index(_span(self.q_heads(rank), d), cpu)
+        kv = _index(_span(self.kv_heads(rank), d), cpu)
         mlp = torch.arange(rank * n, (rank + 1) * n)
         b_rows = {"q_proj": heads, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
         a_cols = {"o_proj": heads, "down_proj": mlp}
@@ -146,7 +169,7 @@ class RowParallel(nn.Module):
 def _float_linear(lin: nn.Module, what: str) -> nn.Linear:
     if type(lin) not in (nn.Linear, Linear):
         raise ValueError(f"tensor parallelism slices float linear layers; {what} is a "
-                         f"{type(lin).__name__} (GGUF files load dequantized under -tp; "
+                         f"{type(lin).__name__} (GGUF files are cut as they load; "
                          "pre-quantized checkpoints are not sliced yet)")
     return lin
 
@@ -160,43 +183,61 @@ def _sliced(lin: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return new
 
 
-def _head_rows(heads: range, head_dim: int, offset: int) -> torch.Tensor:
-    return torch.arange(offset + heads.start * head_dim, offset + heads.stop * head_dim)
+def _span(heads: range, head_dim: int, offset: int = 0) -> range:
+    """The rows (or columns) of `heads`, each `head_dim` long, from `offset`."""
+    return range(offset + heads.start * head_dim, offset + heads.stop * head_dim)
+
+
+def _index(spans: tuple[range, ...] | range, device: torch.device) -> torch.Tensor:
+    spans = (spans,) if isinstance(spans, range) else spans
+    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in spans])
 
 
 def shard_model(model: nn.Module, plan: ShardPlan, rank: int,
-                reduce: Callable[[torch.Tensor], None]) -> None:
-    """Slice a loaded LlamaForCausalLM to rank `rank`'s shard, in place (see the top); the
-    full weights are freed as each layer's slices replace them. A row-parallel bias is
-    added once, by rank 0, before the sum. Followers (rank > 0) drop the LM head."""
+                reduce: Callable[[torch.Tensor], None], sliced: bool = False) -> None:
+    """Make a loaded LlamaForCausalLM rank `rank`'s shard, in place (see the top): its float
+    linears sliced (the full weights freed as each layer's slices replace them), unless
+    `sliced` (a GGUF load sliced as it loaded, worker/parallel/gguf_split.py: its linears are
+    the rank's already, on the file's blocks or floats); then o_proj and down_proj wrapped to
+    sum over the ranks. A row-parallel bias is added once, by rank 0, before the sum.
+    Followers (rank > 0) drop the LM head."""
     cfg = model.config
-    d = cfg.head_dim
-    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-    q, kv = plan.q_heads(rank), plan.kv_heads(rank)
-    qkv_rows = torch.cat([_head_rows(q, d, 0), _head_rows(kv, d, q_size),
-                          _head_rows(kv, d, q_size + kv_size)])
-    o_cols = _head_rows(q, d, 0)
-    i, n = cfg.intermediate_size, plan.intermediate_per_rank
-    mlp_cols = torch.arange(rank * n, (rank + 1) * n)
-    gate_up_rows = torch.cat([mlp_cols, mlp_cols + i])
+    if not sliced:
+        _slice_floats(model, plan, rank)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.o_proj = RowParallel(_without_bias(attn.o_proj) if rank else attn.o_proj, reduce)
+        mlp.down_proj = RowParallel(_without_bias(mlp.down_proj) if rank else mlp.down_proj, reduce)
+    if not sliced:
+        model.config = plan.config(cfg)
+    if rank > 0:  # rank 0 alone computes logits
+        model.lm_head = None
+        model.tied_head = None
+        model.computes_logits = False
+
+
+def _without_bias(lin: nn.Module) -> nn.Module:
+    if getattr(lin, "bias", None) is not None:
+        lin.bias = None
+    return lin
+
+
+def _slice_floats(model: nn.Module, plan: ShardPlan, rank: int) -> None:
+    d = model.config.head_dim
+    rows, cols = plan.rows(rank), plan.cols(rank)
     for index, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         where = f"layer {index}"
         qkv = _float_linear(attn.qkv_proj, f"{where} qkv_proj")
         dev = qkv.weight.device
-        attn.qkv_proj = _sliced(qkv, qkv.weight[qkv_rows.to(dev)],
-                                None if qkv.bias is None else qkv.bias[qkv_rows.to(dev)])
+        qkv_rows = _index(rows["qkv_proj"], dev)
+        attn.qkv_proj = _sliced(qkv, qkv.weight[qkv_rows], None if qkv.bias is None else qkv.bias[qkv_rows])
         o = _float_linear(attn.o_proj, f"{where} o_proj")
-        attn.o_proj = RowParallel(_sliced(o, o.weight[:, o_cols.to(dev)], o.bias if rank == 0 else None),
-                                  reduce)
+        attn.o_proj = _sliced(o, o.weight[:, _index(cols["o_proj"], dev)], o.bias)
         attn.num_heads, attn.num_kv_heads = plan.heads_per_rank, plan.kv_heads_per_rank
         attn.q_size, attn.kv_size = plan.heads_per_rank * d, plan.kv_heads_per_rank * d
         gu = _float_linear(mlp.gate_up_proj, f"{where} gate_up_proj")
-        mlp.gate_up_proj = _sliced(gu, gu.weight[gate_up_rows.to(dev)], None)
+        gu_rows = _index(rows["gate_up_proj"], dev)
+        mlp.gate_up_proj = _sliced(gu, gu.weight[gu_rows], None if gu.bias is None else gu.bias[gu_rows])
         down = _float_linear(mlp.down_proj, f"{where} down_proj")
-        mlp.down_proj = RowParallel(_sliced(down, down.weight[:, mlp_cols.to(dev)],
-                                             down.bias if rank == 0 else None), reduce)
-    model.config = plan.config(cfg)
-    if rank > 0:  # rank 0 alone computes logits
-        model.lm_head = None
-        model.tied_head = None
+        mlp.down_proj = _sliced(down, down.weight[:, _index(cols["down_proj"], dev)], down.bias)

@@ -56,6 +56,10 @@ class LoadedModel:
     taken: bool = False
     # A pre-quantized folder's format (worker/weights/quant_config.py); None otherwise.
     quantization: QuantFormat | None = None
+    # (world, rank): the tensor-parallel rank whose slices this load holds (a GGUF is cut
+    # as it loads: worker/parallel/gguf_split.py; `model` is that rank's, `config` the
+    # whole model's); None: the whole model (other sources are sliced after the load).
+    split: tuple[int, int] | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -74,20 +78,25 @@ class LoadedModel:
         assert self.linears is not None
         return f"{gguf_load.describe_held(self.held)} (linears {self.linears.describe()})"
 
-    def hold_linears(self, policy: LinearPolicy) -> None:
-        """Make this load's linear layers as `policy` holds them: nothing to do where they
-        are (or the source has no GGUF blocks); else, while no runner has taken the load, its
-        model is loaded again from the file that way, in place (`model`, `held`, `linears`
-        replaced); a load a runner holds is refused (a ValueError)."""
-        if (self.source != "gguf" and self.quantization is None) or self.linears == policy:
+    def hold_linears(self, policy: LinearPolicy, split: tuple[int, int] | None = None) -> None:
+        """Make this load's linear layers as `policy` holds them, and a GGUF's as `split`'s
+        rank's slices (None: whole): nothing to do where they are (or the source has no GGUF
+        blocks); else, while no runner has taken the load, its model is loaded again from the
+        file that way, in place (`model`, `held`, `linears`, `split` replaced); a load a
+        runner holds is refused (a ValueError)."""
+        if self.source != "gguf" and self.quantization is None:
+            return
+        split = split if self.source == "gguf" else None  # other sources: sliced after the load
+        if self.linears == policy and self.split == split:
             return
         if self.taken:
             assert self.linears is not None
             raise ValueError(f"this load's linear layers are {self.linears.describe()} and an engine "
                              f"runs on them; {policy.describe()} needs a load of its own "
                              "(load_model again with its cpu_quantized_linear and cpu_activations)")
-        again = _load(self.spec, self.device, self.dtype, policy)
+        again = _load(self.spec, self.device, self.dtype, policy, split)
         self.model, self.held, self.linears, self.quantized = again.model, again.held, again.linears, again.quantized
+        self.split = again.split
 
 
 def _cpu_records_line(model: torch.nn.Module, dtype: str) -> str:
@@ -141,22 +150,24 @@ def _build(cfg: LlamaConfig, device: torch.device, dtype: torch.dtype) -> LlamaF
 
 def load_model(spec: str = "default", device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, cpu_quantized_linear: bool = True,
-               cpu_activations: str = "auto") -> LoadedModel:
+               cpu_activations: str = "auto", split: tuple[int, int] | None = None) -> LoadedModel:
     """`cpu_quantized_linear` and `cpu_activations` as serve's flags: how a GGUF's linear
     layers are held (on the CPU in float32, on the file's blocks for the kernels multiplying
-    in that arithmetic; else dequantized to `dtype`)."""
+    in that arithmetic; else dequantized to `dtype`). `split` (world, rank): a GGUF's
+    tensor-parallel rank's slices only (`LoadedModel.split`)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     try:
         policy = LinearPolicy.of(device, dtype, cpu_quantized_linear, cpu_activations)
-        return _load(spec, device, dtype, policy)
+        return _load(spec, device, dtype, policy, split)
     except ModelLoadError:
         raise
     except (ValueError, OSError) as e:
         raise ModelLoadError(f"cannot load model {spec!r}: {e}") from e
 
 
-def _load(spec: str, device: torch.device, dtype: torch.dtype, policy: LinearPolicy) -> LoadedModel:
+def _load(spec: str, device: torch.device, dtype: torch.dtype, policy: LinearPolicy,
+          split: tuple[int, int] | None = None) -> LoadedModel:
     if spec.startswith("dummy:"):
         cfg = dummy.dummy_config(spec.removeprefix("dummy:"))
         model = _build(cfg, device, dtype)
@@ -174,12 +185,12 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype, policy: LinearPol
         tokenizer = Tokenizer.from_gguf(path, reader)
         arch = gguf_file.field(reader, "general.architecture")
         try:
-            model, held = gguf_load.load_gguf(reader, cfg, arch, device, dtype, policy)
+            model, held = gguf_load.load_gguf(reader, cfg, arch, device, dtype, policy, split)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
         name = DEFAULT_MODEL_NAME if spec == "default" else path.stem
         return LoadedModel(model, cfg, tokenizer, name, "gguf", device, dtype,
-                           gguf_load.GGUFWeights(reader, cfg, arch), policy, held, spec)
+                           gguf_load.GGUFWeights(reader, cfg, arch), policy, held, spec, split=split)
 
     cfg = hf_folder.read_config(path)
     fmt = hf_folder.read_quantization(path)

@@ -48,8 +48,10 @@ from worker.models.llama import (
     fuse_shards,
     our_name,
 )
+from worker.parallel.gguf_split import GGUFSplit
 from worker.weights import gguf_file
-from worker.weights.gguf_reader import GGUFFile, GGUFTensor
+from worker.weights.gguf_piece import Piece
+from worker.weights.gguf_reader import GGUFFile
 
 _MiB = 1 << 20
 # Types held as elements (gguf.dequantize reads them itself); the block types it reads are
@@ -107,52 +109,27 @@ def lookup_supported(qtype: str, shape: tuple[int, int]) -> bool:
     return supports(qtype, shape)
 
 
-@dataclass(frozen=True)
-class _Shard:
-    """A GGUF tensor as one piece of a model weight (a row block of a fused one)."""
-
-    tensor: GGUFTensor
-    heads: int | None  # q/k rows to unpermute over this many heads
-
-    @property
-    def qtype(self) -> str:
-        return self.tensor.tensor_type.name
-
-    @property
-    def shape(self) -> tuple[int, ...]:  # (out, in) for a matrix, as torch holds it
-        return tuple(int(d) for d in reversed(self.tensor.shape))
-
-    def blocks(self) -> np.ndarray:
-        """The file's blocks, [rows, bytes per row], rows unpermuted (a view of the map
-        where nothing moves)."""
-        data = self.tensor.data
-        return gguf_file.unpermute(data, self.heads) if self.heads else data
-
-    def floats(self) -> np.ndarray:
-        w = gguf_file.dequantize_tensor(self.tensor.data, self.tensor.tensor_type).reshape(self.shape)
-        return gguf_file.unpermute(w, self.heads) if self.heads else w
-
-
-def _rows(shards: list[_Shard]) -> int:
+def _rows(shards: list[Piece]) -> int:
     return sum(s.shape[0] for s in shards)
 
 
-def _quantized_weight(shards: list[_Shard]) -> QuantizedWeight:
+def _quantized_weight(shards: list[Piece]) -> QuantizedWeight:
     """The shards' blocks stacked by rows (one copy; none for a lone shard in place)."""
-    if len(shards) == 1 and not shards[0].heads:
-        blocks = shards[0].tensor.data
+    if len(shards) == 1:
+        blocks = shards[0].blocks()
     else:
-        first = shards[0].tensor.data
-        blocks = np.empty((_rows(shards), first.shape[1]), dtype=np.uint8)
+        blocks = None
         row = 0
-        for s in shards:
+        for s in shards:  # one piece's blocks at a time (a view of the map, or a rank's slice)
             part = s.blocks()
+            if blocks is None:
+                blocks = np.empty((_rows(shards), part.shape[1]), dtype=part.dtype)
             blocks[row : row + part.shape[0]] = part
             row += part.shape[0]
     return QuantizedWeight(shards[0].qtype, blocks, (_rows(shards), shards[0].shape[1]))
 
 
-def _floats(shards: list[_Shard], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _floats(shards: list[Piece], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The shards dequantized one at a time into one tensor of `dtype` on `device`."""
     out = torch.empty((_rows(shards), *shards[0].shape[1:]), dtype=dtype, device=device)
     row = 0
@@ -173,10 +150,10 @@ class _Builder:
         self.reader, self.model, self.device, self.dtype, self.policy = reader, model, device, dtype, policy
         self.held: list[Held] = []
 
-    def native(self, shards: list[_Shard]) -> bool:
+    def native(self, shards: list[Piece]) -> bool:
         return self.policy.quantized and all(supports(s.qtype, s.shape) for s in shards)
 
-    def why_float(self, shards: list[_Shard]) -> str:
+    def why_float(self, shards: list[Piece]) -> str:
         if any(len(s.shape) == 1 for s in shards):
             return "norms and biases"
         if self.device.type != "cpu":
@@ -187,15 +164,15 @@ class _Builder:
             return "--no-cpu-quantized-linear" if quantized_linear.available() else "no CPU kernels built"
         return "no native kernel for this type"
 
-    def hold_records(self, shards: list[_Shard], records: torch.Tensor, note: str = "") -> None:
+    def hold_records(self, shards: list[Piece], records: torch.Tensor, note: str = "") -> None:
         """Account `records` (the kernel's layout of these shards) to the shards by file bytes."""
-        total = sum(s.tensor.n_bytes for s in shards)
+        total = sum(s.n_bytes for s in shards)  # a rank's slices: their bytes (gguf_piece.py)
         for s in shards:
-            share = records.nbytes * s.tensor.n_bytes // total
+            share = records.nbytes * s.n_bytes // total
             self.held.append(Held(s.tensor.name, s.qtype, s.tensor.n_bytes, share,
                                   f"{s.qtype} records", note or self.policy.activations))
 
-    def hold_floats(self, shards: list[_Shard], note: str = "", count_file: bool = True) -> None:
+    def hold_floats(self, shards: list[Piece], note: str = "", count_file: bool = True) -> None:
         size = torch.empty((), dtype=self.dtype).element_size()
         for s in shards:
             why = note or self.why_float([s])
@@ -204,13 +181,13 @@ class _Builder:
             self.held.append(Held(s.tensor.name, s.qtype, s.tensor.n_bytes if count_file else 0,
                                   int(np.prod(s.shape)) * size, str(self.dtype).removeprefix("torch."), why))
 
-    def release(self, shards: list[_Shard]) -> None:
+    def release(self, shards: list[Piece]) -> None:
         for s in shards:
             self.reader.release(s.tensor.offset, s.tensor.n_bytes)
 
     # ----- the model's parts -----
 
-    def parameter(self, name: str, shards: list[_Shard]) -> None:
+    def parameter(self, name: str, shards: list[Piece]) -> None:
         """A bare parameter (a norm) or a linear's bias."""
         path, _, attr = name.rpartition(".")
         owner = self.model.get_submodule(path)
@@ -224,7 +201,7 @@ class _Builder:
         setattr(owner, attr, nn.Parameter(value, requires_grad=False))
         self.hold_floats(shards)
 
-    def linear(self, path: str, shards: list[_Shard]) -> None:
+    def linear(self, path: str, shards: list[Piece]) -> None:
         meta = self.model.get_submodule(path)
         _check_shape(f"{path}.weight", (_rows(shards), *shards[0].shape[1:]), meta.weight.shape)
         bias = meta.bias
@@ -233,14 +210,14 @@ class _Builder:
         parent, _, child = path.rpartition(".")
         setattr(self.model.get_submodule(parent), child, self._linear(shards, bias))
 
-    def _linear(self, shards: list[_Shard], bias: torch.Tensor | None) -> nn.Module:
+    def _linear(self, shards: list[Piece], bias: torch.Tensor | None) -> nn.Module:
         if not self.native(shards):
             layer = Linear(shards[0].shape[1], _rows(shards), bias=bias is not None, device="meta")
             layer.weight = nn.Parameter(_floats(shards, self.dtype, self.device), requires_grad=False)
             layer.bias = bias if bias is None else nn.Parameter(bias, requires_grad=False)
             self.hold_floats(shards)
             return layer
-        runs: list[list[_Shard]] = []  # consecutive shards of one type
+        runs: list[list[Piece]] = []  # consecutive shards of one type
         for s in shards:
             if runs and runs[-1][0].qtype == s.qtype:
                 runs[-1].append(s)
@@ -256,7 +233,7 @@ class _Builder:
             row += qw.shape[0]
         return parts[0] if len(parts) == 1 else StackedLinear(parts)
 
-    def embedding(self, shards: list[_Shard]) -> None:
+    def embedding(self, shards: list[Piece]) -> None:
         (s,) = shards
         model, cfg = self.model, self.model.config
         _check_shape("embed_tokens.weight", s.shape, (cfg.vocab_size, cfg.hidden_size))
@@ -289,16 +266,16 @@ def _check_shape(name: str, got: tuple[int, ...] | torch.Size, want: tuple[int, 
         raise ValueError(f"tensor {name!r} has shape {tuple(got)}, the config implies {tuple(want)}")
 
 
-def _groups(reader: GGUFFile, cfg: LlamaConfig, arch: str) -> dict[str, list[_Shard]]:
+def _groups(reader: GGUFFile, cfg: LlamaConfig, arch: str) -> dict[str, list[Piece]]:
     """Every model tensor of the file by this model's name, fused sets as their shards in
     row order (fuse_shards' order), in the order the file completes them."""
-    def named() -> Iterator[tuple[str, _Shard]]:
+    def named() -> Iterator[tuple[str, Piece]]:
         for t in reader.tensors:
             if t.name in gguf_file.CONFIG_TENSORS:
                 continue
             ours = our_name(gguf_file.hf_name(t.name, arch))
             if ours is not None:
-                yield ours, _Shard(t, gguf_file.permuted_heads(t.name, cfg, arch))
+                yield ours, Piece(t, gguf_file.permuted_heads(t.name, cfg, arch))
 
     unfinished: set[str] = set()
     groups = {name: (s if isinstance(s, list) else [s])
@@ -318,13 +295,22 @@ def check_types(reader: GGUFFile) -> None:
 
 
 def load_gguf(reader: GGUFFile, cfg: LlamaConfig, arch: str, device: torch.device, dtype: torch.dtype,
-              policy: LinearPolicy) -> tuple[LlamaForCausalLM, list[Held]]:
+              policy: LinearPolicy, split: tuple[int, int] | None = None) -> tuple[LlamaForCausalLM, list[Held]]:
     """The model of `reader` on `device`, its linears held as `policy` says, and how each
-    tensor is held."""
+    tensor is held. `split` (world, rank): only that tensor-parallel rank's slices are read
+    and held (worker/parallel/gguf_split.py), in a model of the rank's heads and MLP slice
+    (a ValueError, before anything is built, where the split does not divide); a follower
+    (rank > 0) has no LM head."""
     check_types(reader)
     groups = _groups(reader, cfg, arch)
+    model_cfg = cfg
+    if split is not None:
+        cut = GGUFSplit.of(cfg, *split, groups, policy.quantized)
+        groups, model_cfg = cut.apply(groups), cut.plan.config(cfg)
     with torch.device("meta"):
-        model = (GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM)(cfg)
+        model = (GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM)(model_cfg)
+    if split is not None and split[1] > 0:
+        model.lm_head = None  # rank 0 alone computes logits (a tied head: see shard_model)
     build = _Builder(reader, model, device, dtype, policy)
     modules = dict(model.named_modules())
     if "lm_head.weight" in groups and model.lm_head is None:
