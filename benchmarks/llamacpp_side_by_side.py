@@ -267,6 +267,9 @@ def main() -> None:
               "serve_args": serve_args, "environment": environment()}
     if args.read_floor:
         record["read_floor"] = read_floor(args.model or default_model_path(), args.threads)
+        ours = results["llm-worker"].get("one_stream", {}).get("decode_tokens_per_s")
+        if ours:
+            record["read_floor"]["one_stream_over_floor"] = round(ours / record["read_floor"]["floor_tokens_per_s"], 3)
         print("read floor", record["read_floor"], flush=True)
     print(json.dumps(ratios, indent=1))
     if args.output_json:
