@@ -121,3 +121,30 @@ def q8_0_linears(loaded) -> int:
             assert np.array_equal(quants.dequantize(b, q8), w), name
             blocks[name] = QuantizedWeight("Q8_0", np.ascontiguousarray(b), w.shape)
     return quantize_linears(loaded.model, blocks, "float32")
+
+
+def served_chat_matches_transformers(folder, messages: list[dict], new_tokens: int, *serve_args: str) -> None:
+    """`llm-worker serve *serve_args` with its chat template, greedy over gRPC: the prompt's
+    token count and the tokens equal transformers' on the checkpoint `folder` (its own
+    rendering and tokenization of `messages`)."""
+    from llmworker.v1 import worker_pb2 as pb
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.test_families import hf_greedy as forward_greedy  # (EOS ignored, as served here)
+    from tests.test_server import Worker, run
+
+    ids = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    want, _ = forward_greedy(hf, ids, new_tokens)
+    w = Worker(*serve_args, "--max-model-len", "128")
+    try:
+        w.wait_ready()
+        chunks, done = run(w.stub, chat=pb.ChatInput(messages=[pb.ChatMessage(**m) for m in messages]),
+                           sampling=pb.SamplingParams(temperature=0.0),
+                           stopping=pb.StoppingCriteria(max_tokens=new_tokens, ignore_eos=True))
+    finally:
+        w.close()
+    assert done.usage.prompt_tokens == len(ids)
+    assert [t for c in chunks for t in c.token_ids] == want

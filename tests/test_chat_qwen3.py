@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.helpers import save_tiny_checkpoint
-from tests.test_families import family_config, hf_greedy
+from tests.helpers import save_tiny_checkpoint, served_chat_matches_transformers
+from tests.test_families import family_config
 
 TEMPLATE = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -87,23 +86,4 @@ def test_special_tokens_typed_in_user_text_stay_text(folder) -> None:
 def test_a_qwen3_chat_through_serve_and_grpc_matches_transformers(folder) -> None:
     """`llm-worker serve --model <folder>` with its chat template: the conversation's greedy
     tokens over gRPC equal transformers' on its own rendering and tokenization."""
-    from llmworker.v1 import worker_pb2 as pb
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.test_server import Worker, run
-
-    hf_tok = AutoTokenizer.from_pretrained(str(folder))
-    ids = hf_tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    want, _ = hf_greedy(hf, ids, NEW)
-    w = Worker("--model", str(folder), "--kernels", "torch", "--max-model-len", "128")
-    try:
-        w.wait_ready()
-        chunks, done = run(w.stub, chat=pb.ChatInput(messages=[pb.ChatMessage(**m) for m in CONVERSATION]),
-                           sampling=pb.SamplingParams(temperature=0.0),
-                           stopping=pb.StoppingCriteria(max_tokens=NEW, ignore_eos=True))
-    finally:
-        w.close()
-    assert done.usage.prompt_tokens == len(ids)
-    assert [t for c in chunks for t in c.token_ids] == want
+    served_chat_matches_transformers(folder, CONVERSATION, NEW, "--model", str(folder), "--kernels", "torch")

@@ -66,15 +66,20 @@ class _Requests:
         return torch.tensor(ids), torch.tensor(pos), meta, self.kv
 
 
-def test_matches_the_op_by_op_model(decoder) -> None:
-    dec, model = decoder
-    reqs = _Requests(model, [37, 5, 70], seed=1)
-    # prefill chunks only, then decodes beside a chunk, then decodes only
+def _errors_against_op_by_op(dec, model, seed: int):
+    """(chunks, relative max error of the fused hidden states against the op-by-op model's)
+    for prefill chunks only, then decodes beside a chunk, then decodes only."""
+    reqs = _Requests(model, [37, 5, 70], seed=seed)
     for chunks in ([(0, 0, 37), (1, 0, 5)], [(0, 37, 1), (1, 5, 1), (2, 0, 70)], [(0, 37, 1), (1, 5, 1), (2, 70, 1)]):
         fused = dec(*reqs.step(chunks))
         with torch.inference_mode():
             ref = model(*reqs.step(chunks))
-        rel = ((fused - ref).abs().max() / ref.abs().max()).item()
+        yield chunks, ((fused - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_matches_the_op_by_op_model(decoder) -> None:
+    dec, model = decoder
+    for chunks, rel in _errors_against_op_by_op(dec, model, seed=1):
         # float32 differs only in the rounding of the norms and SiLU; int24 keeps 23 bits of
         # each block's largest activation. With int8 activations a last-bit difference flips
         # the rounding of a few int8 values, each worth 1/127 of its block's largest (SmolLM2
@@ -231,12 +236,7 @@ def test_a_qkv_in_two_block_types(activations) -> None:
     engine = Engine(WorkerConfig(model=ModelConfig(cpu_activations=activations)), loaded=loaded)
     dec = engine.runner.cpu_decoder
     assert dec is not None, cpu_decoder.unsupported(model)
-    reqs = _Requests(model, [37, 5, 70], seed=3)
-    for chunks in ([(0, 0, 37), (1, 0, 5)], [(0, 37, 1), (1, 5, 1), (2, 0, 70)], [(0, 37, 1), (1, 5, 1), (2, 70, 1)]):
-        fused = dec(*reqs.step(chunks))
-        with torch.inference_mode():
-            ref = model(*reqs.step(chunks))
-        rel = ((fused - ref).abs().max() / ref.abs().max()).item()
+    for chunks, rel in _errors_against_op_by_op(dec, model, seed=3):
         assert rel < {"float32": 1e-4, "int16": 1e-3}[activations], f"{chunks}: relative error {rel:.2e}"
 
 

@@ -29,7 +29,7 @@ import torch
 
 from tests import test_families as fam
 from tests import test_gemma as gem
-from tests.helpers import last_logits
+from tests.helpers import last_logits, served_chat_matches_transformers
 from worker.weights import gguf_file, load_model
 from worker.weights.gguf_reader import GGUFFile
 
@@ -212,33 +212,15 @@ def test_a_gemma2_file_s_chat_through_serve_and_grpc_matches_transformers() -> N
     """`llm-worker serve --model <Gemma 2 GGUF>`: a chat over gRPC, rendered by the file's chat
     template and tokenized by its SentencePiece tokenizer, has the ids of transformers'
     apply_chat_template on the folder: its greedy tokens (float32) on those ids come back."""
-    from llmworker.v1 import worker_pb2 as pb
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from benchmarks import make_gguf_models as made
     from tests.test_chat_gemma import CONVERSATION
-    from tests.test_server import Worker, run
 
     tools = made.find_converter()
     if tools is None:
         pytest.skip("convert_hf_to_gguf.py not found (benchmarks/make_gguf_models.py: find_converter)")
     folder = _folder("gemma2")
     path = made.converted(tools, folder, f"gemma2-tiny-{RECIPE}")
-    ids = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
-        CONVERSATION, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if not isinstance(ids, list) else ids)
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    want, _ = fam.hf_greedy(hf, ids, NEW)
-    w = Worker("--model", str(path), "--max-model-len", "128")
-    try:
-        w.wait_ready()
-        chunks, done = run(w.stub, chat=pb.ChatInput(messages=[pb.ChatMessage(**m) for m in CONVERSATION]),
-                           sampling=pb.SamplingParams(temperature=0.0),
-                           stopping=pb.StoppingCriteria(max_tokens=NEW, ignore_eos=True))
-    finally:
-        w.close()
-    assert done.usage.prompt_tokens == len(ids)
-    assert [t for c in chunks for t in c.token_ids] == want
+    served_chat_matches_transformers(folder, CONVERSATION, NEW, "--model", str(path))
 
 
 # ----- bad metadata, refused at load naming the key -----
