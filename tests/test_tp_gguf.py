@@ -48,11 +48,8 @@ def _sharded_logits(loads, ids: list[int]) -> torch.Tensor:
     def run(rank: int) -> None:
         ranks.local.rank = rank
         model = loads[rank].model
-        shard_model(model, plan, rank, ranks.reduce, sliced=True)
-        if rank > 0:  # followers run the layers only (no head: rank 0 computes logits)
-            assert model.lm_head is None and model.tied_head is None
-            model.lm_head = torch.nn.Identity()
-        out[rank] = last_logits(model, ids)
+        shard_model(model, plan, rank, ranks.reduce, ranks.gather, sliced=True)
+        out[rank] = last_logits(model, ids)  # each its slice of the logits, gathered to rank 0
 
     run_ranks(ranks, world, run)
     return out[0]
@@ -86,7 +83,11 @@ def test_a_k_quant_files_rank_slices_stay_quantized_and_sum_to_the_whole(tmp_pat
         assert (o.inner.qtype, o.inner.in_features, o.inner.out_features) == ("Q4_K", 256, 512)
         assert (down.inner.qtype, down.inner.in_features) == ("Q6_K", 512)
         assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_proj.out_features == 1024
-        assert isinstance(loaded.model.embed_tokens, QuantEmbedding)  # whole, replicated
+        # the tied Q6_K table's rows of the rank: ceil(288 / 2) = 144, in whole tiles 160
+        # (rank 1's last 16 zero), one copy for the lookup and the head
+        embed, head = loaded.model.embed_tokens, loaded.model.lm_head
+        assert isinstance(embed.inner, QuantEmbedding) and embed.inner.num_embeddings == 160
+        assert isinstance(head.inner, QuantLinear) and head.inner.packed is embed.inner.packed
         # a rank's records are its share of the whole's: half of every linear, but k and v
         # (one KV head, replicated) whole
         mine = _by_name(loaded.model)

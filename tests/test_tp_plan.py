@@ -69,15 +69,13 @@ def test_the_shards_sum_to_the_whole_model(kv: int, world: int) -> None:
         model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
         model.load_state_dict(state, strict=False)
         model.lm_head.weight.copy_(whole.lm_head.weight)
-        shard_model(model, ShardPlan.of(cfg, world), rank, ranks.reduce)
+        shard_model(model, ShardPlan.of(cfg, world), rank, ranks.reduce, ranks.gather)
         assert model.config.num_kv_heads == max(1, kv // world)
+        # every rank: the same forward with its own KV heads, and its slice of the logits
+        # (gathered to rank 0; a follower's call returns its own slice)
+        logits = last_logits(model, ids)
         if rank == 0:
-            hidden[0] = last_logits(model, ids)
-        else:
-            assert model.lm_head is None
-            # followers run the layers only: the same forward with their own KV heads
-            model.lm_head = torch.nn.Identity()
-            last_logits(model, ids)
+            hidden[0] = logits
 
     run_ranks(ranks, world, run)
     assert hidden[0] is not None
@@ -140,7 +138,7 @@ def test_a_lora_adapters_shards_sum_to_the_whole_adapted_model(kv: int, world: i
         ranks.local.rank = rank
         model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
         model.load_state_dict(state)
-        shard_model(model, plan, rank, ranks.reduce)
+        shard_model(model, plan, rank, ranks.reduce, ranks.gather)
         slots = LoraSlots(model.config, 2, 8, torch.device("cpu"), torch.float32, plan.lora_slicer(rank))
         slots.write(*tp_lora.unpack(head, payload, cfg))
         out[rank] = _adapted_logits(model, slots, ids)

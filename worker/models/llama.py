@@ -360,9 +360,6 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_class: ClassVar[type[nn.Module]] = DecoderLayer  # a family's own (gemma.py)
-    # False on a tensor-parallel follower (worker/parallel/shard.py): it runs the layers
-    # only, rank 0 computes the logits, so no runner gives it a head.
-    computes_logits = True
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
