@@ -127,7 +127,8 @@ def test_a_split_off_the_blocks_is_refused_by_its_numbers(tmp_path) -> None:
 def test_the_default_models_rank_holds_its_q4_1_slices_as_the_planner_says() -> None:
     """The default model (9 heads, 3 KV heads, hidden 576, intermediate 1536) at -tp 3: a
     rank's o_proj is 192 columns, down_proj 512, whole Q4_1 blocks of 32. Rank 0 holds what
-    the planner's per-rank figure says (its layers' third, the tied Q8_0 head whole)."""
+    the planner's per-rank figure says (its layers' third, and a third of the tied Q8_0
+    table, 16384 of 49152 rows, which is also its head)."""
     from tests.test_plan import CPU, _held_bytes
     from worker import plan
 
@@ -136,6 +137,9 @@ def test_the_default_models_rank_holds_its_q4_1_slices_as_the_planner_says() -> 
     assert isinstance(layer.self_attn.o_proj, QuantLinear) and layer.self_attn.o_proj.qtype == "Q4_1"
     assert layer.self_attn.o_proj.in_features == 192 and layer.mlp.down_proj.in_features == 512
     assert loaded.model.config.num_heads == 3 and loaded.config.num_heads == 9
+    embed = loaded.model.embed_tokens
+    assert isinstance(embed, QuantEmbedding) and embed.num_embeddings == 16384 == 49152 // 3
+    assert embed.packed is loaded.model.tied_head.packed
     fit = plan.fit_at(plan.read_model("default"), CPU, "float32", 3, 512, plan.CacheConfig(kv_cache_memory_bytes=1 << 24),
                       plan.SchedulerConfig())
     assert fit.held == _held_bytes(loaded.model)

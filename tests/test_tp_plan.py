@@ -205,13 +205,18 @@ def test_the_planner_names_the_smallest_size_that_fits(capsys) -> None:
     tried, found = plan.smallest_fit(model, dev, "bfloat16", 8192, cache, sched)
     assert found is not None and found.tp == k > 1
     assert all(f.why is not None for f in tried[:-1])  # every smaller size was tried and fails
-    # per-rank figures: rank 0 holds the replicated parts and 1/k of the layers' linears
+    # per-rank figures: rank 0 holds the replicated parts, 1/k of the layers' linears and
+    # its ceil(V / k) rows (whole tiles of 32) of the untied embedding and head
     whole = plan.weights(model, dev, "bfloat16")
-    assert found.held == sum(whole.held.values()) - whole.layer_linear_bytes * (k - 1) // k
+    rows = -(-(-(-128256 // k)) // 32) * 32
+    vocab_cut = whole.vocab_bytes - whole.vocab_bytes // 128256 * rows
+    assert whole.vocab_bytes == 2 * 128256 * 8192 * 2
+    assert found.held == sum(whole.held.values()) - whole.layer_linear_bytes * (k - 1) // k - vocab_cut
     assert f"{found.budget.num_blocks} blocks" in err
     assert main(["plan", "--model", "dummy:llama-3-70b", "--device", "h100", "-tp", str(k)]) == 0
     out = capsys.readouterr().out
-    assert f"-tp {k}: 16 heads / 2 KV heads a rank; 160 all-reduces a step" in out, out
+    assert (f"-tp {k}: 16 heads / 2 KV heads, {rows} vocab rows a rank; 161 all-reduces and a "
+            "gather of logits a step") in out, out
     assert re.search(r"decode    batch 1: step .*all-reduce [0-9.]+ ms", out), out
 
 
