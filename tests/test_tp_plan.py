@@ -190,6 +190,7 @@ def test_the_group_sends_tensors_only_never_objects() -> None:
 
 
 def test_the_planner_names_the_smallest_size_that_fits(capsys) -> None:
+    import math
     import re
 
     from worker import plan
@@ -208,7 +209,7 @@ def test_the_planner_names_the_smallest_size_that_fits(capsys) -> None:
     # per-rank figures: rank 0 holds the replicated parts, 1/k of the layers' linears and
     # its ceil(V / k) rows (whole tiles of 32) of the untied embedding and head
     whole = plan.weights(model, dev, "bfloat16")
-    rows = -(-(-(-128256 // k)) // 32) * 32
+    rows = math.ceil(math.ceil(128256 / k) / 32) * 32
     vocab_cut = whole.vocab_bytes - whole.vocab_bytes // 128256 * rows
     assert whole.vocab_bytes == 2 * 128256 * 8192 * 2
     assert found.held == sum(whole.held.values()) - whole.layer_linear_bytes * (k - 1) // k - vocab_cut
