@@ -149,3 +149,64 @@ def test_the_step_message_carries_the_logits_passes() -> None:
     bad[-1] = 3  # a row past the step's 3 tokens
     with pytest.raises(ValueError, match="logits passes are out of bounds"):
         messages.unpack_forward(head, bad)
+
+
+class _Recorder:
+    """A step hook (ModelRunner.step_hook, as leader.TensorParallel) that keeps each step's
+    logits passes, as a follower would receive them."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[list[int]]] = []
+
+    def moves(self, *_) -> None:
+        pass
+
+    def forward(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc,
+                max_query_len, max_seq_len, lora_slots=None, logits=()) -> None:
+        self.steps.append([list(p) for p in logits])
+
+
+def test_the_runner_sends_exactly_the_head_calls_it_makes(tmp_path, monkeypatch) -> None:
+    """A follower makes the calls of the head that the step message names, rank 0 the ones
+    its runner makes: they must be the same calls of the same rows, in the same order, or
+    the gathers do not pair up. A 300-token prompt with prompt logprobs in chunks of 128
+    (passes of 50 rows, the last chunk's beside the sampled row's), then decodes (one
+    row each), after a prompt whose first chunks sample nothing and want no logprobs (no
+    pass)."""
+    from scheduler.request import SamplingParams
+    from tests.tp_helpers import tiny_checkpoint
+    from worker import prompt_logprobs
+    from worker.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+    from worker.engine import Engine
+
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_PASS", 50)  # several passes a chunk
+    engine = Engine(WorkerConfig(model=ModelConfig(model=tiny_checkpoint(tmp_path, kv_heads=2), max_model_len=512),
+                                 cache=CacheConfig(kv_cache_memory=0.05),
+                                 scheduler=SchedulerConfig(max_num_batched_tokens=128)))
+    runner, model = engine.runner, engine.runner.model
+    hook = runner.step_hook = _Recorder()
+    calls: list[list[torch.Tensor]] = []
+    hidden: list[torch.Tensor] = []
+    forward, head = model.forward, model.compute_logits
+    model.forward = lambda *a: hidden.append(forward(*a)) or hidden[-1]
+    model.compute_logits = lambda h: calls[-1].append(h) or head(h)
+    runner_forward = runner._forward
+
+    def step_forward(*a, **k):
+        calls.append([])
+        return runner_forward(*a, **k)
+
+    runner._forward = step_forward
+    prompt = [(7 * i) % 250 + 3 for i in range(300)]
+    engine.submit(engine.make_request(prompt[::-1], SamplingParams(temperature=0, max_tokens=2)))
+    engine.submit(engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)))
+    while engine.has_work():
+        engine.step()
+    assert len(hook.steps) == len(calls) == len(hidden) > 4
+    for passes, made, h in zip(hook.steps, calls, hidden, strict=True):
+        assert len(passes) == len(made)
+        for rows, got in zip(passes, made, strict=True):  # a follower's call: the same rows of its hidden
+            torch.testing.assert_close(h.index_select(0, torch.tensor(rows)), got, rtol=0, atol=0)
+    assert [] in hook.steps  # a step with no logits: no pass, so no gather on any rank
+    # a chunk's prompt logprobs in passes of 50 rows, and the sampled rows' pass after them
+    assert max(map(len, hook.steps)) >= 3 and any(len(r) == 50 for p in hook.steps for r in p)
