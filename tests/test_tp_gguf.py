@@ -167,3 +167,27 @@ def test_a_familys_q8_0_file_at_tp2_sums_to_the_whole(name) -> None:
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.out_features == 3 * 32
     assert layer.self_attn.o_proj.inner.in_features == 32 and layer.mlp.down_proj.inner.in_features == 64
     assert layer.mlp.gate_up_proj.out_features == 128
+
+
+def test_an_untied_heads_rows_and_the_tables_stay_on_their_blocks(tmp_path) -> None:
+    """A GGUF with its own output.weight (Q8_0) beside a Q4_0 token_embd, vocabulary 288 at
+    -tp 2: each rank holds 160 rows of each on their blocks (144 of the file's, rank 1's last
+    16 zero blocks), and the gathered logits are TP = 1's."""
+    import gguf
+    import numpy as np
+
+    def output(w: gguf.GGUFWriter) -> None:
+        values = (np.random.default_rng(7).standard_normal((288, 64)) * 0.05).astype(np.float32)
+        data = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor("output.weight", data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    path = write_tiny_llama(tmp_path / "untied.gguf", "Q4_0", more=output)
+    whole = _load(path, "float32")
+    assert not whole.config.tie_word_embeddings and isinstance(whole.model.lm_head, QuantLinear)
+    loads = [_load(path, "float32", (2, r)) for r in range(2)]
+    _close(_sharded_logits(loads, IDS), last_logits(whole.model, IDS))
+    for loaded in loads:
+        embed, head = loaded.model.embed_tokens.inner, loaded.model.lm_head.inner
+        assert isinstance(embed, QuantEmbedding) and (embed.qtype, embed.num_embeddings) == ("Q4_0", 160)
+        assert isinstance(head, QuantLinear) and (head.qtype, head.out_features) == ("Q8_0", 160)
+        assert head.packed.nbytes * 288 == whole.model.lm_head.packed.nbytes * 160
