@@ -46,7 +46,7 @@ def measure(engine: Engine, batch: int, context: int, steps: int) -> dict:
     engine.step()
     tp = engine.tensor_parallel
     c = tp.collectives if tp is not None else None
-    before = (c.num_all_reduces, c.all_reduce_s, c.num_messages, c.send_s) if c else None
+    before = (c.num_all_reduces, c.all_reduce_s, c.num_messages, c.send_s, c.num_gathers, c.gather_s) if c else None
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -56,7 +56,9 @@ def measure(engine: Engine, batch: int, context: int, steps: int) -> dict:
         row.update(all_reduces_per_step=(c.num_all_reduces - before[0]) / steps,
                    all_reduce_ms_per_step=(c.all_reduce_s - before[1]) / steps * 1000,
                    messages_per_step=(c.num_messages - before[2]) / steps,
-                   send_ms_per_step=(c.send_s - before[3]) / steps * 1000)
+                   send_ms_per_step=(c.send_s - before[3]) / steps * 1000,
+                   gathers_per_step=(c.num_gathers - before[4]) / steps,  # the head's logits to rank 0
+                   gather_ms_per_step=(c.gather_s - before[5]) / steps * 1000)
     while engine.has_work():  # free the blocks for the next round
         engine.step()
     return row
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
                        "engine_config": json.loads(config(name, b, tp).to_json())}
                 rows.append(row)
                 extra = (f"  all-reduce {row['all_reduce_ms_per_step']:.2f} ms "
-                         f"({row['all_reduces_per_step']:.0f} a step), messages {row['send_ms_per_step']:.2f} ms"
+                         f"({row['all_reduces_per_step']:.0f} a step), messages {row['send_ms_per_step']:.2f} ms, "
+                         f"logits gather {row['gather_ms_per_step']:.2f} ms"
                          if tp > 1 else "")
                 print(f"{name:>14} batch {b:3d}: {row['step_ms']:8.2f} ms/step{extra}", flush=True)
         finally:

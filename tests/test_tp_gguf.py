@@ -48,11 +48,8 @@ def _sharded_logits(loads, ids: list[int]) -> torch.Tensor:
     def run(rank: int) -> None:
         ranks.local.rank = rank
         model = loads[rank].model
-        shard_model(model, plan, rank, ranks.reduce, sliced=True)
-        if rank > 0:  # followers run the layers only (no head: rank 0 computes logits)
-            assert model.lm_head is None and model.tied_head is None
-            model.lm_head = torch.nn.Identity()
-        out[rank] = last_logits(model, ids)
+        shard_model(model, plan, rank, ranks.reduce, ranks.gather, sliced=True)
+        out[rank] = last_logits(model, ids)  # each its slice of the logits, gathered to rank 0
 
     run_ranks(ranks, world, run)
     return out[0]
@@ -86,7 +83,11 @@ def test_a_k_quant_files_rank_slices_stay_quantized_and_sum_to_the_whole(tmp_pat
         assert (o.inner.qtype, o.inner.in_features, o.inner.out_features) == ("Q4_K", 256, 512)
         assert (down.inner.qtype, down.inner.in_features) == ("Q6_K", 512)
         assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_proj.out_features == 1024
-        assert isinstance(loaded.model.embed_tokens, QuantEmbedding)  # whole, replicated
+        # the tied Q6_K table's rows of the rank: ceil(288 / 2) = 144, in whole tiles 160
+        # (rank 1's last 16 zero), one copy for the lookup and the head
+        embed, head = loaded.model.embed_tokens, loaded.model.lm_head
+        assert isinstance(embed.inner, QuantEmbedding) and embed.inner.num_embeddings == 160
+        assert isinstance(head.inner, QuantLinear) and head.inner.packed is embed.inner.packed
         # a rank's records are its share of the whole's: half of every linear, but k and v
         # (one KV head, replicated) whole
         mine = _by_name(loaded.model)
@@ -126,7 +127,8 @@ def test_a_split_off_the_blocks_is_refused_by_its_numbers(tmp_path) -> None:
 def test_the_default_models_rank_holds_its_q4_1_slices_as_the_planner_says() -> None:
     """The default model (9 heads, 3 KV heads, hidden 576, intermediate 1536) at -tp 3: a
     rank's o_proj is 192 columns, down_proj 512, whole Q4_1 blocks of 32. Rank 0 holds what
-    the planner's per-rank figure says (its layers' third, the tied Q8_0 head whole)."""
+    the planner's per-rank figure says (its layers' third, and a third of the tied Q8_0
+    table, 16384 of 49152 rows, which is also its head)."""
     from tests.test_plan import CPU, _held_bytes
     from worker import plan
 
@@ -135,6 +137,9 @@ def test_the_default_models_rank_holds_its_q4_1_slices_as_the_planner_says() -> 
     assert isinstance(layer.self_attn.o_proj, QuantLinear) and layer.self_attn.o_proj.qtype == "Q4_1"
     assert layer.self_attn.o_proj.in_features == 192 and layer.mlp.down_proj.in_features == 512
     assert loaded.model.config.num_heads == 3 and loaded.config.num_heads == 9
+    embed = loaded.model.embed_tokens
+    assert isinstance(embed, QuantEmbedding) and embed.num_embeddings == 16384 == 49152 // 3
+    assert embed.packed is loaded.model.tied_head.packed
     fit = plan.fit_at(plan.read_model("default"), CPU, "float32", 3, 512, plan.CacheConfig(kv_cache_memory_bytes=1 << 24),
                       plan.SchedulerConfig())
     assert fit.held == _held_bytes(loaded.model)
@@ -162,3 +167,27 @@ def test_a_familys_q8_0_file_at_tp2_sums_to_the_whole(name) -> None:
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.out_features == 3 * 32
     assert layer.self_attn.o_proj.inner.in_features == 32 and layer.mlp.down_proj.inner.in_features == 64
     assert layer.mlp.gate_up_proj.out_features == 128
+
+
+def test_an_untied_heads_rows_and_the_tables_stay_on_their_blocks(tmp_path) -> None:
+    """A GGUF with its own output.weight (Q8_0) beside a Q4_0 token_embd, vocabulary 288 at
+    -tp 2: each rank holds 160 rows of each on their blocks (144 of the file's, rank 1's last
+    16 zero blocks), and the gathered logits are TP = 1's."""
+    import gguf
+    import numpy as np
+
+    def output(w: gguf.GGUFWriter) -> None:
+        values = (np.random.default_rng(7).standard_normal((288, 64)) * 0.05).astype(np.float32)
+        data = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor("output.weight", data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    path = write_tiny_llama(tmp_path / "untied.gguf", "Q4_0", more=output)
+    whole = _load(path, "float32")
+    assert not whole.config.tie_word_embeddings and isinstance(whole.model.lm_head, QuantLinear)
+    loads = [_load(path, "float32", (2, r)) for r in range(2)]
+    _close(_sharded_logits(loads, IDS), last_logits(whole.model, IDS))
+    for loaded in loads:
+        embed, head = loaded.model.embed_tokens.inner, loaded.model.lm_head.inner
+        assert isinstance(embed, QuantEmbedding) and (embed.qtype, embed.num_embeddings) == ("Q4_0", 160)
+        assert isinstance(head, QuantLinear) and (head.qtype, head.out_features) == ("Q8_0", 160)
+        assert head.packed.nbytes * 288 == whole.model.lm_head.packed.nbytes * 160

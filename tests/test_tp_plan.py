@@ -69,15 +69,13 @@ def test_the_shards_sum_to_the_whole_model(kv: int, world: int) -> None:
         model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
         model.load_state_dict(state, strict=False)
         model.lm_head.weight.copy_(whole.lm_head.weight)
-        shard_model(model, ShardPlan.of(cfg, world), rank, ranks.reduce)
+        shard_model(model, ShardPlan.of(cfg, world), rank, ranks.reduce, ranks.gather)
         assert model.config.num_kv_heads == max(1, kv // world)
+        # every rank: the same forward with its own KV heads, and its slice of the logits
+        # (gathered to rank 0; a follower's call returns its own slice)
+        logits = last_logits(model, ids)
         if rank == 0:
-            hidden[0] = last_logits(model, ids)
-        else:
-            assert model.lm_head is None
-            # followers run the layers only: the same forward with their own KV heads
-            model.lm_head = torch.nn.Identity()
-            last_logits(model, ids)
+            hidden[0] = logits
 
     run_ranks(ranks, world, run)
     assert hidden[0] is not None
@@ -140,7 +138,7 @@ def test_a_lora_adapters_shards_sum_to_the_whole_adapted_model(kv: int, world: i
         ranks.local.rank = rank
         model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
         model.load_state_dict(state)
-        shard_model(model, plan, rank, ranks.reduce)
+        shard_model(model, plan, rank, ranks.reduce, ranks.gather)
         slots = LoraSlots(model.config, 2, 8, torch.device("cpu"), torch.float32, plan.lora_slicer(rank))
         slots.write(*tp_lora.unpack(head, payload, cfg))
         out[rank] = _adapted_logits(model, slots, ids)
@@ -192,6 +190,7 @@ def test_the_group_sends_tensors_only_never_objects() -> None:
 
 
 def test_the_planner_names_the_smallest_size_that_fits(capsys) -> None:
+    import math
     import re
 
     from worker import plan
@@ -207,13 +206,18 @@ def test_the_planner_names_the_smallest_size_that_fits(capsys) -> None:
     tried, found = plan.smallest_fit(model, dev, "bfloat16", 8192, cache, sched)
     assert found is not None and found.tp == k > 1
     assert all(f.why is not None for f in tried[:-1])  # every smaller size was tried and fails
-    # per-rank figures: rank 0 holds the replicated parts and 1/k of the layers' linears
+    # per-rank figures: rank 0 holds the replicated parts, 1/k of the layers' linears and
+    # its ceil(V / k) rows (whole tiles of 32) of the untied embedding and head
     whole = plan.weights(model, dev, "bfloat16")
-    assert found.held == sum(whole.held.values()) - whole.layer_linear_bytes * (k - 1) // k
+    rows = math.ceil(math.ceil(128256 / k) / 32) * 32
+    vocab_cut = whole.vocab_bytes - whole.vocab_bytes // 128256 * rows
+    assert whole.vocab_bytes == 2 * 128256 * 8192 * 2
+    assert found.held == sum(whole.held.values()) - whole.layer_linear_bytes * (k - 1) // k - vocab_cut
     assert f"{found.budget.num_blocks} blocks" in err
     assert main(["plan", "--model", "dummy:llama-3-70b", "--device", "h100", "-tp", str(k)]) == 0
     out = capsys.readouterr().out
-    assert f"-tp {k}: 16 heads / 2 KV heads a rank; 160 all-reduces a step" in out, out
+    assert (f"-tp {k}: 16 heads / 2 KV heads, {rows} vocab rows a rank; 161 all-reduces and a "
+            "gather of logits a step") in out, out
     assert re.search(r"decode    batch 1: step .*all-reduce [0-9.]+ ms", out), out
 
 

@@ -92,13 +92,15 @@ def fail_time(stream, fault) -> tuple[grpc.StatusCode, float, str]:
 
 class Ranks:
     """`world` sharded copies run in lockstep, one thread each, whose all-reduce is a sum
-    over the copies at a barrier: the group's arithmetic without processes."""
+    over the copies at a barrier and whose gather hands rank 0 every copy's tensor: the
+    group's arithmetic without processes (`num_gathers`: rank 0's gathers)."""
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.barrier = threading.Barrier(world, timeout=120)  # a rank that raised fails the rest
         self.parts: list[torch.Tensor | None] = [None] * world
         self.local = threading.local()
+        self.num_gathers = 0
 
     def reduce(self, t: torch.Tensor) -> None:
         self.parts[self.local.rank] = t.clone()
@@ -106,6 +108,16 @@ class Ranks:
         total = torch.stack(self.parts).sum(0)  # type: ignore[arg-type]
         self.barrier.wait()
         t.copy_(total)
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        rank = self.local.rank
+        self.parts[rank] = t.clone()
+        self.barrier.wait()
+        out = list(self.parts) if rank == 0 else None
+        self.barrier.wait()
+        if rank == 0:
+            self.num_gathers += 1
+        return out  # type: ignore[return-value]
 
 
 def run_ranks(ranks, world: int, run) -> None:

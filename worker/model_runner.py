@@ -101,7 +101,7 @@ class ModelRunner:
         cfg = model.config
         if cpu_packed_linear and can_pack(device, dtype):
             pack_linears(model)
-            if model.lm_head is None and model.tied_head is None and model.computes_logits:
+            if model.lm_head is None and model.tied_head is None:
                 # The tied head gets a packed copy; the embedding lookup keeps the table.
                 model.tied_head = PackedLinear(model.embed_tokens.weight)
         self.model = model
@@ -163,7 +163,9 @@ class ModelRunner:
         c_kernel = (path == "c" and self.dtype == torch.float32 and cpu_attention.available()
                     and (self.cpu_decoder is not None or self.kv_caches[0][0].dtype == torch.float32))
         attention = "C kernel" if c_kernel else others
-        quant_embed = isinstance(self.model.embed_tokens, quantized_linear.QuantEmbedding)
+        embed = self.model.embed_tokens
+        embed = getattr(embed, "inner", embed)  # a vocab-parallel rank's lookup in its rows
+        quant_embed = isinstance(embed, quantized_linear.QuantEmbedding)
         embedding = "Q8_0 blocks" if quant_embed else "table"
         decoder = self.cpu_decoder.describe() if self.cpu_decoder else "op by op"
         pages = ""
@@ -273,8 +275,15 @@ class ModelRunner:
             hidden, all_logits = None, self.graphs.run(input_ids, positions, seq_lens, tables)
             self.num_graph_steps += 1
         else:
+            # Under -tp the followers make the same calls of the vocab-parallel head as this
+            # rank does below (each a gather of logits): prompt logprobs' passes, then the
+            # sampled rows' (worker/parallel/vocab.py).
+            passes = ([p for s, offset, wanted in prompt_rows
+                       for p in prompt_logprobs.passes([offset + q for q in wanted])]
+                      + ([sample_rows] if sampling else [])) if self.step_hook is not None else []
             hidden, all_logits = self._forward(step, input_ids, positions, req_index, tables, seq_lens,
-                                               query_start_loc, logits=bool(sampling), argmax=greedy)
+                                               query_start_loc, logits=bool(sampling), argmax=greedy,
+                                               passes=passes)
             if prompt_rows:
                 self._prompt_logprobs(hidden, prompt_rows)
         if not sampling:
@@ -295,12 +304,13 @@ class ModelRunner:
 
     def _forward(self, step: SchedulerOutput, input_ids: list[int], positions: list[int],
                  req_index: list[int], tables: list[list[int]], seq_lens: list[int],
-                 query_start_loc: list[int], logits: bool,
-                 argmax: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 query_start_loc: list[int], logits: bool, argmax: np.ndarray | None = None,
+                 passes: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step run eagerly: hidden states of every row, and with the CPU decoder (when
         `logits`) every row's logits from the same native call (else None), and where they
         come back, each row's greedy token in `argmax` (CpuDecoder.decode: its outputs last
-        until the next step's call)."""
+        until the next step's call). `passes`: the rows of each call of the head after it,
+        for a tensor-parallel step hook."""
         max_blocks = max(len(t) for t in tables)
         # Built in numpy on the host: a few microseconds an op where torch's CPU ops take
         # tens each, which a batch-1 step's Python felt.
@@ -331,7 +341,7 @@ class ModelRunner:
         if self.step_hook is not None:
             self.step_hook.forward(np.array(input_ids, dtype=np.int64), pos_np, slots_np, table_np,
                                    seq_lens_np, query_start_np, max_query_len, max(seq_lens),
-                                   None if lora is None else lora.token_slots)
+                                   None if lora is None else lora.token_slots, passes or [])
         pos_t = self._host(pos_np)
         meta = AttentionMetadata(
             lora=lora,

@@ -28,11 +28,13 @@ How this is estimated (a roofline; the output repeats it in one line):
   share each step (chunked prefill); TTFT = prefill + the step in flight on arrival.
   The operating batch is the largest that the KV cache and --max-num-seqs hold and that
   keeps both SLOs.
-- Tensor parallelism (-tp k): a rank holds 1/k of each layer's linears and its KV heads
-  (worker/parallel/shard.py; the embedding, norms and, on rank 0, the LM head whole), its
-  KV cache the same budget as one device; a decode step adds 2 all-reduces a layer of
-  [batch, hidden] (a ring's 2 (k - 1) / k of the bytes at the link, plus a fixed cost). A
-  model that does not fit names the smallest k that does, with per-rank figures.
+- Tensor parallelism (-tp k): a rank holds 1/k of each layer's linears, its KV heads and
+  ceil(V / k) rows (whole tiles of 32) of the embedding and the LM head, held as the
+  worker holds a rank's slice (worker/parallel/shard.py, vocab.py; the norms whole), its
+  KV cache the same budget as one device; a decode step adds 2 all-reduces a layer and the
+  embedding's one, of [batch, hidden] (a ring's 2 (k - 1) / k of the bytes at the link, plus
+  a fixed cost), and the gather of [batch, V] logits to rank 0 ((k - 1) / k of them at the
+  link). A model that does not fit names the smallest k that does, with per-rank figures.
 - Replicas for a QPS: Little's law, concurrency = QPS x (TTFT + output x TPOT), over the
   operating batch per replica; and the work bound, QPS x (prefill + output x step / batch)
   replica-seconds per second. The larger wins.
@@ -323,6 +325,7 @@ class Weights:
     head_params: int  # of those, the head's (vocab x hidden): prefill computes it for one row
     how: str
     layer_linear_bytes: int = 0  # of `held`, the layers' linears: what tensor parallelism splits
+    vocab_bytes: int = 0  # of `held`, the embedding's and the LM head's (a rank's: its rows)
 
 
 def _linear_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -334,22 +337,30 @@ def _linear_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
 
 
 def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = True,
-            cpu_activations: str = "auto") -> Weights:
-    """`cpu_activations` as serve's --cpu-activations (auto: resolved on this machine)."""
+            cpu_activations: str = "auto", vocab_rows: int = 0) -> Weights:
+    """`cpu_activations` as serve's --cpu-activations (auto: resolved on this machine).
+    `vocab_rows`: the rows of the embedding and the LM head held (a vocab-parallel rank's,
+    padding included: worker/parallel/vocab.py; 0: the vocabulary's)."""
     activations = resolve_activations(cpu_activations)
     cfg = model.config
     h, vocab = cfg.hidden_size, cfg.vocab_size
+    rows = vocab_rows or vocab
     linears = _linear_shapes(cfg)
-    head = vocab * h
+    head = rows * h
     matmul = sum(o * i for o, i in linears.values()) + head
     bias = cfg.num_layers * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim if cfg.attention_bias else 0
     norms = (2 * cfg.num_layers + 1) * h
     stored = dict(model.stored)
     size = DTYPE_BYTES[dtype]
     if not stored:
-        stored = {dtype: (matmul + bias + norms + (0 if cfg.tie_word_embeddings else head)) * size}
+        whole = matmul - head + vocab * h
+        stored = {dtype: (whole + bias + norms + (0 if cfg.tie_word_embeddings else vocab * h)) * size}
     on_cpu_f32 = device.kind == "cpu" and dtype == "float32"
     by_name = {t.name.removesuffix(".weight"): t for t in model.tensors}
+    for name in ("embed_tokens", "lm_head"):  # a rank's rows of them, as the loader cuts them
+        if name in by_name and rows != vocab:
+            t = by_name[name]
+            by_name[name] = Tensor(t.name, t.dtype, (rows, *t.shape[1:]), t.nbytes // vocab * rows)
 
     def quantized(name: str) -> tuple[Tensor, ...] | None:
         """The shards of a weight the loader holds on its blocks (gguf_load._Builder.native)."""
@@ -382,6 +393,7 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
             read += hold_records(q) if q else hold(dtype, o * i * size)
     layer_linears = read
     read += hold(dtype, (bias + norms) * size)
+    before_vocab = sum(held.values())
     embed = quantized("embed_tokens")
     lookup = embed is not None and lookup_supported(embed[0].dtype, embed[0].shape)
     if cfg.tie_word_embeddings:
@@ -419,20 +431,21 @@ def weights(model: ModelInfo, device: Device, dtype: str, cpu_quantized: bool = 
         how = f"{model.quantization.name}: linears as stored (scales in float32), the rest {dtype}"
     elif model.quantization is not None:
         how = f"{model.quantization.name}: dequantized at load to {dtype} on the CPU"
-    return Weights(stored, held, read, matmul, head, how, layer_linears)
+    return Weights(stored, held, read, matmul, head, how, layer_linears, sum(held.values()) - before_vocab)
 
 
-def per_rank(w: Weights, tp: int) -> Weights:
-    """Rank 0's share under tensor parallelism (worker/parallel/shard.py): 1/tp of every
-    layer's linears, and whole the embedding, the norms and the LM head (rank 0 samples)."""
+def per_rank(w: Weights, tp: int, vocab_rows: int = 0) -> Weights:
+    """Rank 0's share under tensor parallelism (worker/parallel/shard.py) of `w`, the weights
+    with a rank's `vocab_rows` of the embedding and head (`weights(vocab_rows=...)`): 1/tp
+    of every layer's linears besides, and whole the norms."""
     if tp == 1:
         return w
     cut = w.layer_linear_bytes - w.layer_linear_bytes // tp
     held = {"rank 0": sum(w.held.values()) - cut}
     return Weights(w.stored, held, w.read_per_step - cut,
                    (w.matmul_params - w.head_params) // tp + w.head_params, w.head_params,
-                   w.how + f"; a rank holds 1/{tp} of each layer's linears",
-                   w.layer_linear_bytes // tp)
+                   w.how + f"; a rank holds 1/{tp} of each layer's linears and {vocab_rows} vocab rows",
+                   w.layer_linear_bytes // tp, w.vocab_bytes)
 
 
 # ----- the plan -----
@@ -476,13 +489,17 @@ class Roofline:
         self.dtype_bytes = DTYPE_BYTES[dtype]
 
     def all_reduce(self, rows: int) -> float:
-        """Seconds of a step's all-reduces under tensor parallelism (`cfg` is a rank's): two
-        a layer of [rows, hidden], a ring's 2 (k - 1) / k of the bytes each way at the link."""
+        """Seconds of a step's collectives under tensor parallelism (`cfg` is a rank's): two
+        all-reduces a layer and the embedding's one, of [rows, hidden], a ring's 2 (k - 1) / k
+        of the bytes each way at the link; then the gather of the rows' logits, the other
+        ranks' (k - 1) / k of [rows, V], into rank 0 at the link."""
         if self.tp == 1 or not self.link:
             return 0.0
+        k = self.tp
         nbytes = rows * self.cfg.hidden_size * self.dtype_bytes
-        one = 2 * (self.tp - 1) / self.tp * nbytes / self.link + ALL_REDUCE_LATENCY_S
-        return 2 * self.cfg.num_layers * one
+        one = 2 * (k - 1) / k * nbytes / self.link + ALL_REDUCE_LATENCY_S
+        gather = (k - 1) / k * rows * self.cfg.vocab_size * self.dtype_bytes / self.link + ALL_REDUCE_LATENCY_S
+        return (2 * self.cfg.num_layers + 1) * one + gather
 
     def step(self, batch: int) -> tuple[float, float, float]:
         """(seconds, memory seconds, compute seconds) of one decode step of `batch` sequences."""
@@ -533,12 +550,14 @@ def fit_at(model: ModelInfo, device: Device, dtype: str, tp: int, max_model_len:
     whole (worker/parallel/gguf_split.py), and each rank's cache holds its KV heads only,
     in the same budget a device (ValueError where `tp` does not split the model)."""
     cfg = model.config
-    rank_cfg = cfg
+    rank_cfg, vocab_rows = cfg, 0
     if tp > 1:  # the worker's refusals: heads, the MLP, a GGUF's blocks where the kernels hold them
         quantized = device.kind == "cpu" and dtype == "float32" and model.source == "gguf"
         pieces = {t.name: [(p.dtype, p.shape) for p in t.pieces] for t in model.tensors}
-        rank_cfg = gguf_split.check(cfg, tp, pieces, quantized).config(cfg)
-    w = per_rank(weights(model, device, dtype, cpu_activations=cpu_activations), tp)
+        shard = gguf_split.check(cfg, tp, pieces, quantized)
+        rank_cfg, vocab_rows = shard.config(cfg), shard.vocab(0).rows_per_rank
+    w = per_rank(weights(model, device, dtype, cpu_activations=cpu_activations, vocab_rows=vocab_rows),
+                 tp, vocab_rows)
     held = sum(w.held.values())
     kv = memory.kv_cache_dtype(cache.kv_cache_dtype, torch.device(device.kind), getattr(torch, dtype))
     per_token = kv_bytes_per_token(rank_cfg.num_layers, rank_cfg.num_kv_heads, rank_cfg.head_dim, kv.itemsize)
@@ -666,7 +685,8 @@ def make_plan(model: ModelInfo, device: Device, req: Workload, dtype: str = "aut
                 "note": device.note},
         parallel={"tensor_parallel_size": tp, "devices_per_replica": tp,
                   "heads_per_rank": fit.config.num_heads, "kv_heads_per_rank": fit.config.num_kv_heads,
-                  "all_reduces_per_step": 2 * cfg.num_layers if tp > 1 else 0,
+                  "all_reduces_per_step": 2 * cfg.num_layers + 1 if tp > 1 else 0,
+                  "vocab_rows_per_rank": fit.weights.head_params // cfg.hidden_size,
                   "link_bytes_per_s": device.link_bandwidth,
                   "held_total_bytes_whole_model": sum(full.held.values())},
         weights={"stored_bytes": w.stored, "held_bytes": full.held if tp > 1 else w.held,
@@ -727,8 +747,9 @@ def render(p: Plan) -> str:
         link = (f"{par['link_bytes_per_s'] / _GB:.0f} GB/s a direction" if par["link_bytes_per_s"]
                 else "not modelled")
         out.insert(2, f"parallel  -tp {par['tensor_parallel_size']}: {par['heads_per_rank']} heads / "
-                      f"{par['kv_heads_per_rank']} KV heads a rank; {par['all_reduces_per_step']} "
-                      f"all-reduces a step (link {link}); figures below are a rank's (a replica is "
+                      f"{par['kv_heads_per_rank']} KV heads, {par['vocab_rows_per_rank']} vocab rows a "
+                      f"rank; {par['all_reduces_per_step']} all-reduces and a gather of logits a step "
+                      f"(link {link}); figures below are a rank's (a replica is "
                       f"{par['devices_per_replica']} devices)")
     for key in ("batch_1", "max_batch"):
         r = dec[key]

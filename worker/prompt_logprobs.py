@@ -49,14 +49,21 @@ def positions_wanted(s: ScheduledRequest) -> range:
     return range(max(s.start, done), min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1))
 
 
+def passes(rows: list[int]) -> list[list[int]]:
+    """The rows `compute` turns into logits, one list a call of `compute_logits`, in order
+    (under tensor parallelism every rank makes the same calls: worker/parallel/vocab.py)."""
+    return [rows[first : first + ROWS_PER_PASS] for first in range(0, len(rows), ROWS_PER_PASS)]
+
+
 def compute(compute_logits, hidden: torch.Tensor, rows: list[int], targets: list[int],
             k: int) -> list[PromptLogprob]:
     """The logprob of `targets[i]` under the logits of `hidden[rows[i]]`, with the top `k`,
-    for every i, `ROWS_PER_PASS` rows at a time."""
+    for every i, `ROWS_PER_PASS` rows at a time (`passes`)."""
     out: list[PromptLogprob] = []
-    for first in range(0, len(rows), ROWS_PER_PASS):
-        idx = torch.tensor(rows[first : first + ROWS_PER_PASS], device=hidden.device)
-        tgt = torch.tensor(targets[first : first + ROWS_PER_PASS], device=hidden.device)
+    first = 0
+    for part in passes(rows):
+        idx = torch.tensor(part, device=hidden.device)
+        tgt = torch.tensor(targets[first : first + len(part)], device=hidden.device)
         logits = compute_logits(hidden.index_select(0, idx)).float()
         chosen, ids, values = ops.token_logprobs(logits, tgt, k)
         del logits
@@ -64,4 +71,5 @@ def compute(compute_logits, hidden: torch.Tensor, rows: list[int], targets: list
         top_ids, top_lp = (ids.tolist(), values.tolist()) if k else ([[]] * len(own), [[]] * len(own))
         out += [PromptLogprob(t, lp, list(zip(ti, tl, strict=True)))
                 for t, lp, ti, tl in zip(targets[first:], own, top_ids, top_lp, strict=False)]
+        first += len(part)
     return out

@@ -360,9 +360,6 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_class: ClassVar[type[nn.Module]] = DecoderLayer  # a family's own (gemma.py)
-    # False on a tensor-parallel follower (worker/parallel/shard.py): it runs the layers
-    # only, rank 0 computes the logits, so no runner gives it a head.
-    computes_logits = True
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -371,6 +368,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Module = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
+        # Under -tp both become a rank's vocabulary rows (worker/parallel/vocab.py): the lookup
+        # summed over the ranks, and `lm_head` (tied or not) gathering the logits to rank 0.
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A runner may give a tied model a head of its own (a packed or quantized copy).
         self.tied_head: nn.Module | None = None

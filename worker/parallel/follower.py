@@ -1,6 +1,7 @@
 """A tensor-parallel follower: `python -m worker.parallel.follower`, started by rank 0
 (leader.py) with its spec in LLMWORKER_TP_FOLLOWER. It loads the same model, keeps its
-shard, allocates its KV cache (its heads only; rank 0's block count) and, with
+shard (its heads, MLP slice and vocabulary rows), allocates its KV cache (its heads only;
+rank 0's block count) and, with
 --enable-lora, its adapter slots (filled by rank 0's LORA messages), says `loaded`, joins
 the group, and then runs each step rank 0 sends until STOP. It exits at once when rank 0
 dies (its stdin pipe ends) and exits 1 when a step fails: rank 0's next collective then
@@ -110,7 +111,8 @@ def _load(spec: dict, fault: tuple[str, int] | None, collectives):
     loaded = load_model(mc.model, device, resolve_dtype(mc.dtype, device), mc.cpu_quantized_linear,
                         mc.cpu_activations, (world, rank))
     plan = ShardPlan.of(loaded.config, world)
-    shard_model(loaded.model, plan, rank, collectives.all_reduce, sliced=loaded.split is not None)
+    shard_model(loaded.model, plan, rank, collectives.all_reduce, collectives.gather,
+                sliced=loaded.split is not None)
     # What this rank holds (its slices, on the file's blocks where TP = 1's are), on rank 0's stderr.
     print(f"tensor parallel rank {rank}: {loaded.describe_weights()}", file=sys.stderr, flush=True)
     ops.set_backend(mc.kernels)
@@ -129,6 +131,8 @@ def _load(spec: dict, fault: tuple[str, int] | None, collectives):
 
 
 def _forward(runner, a) -> None:
+    """The step's layers, then its logits passes: this rank's slice of each, gathered by
+    rank 0 (the result here is dropped)."""
     import torch
 
     from worker.models.llama import AttentionMetadata
@@ -139,7 +143,9 @@ def _forward(runner, a) -> None:
             seq_lens=runner._host(a.seq_lens), query_start_loc=runner._host(a.query_start_loc),
             max_query_len=a.max_query_len, max_seq_len=a.max_seq_len,
             lora=None if a.lora_slots is None else runner.lora.step(a.lora_slots.tolist()))
-        runner.model(runner._host(a.input_ids), runner._host(a.positions), meta, runner.kv_caches)
+        hidden = runner.model(runner._host(a.input_ids), runner._host(a.positions), meta, runner.kv_caches)
+        for rows in a.logits:
+            runner.model.compute_logits(hidden.index_select(0, runner._host(rows)))
 
 
 if __name__ == "__main__":

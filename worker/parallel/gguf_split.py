@@ -13,8 +13,10 @@ blocks, for the same CPU kernels as TP = 1 (or dequantized where TP = 1 would be
   not take is refused before anything is built, naming the numbers and the sizes that
   work; it is never dequantized in silence (--no-cpu-quantized-linear holds every linear
   dequantized, and floats are cut anywhere).
-- Norms, biases of row-parallel layers (rank 0 adds them: shard.py), the embedding and the
-  LM head stay whole; followers skip an untied head (rank 0 alone computes logits).
+- The embedding and an untied LM head keep the rank's vocabulary rows (ShardPlan.vocab):
+  whole rows of blocks, then zero rows (zero blocks) to ceil(V / k) in whole tiles of 32,
+  so a rank's Q8_0 table stays on its blocks (worker/parallel/vocab.py).
+- Norms and biases of row-parallel layers (rank 0 adds them: shard.py) stay whole.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ if TYPE_CHECKING:  # worker.weights' loader imports this module: no import back 
 
 # A layer's weight or bias by this model's name: its module ("qkv_proj", "o_proj", ...).
 _LAYER = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.(weight|bias)$")
+VOCAB_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")  # split by vocabulary rows
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class GGUFSplit:
 
     def pieces(self, name: str, pieces: list[Piece]) -> list[Piece]:
         """The pieces of the weight `name` this rank keeps (see the top)."""
+        if name in VOCAB_WEIGHTS:
+            vocab = self.plan.vocab(self.rank)
+            return [dataclasses.replace(p, rows=(vocab.rows,), pad_rows=vocab.padding) for p in pieces]
         m = _LAYER.match(name)
         if m is None:
             return pieces

@@ -45,6 +45,8 @@ class Collectives:
         # Where a step's time goes (benchmarks/tp.py): all-reduces made and their seconds.
         self.num_all_reduces = 0
         self.all_reduce_s = 0.0
+        self.num_gathers = 0  # the vocab-parallel head's gathers of logits to rank 0
+        self.gather_s = 0.0
         self.num_messages = 0  # step messages sent (rank 0) and their seconds
         self.send_s = 0.0
 
@@ -75,6 +77,21 @@ class Collectives:
             raise self._failed("an all-reduce", e) from e
         self.all_reduce_s += time.perf_counter() - t0
         self.num_all_reduces += 1
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` (the same shape and dtype on each) gathered to rank 0, in rank
+        order; None on a follower."""
+        if self.lost is not None:
+            raise RankLost(self.lost)
+        t0 = time.perf_counter()
+        parts = [torch.empty_like(t) for _ in range(self.world)] if self.rank == 0 else None
+        try:
+            dist.gather(t, parts, dst=0)
+        except Exception as e:
+            raise self._failed("a gather of logits", e) from e
+        self.gather_s += time.perf_counter() - t0
+        self.num_gathers += 1
+        return parts
 
     def send(self, head: np.ndarray, payload: np.ndarray | None) -> None:
         """Rank 0: one message (messages.py) to every follower."""

@@ -66,7 +66,8 @@ class TensorParallel:
         self.collectives.on_lost = self._lost
         self.procs: list[subprocess.Popen[bytes]] = []
         self._closed = False
-        shard_model(loaded.model, self.plan, 0, self.collectives.all_reduce, sliced=loaded.split is not None)
+        shard_model(loaded.model, self.plan, 0, self.collectives.all_reduce, self.collectives.gather,
+                    sliced=loaded.split is not None)
 
     def describe(self) -> str:
         dev = self.device
@@ -74,7 +75,7 @@ class TensorParallel:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         return (f"tensor parallel: {self.world} ranks over {backend} ({devices}); "
                 + "; ".join(self.plan.describe(r) for r in range(self.world))
-                + "; embedding replicated, LM head on rank 0"
+                + "; embedding and LM head vocab-parallel (logits gathered to rank 0)"
                 + ("; on the CPU op by op with the C kernels (the fused decoder does not run sharded)"
                    if dev.type == "cpu" else "; no CUDA graphs under -tp yet"))
 
@@ -186,11 +187,14 @@ class TensorParallel:
 
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 block_tables: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
-                max_query_len: int, max_seq_len: int, lora_slots: Sequence[int] | None = None) -> None:
+                max_query_len: int, max_seq_len: int, lora_slots: Sequence[int] | None = None,
+                logits: Sequence[Sequence[int]] = ()) -> None:
+        """The step's forward arrays, and `logits`: the rows of each call this rank will make
+        of the head after it, in order (every rank makes the same gathers)."""
         slots = None if lora_slots is None else np.asarray(lora_slots, dtype=np.int64)
         self.collectives.send(*messages.pack_forward(messages.ForwardArrays(
             input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc,
-            max_query_len, max_seq_len, slots)))
+            max_query_len, max_seq_len, slots, [np.asarray(p, dtype=np.int64) for p in logits])))
 
     def write_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """LoraSlots.on_write: the followers write the same adapter into the same slot."""

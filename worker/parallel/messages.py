@@ -2,31 +2,36 @@
 pickle. Two broadcasts a message: a header of HEADER_LEN int64 (its kind and sizes), then
 one payload whose layout the header fixes (int64; float32 for LORA's adapter weights).
 
-    FORWARD  header [1, T, R, max_blocks, max_query_len, max_seq_len, has_lora, 0]
+    FORWARD  header [1, T, R, max_blocks, max_query_len, max_seq_len, has_lora, P, N, 0]
              payload  input_ids[T] | positions[T] | slot_mapping[T]
                       | block_tables[R * max_blocks] | seq_lens[R] | query_start_loc[R + 1]
                       | lora_slots[T] (with has_lora = 1: each token's adapter slot, -1 base)
-    MOVES    header [2, n_out, n_in, n_copy, 0, 0, 0, 0]
+                      | pass_rows[P] | logit_rows[N]: the step's P logits passes (calls of
+                        the vocab-parallel head, in rank 0's order: prompt logprobs' then
+                        the sampled rows'), pass i the next pass_rows[i] of logit_rows
+                        (rows of the step's hidden states, in [0, T)); N = sum(pass_rows)
+    MOVES    header [2, n_out, n_in, n_copy, 0, ...]
              payload  (src, dst) pairs: swap out[n_out], swap in[n_in], copy[n_copy]
     STOP     header [3, 0, ...]: the followers exit 0
-    LORA     header [4, slot, r, target_mask, use_rslora, alpha (float64 bits), n, 0]
+    LORA     header [4, slot, r, target_mask, use_rslora, alpha (float64 bits), n, 0, ...]
              payload  n float32 (this kind's one float payload): a LoRA adapter for slot
                       `slot`, every layer's targeted projections' A then B, whole, flat
                       (worker/parallel/lora.py); each follower slices its share
 
 T: the step's tokens; R: its attention rows (ModelRunner._forward). Sampling, grammars,
-logprobs and speculation stay on rank 0: the followers only run the layers. Adapters are
+logprobs and speculation stay on rank 0: the followers run the layers and their slices of
+the logits passes (worker/parallel/vocab.py), which rank 0 gathers. Adapters are
 registered, loaded and unloaded on rank 0 alone; a follower's slots get what rank 0's get,
 when rank 0 writes them (a LORA message before the FORWARD that first uses the slot).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-HEADER_LEN = 8
+HEADER_LEN = 10
 FORWARD, MOVES, STOP, LORA = 1, 2, 3, 4
 # A header that asks for more is refused rather than allocated (a corrupt message).
 MAX_PAYLOAD = 1 << 28
@@ -43,6 +48,9 @@ class ForwardArrays:
     max_query_len: int
     max_seq_len: int
     lora_slots: np.ndarray | None = None  # [T] int64: each token's adapter slot (-1: none)
+    # The step's logits passes, in order: each the rows of the hidden states one call of
+    # the head takes (int64, none empty); none: no logits this step (no gather on any rank).
+    logits: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -64,13 +72,16 @@ def header(kind: int, *sizes: int) -> np.ndarray:
 def pack_forward(a: ForwardArrays) -> tuple[np.ndarray, np.ndarray]:
     rows, max_blocks = a.block_tables.shape
     has_lora = a.lora_slots is not None
+    counts = [len(p) for p in a.logits]
+    assert all(counts), "an empty logits pass"
     h = header(FORWARD, len(a.input_ids), rows, max_blocks, a.max_query_len, a.max_seq_len,
-               int(has_lora))
+               int(has_lora), len(counts), sum(counts))
     parts = [a.input_ids, a.positions, a.slot_mapping, a.block_tables.reshape(-1).astype(np.int64),
              a.seq_lens, a.query_start_loc]
     if a.lora_slots is not None:
         assert len(a.lora_slots) == len(a.input_ids)
         parts.append(a.lora_slots)
+    parts += [np.array(counts, dtype=np.int64), *a.logits]
     return h, np.concatenate(parts).astype(np.int64, copy=False)
 
 
@@ -82,7 +93,7 @@ def payload_len(h: np.ndarray) -> int:
         t, r, b = (int(x) for x in h[1:4])
         if int(h[6]) not in (0, 1):
             raise ValueError(f"a step message header out of bounds: {h.tolist()}")
-        n = (3 + int(h[6])) * t + r * b + 2 * r + 1
+        n = (3 + int(h[6])) * t + r * b + 2 * r + 1 + int(h[7]) + int(h[8])
     elif kind == MOVES:
         n = 2 * int(h[1:4].sum())
     elif kind == STOP:
@@ -98,11 +109,16 @@ def payload_len(h: np.ndarray) -> int:
 
 
 def unpack_forward(h: np.ndarray, payload: np.ndarray) -> ForwardArrays:
-    t, r, b, max_query_len, max_seq_len, has_lora = (int(x) for x in h[1:7])
-    cuts = np.cumsum([t, t, t, r * b, r, r + 1])
-    ids, pos, slots, tables, seq_lens, qsl, lora_slots = np.split(payload, cuts)
+    """The step; ValueError where its logits passes do not add up (a corrupt message)."""
+    t, r, b, max_query_len, max_seq_len, has_lora, p, n = (int(x) for x in h[1:9])
+    cuts = np.cumsum([t, t, t, r * b, r, r + 1, t * has_lora, p])
+    ids, pos, slots, tables, seq_lens, qsl, lora_slots, counts, rows = np.split(payload, cuts)
+    if (counts < 1).any() or int(counts.sum()) != n or len(rows) != n or ((rows < 0) | (rows >= t)).any():
+        raise ValueError(f"a step message's logits passes are out of bounds: {counts.tolist()[:8]} "
+                         f"passes of {n} rows of {t}")
     return ForwardArrays(ids, pos, slots, tables.reshape(r, b).astype(np.int32), seq_lens, qsl,
-                         max_query_len, max_seq_len, lora_slots if has_lora else None)
+                         max_query_len, max_seq_len, lora_slots if has_lora else None,
+                         np.split(rows, np.cumsum(counts)[:-1]) if p else [])
 
 
 def pack_moves(m: Moves) -> tuple[np.ndarray, np.ndarray]:

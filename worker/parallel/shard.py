@@ -8,11 +8,11 @@ Per layer, as Megatron-LM splits it (and vLLM, nano-vllm)::
     down_proj     row-parallel: the same slice of columns, then one all-reduce
 
 so a layer costs two all-reduces of [tokens, hidden] and everything between them (rotary,
-paged attention, the activation) runs on the rank's own heads and slice. The norms, the
-embedding and the residual stream are replicated: every rank holds the whole hidden state
-after each all-reduce. The LM head stays whole on rank 0 (the one that samples), and
-followers drop theirs: rank 0's logits are TP=1's computation, with no gather. (A
-vocab-parallel embedding and head would save vocab x hidden per rank; not done.)
+paged attention, the activation) runs on the rank's own heads and slice. The norms and the
+residual stream are replicated: every rank holds the whole hidden state after each
+all-reduce. The embedding and the LM head are vocab-parallel (vocab.py): a rank holds
+ceil(V / k) of their rows (whole tiles of 32), the lookup is summed by one all-reduce a step
+and the logits of the rows that sample are gathered to rank 0, which alone samples.
 
 KV heads: with kv >= k each rank keeps kv/k of them (k must divide kv); with kv < k
 (k a multiple of kv) each rank keeps the one KV head its query heads read, so each KV head
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from worker.models.llama import Linear, LlamaConfig
+from worker.parallel.vocab import Gather, VocabShard, shard_vocab
 
 
 def _divisors(n: int) -> str:
@@ -46,6 +47,7 @@ class ShardPlan:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    vocab_size: int
 
     @classmethod
     def of(cls, cfg: LlamaConfig, world: int) -> ShardPlan:
@@ -64,7 +66,7 @@ class ShardPlan:
         if inter % world:
             raise ValueError(f"{tp}: the model's intermediate size {inter} does not split over "
                              f"{world} ranks")
-        return cls(world, h, kv, cfg.head_dim, inter)
+        return cls(world, h, kv, cfg.head_dim, inter, cfg.vocab_size)
 
     @property
     def heads_per_rank(self) -> int:
@@ -77,6 +79,10 @@ class ShardPlan:
     @property
     def intermediate_per_rank(self) -> int:
         return self.intermediate_size // self.world
+
+    def vocab(self, rank: int) -> VocabShard:
+        """Rank `rank`'s rows of the embedding and the LM head (vocab.py)."""
+        return VocabShard(self.vocab_size, self.world, rank)
 
     def q_heads(self, rank: int) -> range:
         n = self.heads_per_rank
@@ -140,7 +146,7 @@ class ShardPlan:
         replicated = " (replicated)" if self.num_kv_heads < self.world else ""
         return (f"rank {rank}: query heads {self.q_heads(rank).start}-{self.q_heads(rank).stop - 1}, "
                 f"KV heads {kv.start}-{kv.stop - 1}{replicated}, MLP slice "
-                f"{self.intermediate_per_rank} of {self.intermediate_size}")
+                f"{self.intermediate_per_rank} of {self.intermediate_size}, {self.vocab(rank).describe()}")
 
 
 class RowParallel(nn.Module):
@@ -194,13 +200,15 @@ def _index(spans: tuple[range, ...] | range, device: torch.device) -> torch.Tens
 
 
 def shard_model(model: nn.Module, plan: ShardPlan, rank: int,
-                reduce: Callable[[torch.Tensor], None], sliced: bool = False) -> None:
+                reduce: Callable[[torch.Tensor], None], gather: Gather, sliced: bool = False) -> None:
     """Make a loaded LlamaForCausalLM rank `rank`'s shard, in place (see the top): its float
-    linears sliced (the full weights freed as each layer's slices replace them), unless
-    `sliced` (a GGUF load sliced as it loaded, worker/parallel/gguf_split.py: its linears are
-    the rank's already, on the file's blocks or floats); then o_proj and down_proj wrapped to
-    sum over the ranks. A row-parallel bias is added once, by rank 0, before the sum.
-    Followers (rank > 0) drop the LM head."""
+    linears, embedding and head sliced (the full weights freed as the slices replace them),
+    unless `sliced` (a GGUF load sliced as it loaded, worker/parallel/gguf_split.py: its
+    weights are the rank's already, on the file's blocks or floats); then o_proj and
+    down_proj wrapped to sum over the ranks (`reduce`: an all-reduce in place), the
+    embedding to sum its lookup and the head to gather its logits to rank 0 (`gather`:
+    rank 0's list of every rank's slice, None elsewhere). A row-parallel bias is added
+    once, by rank 0, before the sum."""
     cfg = model.config
     if not sliced:
         _slice_floats(model, plan, rank)
@@ -208,12 +216,9 @@ def shard_model(model: nn.Module, plan: ShardPlan, rank: int,
         attn, mlp = layer.self_attn, layer.mlp
         attn.o_proj = RowParallel(_without_bias(attn.o_proj) if rank else attn.o_proj, reduce)
         mlp.down_proj = RowParallel(_without_bias(mlp.down_proj) if rank else mlp.down_proj, reduce)
+    shard_vocab(model, plan.vocab(rank), reduce, gather, sliced)
     if not sliced:
         model.config = plan.config(cfg)
-    if rank > 0:  # rank 0 alone computes logits
-        model.lm_head = None
-        model.tied_head = None
-        model.computes_logits = False
 
 
 def _without_bias(lin: nn.Module) -> nn.Module:

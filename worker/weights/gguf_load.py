@@ -42,6 +42,7 @@ from ops.quantized_linear import (
 from ops.stacked_linear import StackedLinear
 from worker.models.gemma import GemmaConfig, GemmaForCausalLM
 from worker.models.llama import (
+    Embedding,
     Linear,
     LlamaConfig,
     LlamaForCausalLM,
@@ -236,7 +237,8 @@ class _Builder:
     def embedding(self, shards: list[Piece]) -> None:
         (s,) = shards
         model, cfg = self.model, self.model.config
-        _check_shape("embed_tokens.weight", s.shape, (cfg.vocab_size, cfg.hidden_size))
+        rows = model.embed_tokens.num_embeddings  # the vocabulary, or a rank's rows of it
+        _check_shape("embed_tokens.weight", s.shape, (rows, cfg.hidden_size))
         lookup: nn.Module | None = None
         if self.native(shards):
             qw = _quantized_weight(shards)
@@ -253,7 +255,7 @@ class _Builder:
                 lookup = QuantEmbedding(qw)
                 self.hold_records(shards, lookup.packed, "the embedding lookup's")
         if lookup is None:
-            table = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+            table = nn.Embedding(rows, cfg.hidden_size, device="meta")
             table.weight = nn.Parameter(_floats(shards, self.dtype, self.device), requires_grad=False)
             lookup = table
             held = bool(model.tied_head is not None)
@@ -299,8 +301,8 @@ def load_gguf(reader: GGUFFile, cfg: LlamaConfig, arch: str, device: torch.devic
     """The model of `reader` on `device`, its linears held as `policy` says, and how each
     tensor is held. `split` (world, rank): only that tensor-parallel rank's slices are read
     and held (worker/parallel/gguf_split.py), in a model of the rank's heads and MLP slice
-    (a ValueError, before anything is built, where the split does not divide); a follower
-    (rank > 0) has no LM head."""
+    (a ValueError, before anything is built, where the split does not divide) and of its
+    vocabulary rows of the embedding and an untied head (worker/parallel/vocab.py)."""
     check_types(reader)
     groups = _groups(reader, cfg, arch)
     model_cfg = cfg
@@ -309,8 +311,12 @@ def load_gguf(reader: GGUFFile, cfg: LlamaConfig, arch: str, device: torch.devic
         groups, model_cfg = cut.apply(groups), cut.plan.config(cfg)
     with torch.device("meta"):
         model = (GemmaForCausalLM if isinstance(cfg, GemmaConfig) else LlamaForCausalLM)(model_cfg)
-    if split is not None and split[1] > 0:
-        model.lm_head = None  # rank 0 alone computes logits (a tied head: see shard_model)
+    if split is not None:  # the rank's table (and untied head): its rows, padded to whole tiles
+        rows = cut.plan.vocab(split[1]).rows_per_rank
+        with torch.device("meta"):
+            model.embed_tokens = Embedding(rows, cfg.hidden_size)
+            if model.lm_head is not None:
+                model.lm_head = Linear(cfg.hidden_size, rows, bias=False)
     build = _Builder(reader, model, device, dtype, policy)
     modules = dict(model.named_modules())
     if "lm_head.weight" in groups and model.lm_head is None:

@@ -1,6 +1,7 @@
 """A GGUF tensor as one piece of a model weight (a row block of a fused q/k/v or gate/up),
 or a tensor-parallel rank's slice of it (worker/parallel/gguf_split.py): some of its rows
-(whole heads, or an MLP slice) and some of its input columns (whole blocks).
+(whole heads, an MLP slice, or vocabulary rows and then zero rows to whole tiles) and some
+of its input columns (whole blocks).
 
 A slice is read from the file's map as blocks: rows are whole rows of blocks, and columns
 that start and end on block boundaries are a byte range of each row, so a rank's blocks are
@@ -25,6 +26,7 @@ class Piece:
     heads: int | None  # q/k rows to unpermute over this many heads (of the whole tensor)
     rows: tuple[range, ...] | None = None  # the tensor's rows kept, in order; None: all
     cols: range | None = None  # the input columns kept (a matrix); None: all
+    pad_rows: int = 0  # zero rows after the kept ones (a vocab-parallel rank's padding)
 
     @property
     def qtype(self) -> str:
@@ -35,13 +37,19 @@ class Piece:
         return tuple(int(d) for d in reversed(self.tensor.shape))
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def kept_shape(self) -> tuple[int, ...]:
+        """The file's elements this piece keeps (its padding not counted)."""
         out, *rest = self.full_shape
         if self.rows is not None:
             out = sum(len(r) for r in self.rows)
         if self.cols is not None:
             rest = [len(self.cols)]
         return (out, *rest)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        out, *rest = self.kept_shape
+        return (out + self.pad_rows, *rest)
 
     @property
     def block_size(self) -> int:
@@ -52,7 +60,7 @@ class Piece:
     def n_bytes(self) -> int:
         """The file's bytes of what this piece keeps."""
         whole = int(np.prod(self.full_shape))
-        return self.tensor.n_bytes * int(np.prod(self.shape)) // whole
+        return self.tensor.n_bytes * int(np.prod(self.kept_shape)) // whole
 
     def _rows(self, data: np.ndarray) -> np.ndarray:
         if self.rows is None:
@@ -66,7 +74,7 @@ class Piece:
         unpermuting the whole tensor and then selecting (the permutation is within a head)."""
         if not self.heads:
             return None
-        return self.heads * self.shape[0] // self.full_shape[0]
+        return self.heads * self.kept_shape[0] // self.full_shape[0]
 
     def blocks(self) -> np.ndarray:
         """The file's blocks of this piece, [rows, bytes per row] (elements for F32/F16),
@@ -78,15 +86,26 @@ class Piece:
             per = data.shape[1] // (n // bs)  # bytes (or elements) a block
             data = np.ascontiguousarray(data[:, c.start // bs * per : c.stop // bs * per])
         heads = self._heads()
-        return gguf_file.unpermute(data, heads) if heads else data
+        return _padded(gguf_file.unpermute(data, heads) if heads else data, self.pad_rows)
 
     def floats(self) -> np.ndarray:
         """float32 values of this piece, rows unpermuted."""
         data = self._rows(self.tensor.data)
-        rows = self.shape[0]
-        w = gguf_file.dequantize_tensor(data, self.tensor.tensor_type)
-        w = w.reshape((rows, *self.full_shape[1:]))
+        rows = self.kept_shape[0]
+        if rows:
+            w = gguf_file.dequantize_tensor(data, self.tensor.tensor_type)
+            w = w.reshape((rows, *self.full_shape[1:]))
+        else:  # a vocab-parallel rank past the vocabulary's end: padding only
+            w = np.zeros((0, *self.full_shape[1:]), dtype=np.float32)
         if self.cols is not None:
             w = w[:, self.cols.start : self.cols.stop]
         heads = self._heads()
-        return gguf_file.unpermute(w, heads) if heads else w
+        return _padded(gguf_file.unpermute(w, heads) if heads else w, self.pad_rows)
+
+
+def _padded(data: np.ndarray, rows: int) -> np.ndarray:
+    """`data` and then `rows` zero rows: zero bytes are a zero block in every GGML type
+    (its scales and quants zero), and 0.0 in F32, F16 and BF16."""
+    if not rows:
+        return data
+    return np.concatenate([data, np.zeros((rows, *data.shape[1:]), dtype=data.dtype)])
