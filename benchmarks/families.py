@@ -11,8 +11,8 @@ embedding, attention scale from query_pre_attn_scalar, attention and final soft-
 30, every other layer windowed) and `gemma3` (Gemma 2's layer without soft-caps, plus q/k
 norms and a second rotary table for its windowed layers, five windowed in six). The
 heads, sizes and vocabulary stay the default model's in every shape (Gemma's real head_dim
-256 and vocabulary 256k are sizes, not operations). The weights are the same blocks in every shape, so a row's time differs
-from llama's only by the family's extra operations. Each batch's requests are prefilled to
+256 and vocabulary 256k are sizes, not operations). The weights are the same blocks in
+every shape, so a row's time differs from llama's only by the family's extra operations. Each batch's requests are prefilled to
 `--context` tokens, then the engines take turns `--steps` decode steps at a time for
 `--rounds` rounds (median kept), so the machine's drift falls on every row alike. `ratio`:
 a row's step time over the llama shape's at the same batch.
@@ -53,9 +53,9 @@ def family_config(shape: str):
         from worker.models.gemma import GemmaConfig
 
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-        every = 2 if shape == "gemma2" else 6
-        types = tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(base.num_layers))
         gemma2 = shape == "gemma2"
+        every = 2 if gemma2 else 6  # one global layer in `every`
+        types = tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(base.num_layers))
         return GemmaConfig(**{**fields, "architecture": "Gemma2ForCausalLM" if gemma2 else "Gemma3ForCausalLM",
                               "qk_norm": not gemma2, "sliding_window": GEMMA_WINDOW, "layer_types": types},
                            query_pre_attn_scalar=float(base.head_dim),

@@ -148,7 +148,7 @@ def unsupported(model: nn.Module) -> str | None:
 
 def _stacked_unsupported(qkv: StackedLinear, head_dim: int) -> str | None:
     """Why a q/k/v of parts in several block types cannot be decoder.c's qkv parts."""
-    parts = list(qkv.parts)
+    parts = _qkv_parts(qkv)
     if len(parts) > 3 or not all(isinstance(p, QuantLinear) for p in parts):
         return "a q/k/v of more than three parts, or of parts not quantized"
     if any(p.out_features % head_dim for p in parts):
@@ -158,10 +158,15 @@ def _stacked_unsupported(qkv: StackedLinear, head_dim: int) -> str | None:
     return None
 
 
+def _qkv_parts(qkv: nn.Module) -> list[QuantLinear]:
+    """A layer's q/k/v as its QuantLinears: a StackedLinear's parts, or the one."""
+    return list(qkv.parts) if isinstance(qkv, StackedLinear) else [qkv]
+
+
 def _qkv(qkv: nn.Module, head_dim: int) -> tuple[_QLinear, Any, Any]:
     """decoder.c's qkv, qkv_rest and qkv_heads of a layer's q/k/v (one QuantLinear, or a
     StackedLinear of up to three)."""
-    parts = list(qkv.parts) if isinstance(qkv, StackedLinear) else [qkv]
+    parts = _qkv_parts(qkv)
     rest = (_QLinear * 2)(*(_qlinear(p) for p in parts[1:]))
     heads = (_i32 * 3)(*(p.out_features // head_dim for p in parts))
     return _qlinear(parts[0]), rest, heads
@@ -169,9 +174,8 @@ def _qkv(qkv: nn.Module, head_dim: int) -> tuple[_QLinear, Any, Any]:
 
 def _linears(layer: nn.Module) -> list[QuantLinear]:
     """A layer's QuantLinears (a stacked q/k/v's parts one by one)."""
-    qkv = layer.self_attn.qkv_proj
-    return [*(qkv.parts if isinstance(qkv, StackedLinear) else [qkv]), layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return [*_qkv_parts(layer.self_attn.qkv_proj), layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj]
 
 
 def _qlinear(lin: QuantLinear) -> _QLinear:
