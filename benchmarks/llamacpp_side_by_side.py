@@ -5,6 +5,10 @@ streaming, the same number of threads, one server working at a time.
     python -m benchmarks.llamacpp_side_by_side --llama-server PATH --rounds 5 \\
         --output-json bench-results/llamacpp-side-by-side.json
 
+`--read-floor` also measures one stream's memory floor just before and just after each side's
+one-stream run (ReadFloor: the machine's read bandwidth moves within seconds) and records each
+run's decode rate over its own floor, for both servers.
+
 `--rounds N` runs each workload N times a side, alternating between the two servers (ours
 first in even rounds, theirs first in odd ones), both up for the whole workload. This
 project's shared machines drift by 10-30% within a minute, so a side measured after the
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -154,7 +159,8 @@ RATIOS = {"one_stream": ("one_stream_decode", "decode_tokens_per_s", True),
 
 
 def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]
+            if isinstance(runs[0][k], (int, float))}
 
 
 def bench(server: list[str], workload: str, tokenizer: str, seed: int = 0,
@@ -177,30 +183,47 @@ def bench(server: list[str], workload: str, tokenizer: str, seed: int = 0,
             "completed": summary.get("completed")}
 
 
-def read_floor(model: Path, threads: int, repeat: int = 7) -> dict[str, float]:
-    """The decode step's memory floor for one stream: the bytes a step reads (every tensor of
-    the file but the token embedding, which a step reads one row of, unless it is also the
-    tied head) over this machine's read bandwidth (a float32 sum over 512 MB on `threads`
-    threads, the median of `repeat`; one warm-up)."""
-    import torch
+class ReadFloor:
+    """One stream's memory floor, measured beside each run it is compared with: the bytes a
+    decode step reads (every tensor of the file but the token embedding, which a step reads
+    one row of, unless it is also the tied head) over this machine's read bandwidth (a
+    float32 sum over `megabytes` on `threads` threads). This project's machines move their read
+    bandwidth between ~22 and ~39 GB/s from one second to the next (a sum every 0.2 s for 30
+    s, Zen 4, 2026-12-02), so one figure taken once is no floor for a run a minute later:
+    `around` samples it for `seconds` just before and just after a run, and the run's floor
+    is the median of those samples."""
 
-    from worker.weights.gguf_reader import GGUFFile
+    def __init__(self, model: Path, threads: int, megabytes: int = 512) -> None:
+        import torch
 
-    f = GGUFFile(model)
-    names = {t.name for t in f.tensors}
-    step_bytes = sum(t.n_bytes for t in f.tensors
-                     if t.name != "token_embd.weight" or "output.weight" not in names)
-    torch.set_num_threads(threads)
-    big = torch.ones(128 * 1024 * 1024)
-    big.sum()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        big.sum()
-        times.append(time.perf_counter() - t0)
-    gbs = big.numel() * 4 / statistics.median(times) / 1e9
-    return {"step_bytes": step_bytes, "read_bandwidth_gbs": round(gbs, 2),
-            "floor_tokens_per_s": round(gbs * 1e9 / step_bytes, 2)}
+        from worker.weights.gguf_reader import GGUFFile
+
+        f = GGUFFile(model)
+        names = {t.name for t in f.tensors}
+        self.step_bytes = sum(t.n_bytes for t in f.tensors
+                              if t.name != "token_embd.weight" or "output.weight" not in names)
+        self.threads = threads
+        torch.set_num_threads(threads)
+        self.big = torch.ones(megabytes * 1024 * 1024 // 4)
+        self.big.sum()  # first touch
+
+    def sample(self, seconds: float) -> list[float]:
+        """Read bandwidths (GB/s), one a sum, for about `seconds`."""
+        out, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            self.big.sum()
+            out.append(self.big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+        return out
+
+    def around(self, run: Any, seconds: float = 1.0) -> tuple[Any, dict[str, float]]:
+        """`run()`'s result and its floor: the median bandwidth of the samples before and
+        after it, and the tokens/s a step reading `step_bytes` at that bandwidth makes."""
+        before = self.sample(seconds)
+        got = run()
+        gbs = statistics.median(before + self.sample(seconds))
+        return got, {"read_bandwidth_gbs": round(gbs, 2),
+                     "floor_tokens_per_s": round(gbs * 1e9 / self.step_bytes, 2)}
 
 
 def main() -> None:
@@ -217,7 +240,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=1, help="alternating runs a side per workload")
     ap.add_argument("--read-floor", action="store_true",
-                    help="also measure one stream's memory floor (read_floor) and record it")
+                    help="also measure one stream's memory floor just before and after each side's "
+                         "one-stream run (ReadFloor) and record each run over its own floor")
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args()
     assert args.llama_server.exists(), f"no llama-server at {args.llama_server}"
@@ -230,6 +254,7 @@ def main() -> None:
         rounds: dict[str, list[dict[str, Any]]] = {}
         os.environ.update({"OMP_NUM_THREADS": str(args.threads)})
         serve_args = [*(["--model", str(args.model)] if args.model else []), *args.serve_arg]
+        floor = ReadFloor(args.model or default_model_path(), args.threads) if args.read_floor else None
         with our_worker(serve_args) as addr:
             # one slot for one stream (as one would run it), 64 for 64 streams
             for w in names:
@@ -241,7 +266,15 @@ def main() -> None:
                     rounds[w] = []
                     for r in range(args.rounds):
                         order = list(targets) if r % 2 == 0 else list(targets)[::-1]
-                        one = {side: bench(targets[side], w, tok, seed=r) for side in order}
+                        one = {}
+                        for side in order:
+                            run = functools.partial(bench, targets[side], w, tok, seed=r)
+                            if floor is not None and w == "one_stream":
+                                one[side], one[side]["floor"] = floor.around(run)
+                                one[side]["over_floor"] = round(one[side]["decode_tokens_per_s"]
+                                                                / one[side]["floor"]["floor_tokens_per_s"], 3)
+                            else:
+                                one[side] = run()
                         rounds[w].append(one)
                         for side in order:
                             print(side, w, f"round {r + 1}", one[side], flush=True)
@@ -265,11 +298,15 @@ def main() -> None:
                                      f"{4096 if SLOTS[w] == 1 else SLOTS[w] * 2048}" for w in names},
               "model": str(args.model or default_model_path()),
               "serve_args": serve_args, "environment": environment()}
-    if args.read_floor:
-        record["read_floor"] = read_floor(args.model or default_model_path(), args.threads)
-        ours = results["llm-worker"].get("one_stream", {}).get("decode_tokens_per_s")
-        if ours:
-            record["read_floor"]["one_stream_over_floor"] = round(ours / record["read_floor"]["floor_tokens_per_s"], 3)
+    if floor is not None and "one_stream" in names:
+        # each side's runs over their own floors (ReadFloor), the medians over rounds
+        each = {side: [one[side] for one in rounds["one_stream"]] for side in results}
+        record["read_floor"] = {
+            "step_bytes": floor.step_bytes,
+            "floor_tokens_per_s_median": statistics.median(
+                x["floor"]["floor_tokens_per_s"] for x in each["llm-worker"]),
+            "one_stream_over_floor": statistics.median(x["over_floor"] for x in each["llm-worker"]),
+            "one_stream_over_floor_llama_cpp": statistics.median(x["over_floor"] for x in each["llama.cpp"])}
         print("read floor", record["read_floor"], flush=True)
     print(json.dumps(ratios, indent=1))
     if args.output_json:
