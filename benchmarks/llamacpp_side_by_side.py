@@ -6,7 +6,8 @@ streaming, the same number of threads, one server working at a time.
         --output-json bench-results/llamacpp-side-by-side.json
 
 `--read-floor` also measures one stream's memory floor just before and just after each side's
-one-stream run (ReadFloor: the machine's read bandwidth moves within seconds) and records each
+one-stream run (ReadFloor: a sum over huge pages; the machine's read bandwidth moves within
+seconds) and records each
 run's decode rate over its own floor, for both servers.
 
 `--rounds N` runs each workload N times a side, alternating between the two servers (ours
@@ -187,15 +188,16 @@ class ReadFloor:
     """One stream's memory floor, measured beside each run it is compared with: the bytes a
     decode step reads (every tensor of the file but the token embedding, which a step reads
     one row of, unless it is also the tied head) over this machine's read bandwidth (a
-    float32 sum over `megabytes` on `threads` threads). This project's machines move their read
-    bandwidth between ~22 and ~39 GB/s from one second to the next (a sum every 0.2 s for 30
-    s, Zen 4, 2026-12-02), so one figure taken once is no floor for a run a minute later:
-    `around` samples it for `seconds` just before and just after a run, and the run's floor
-    is the median of those samples."""
+    float32 sum over `megabytes` on `threads` threads, in huge pages as the worker holds its
+    weights: on 4 KB pages the same sum reads ~25 GB/s where it reads ~32 in huge pages, and
+    our decode outran that "floor" by 12%; Zen 4, 2026-12-02). The bandwidth also moves by
+    up to 2x from one second to the next here, so `around` samples it for `seconds` just
+    before and just after a run, and the run's floor is the median of those samples."""
 
     def __init__(self, model: Path, threads: int, megabytes: int = 512) -> None:
         import torch
 
+        from ops import huge_pages
         from worker.weights.gguf_reader import GGUFFile
 
         f = GGUFFile(model)
@@ -204,8 +206,10 @@ class ReadFloor:
                               if t.name != "token_embd.weight" or "output.weight" not in names)
         self.threads = threads
         torch.set_num_threads(threads)
-        self.big = torch.ones(megabytes * 1024 * 1024 // 4)
-        self.big.sum()  # first touch
+        self.big = huge_pages.arena(megabytes * 1024 * 1024).view(torch.float32)
+        self.big.fill_(1.0)
+        self.huge_page_bytes = huge_pages.huge_bytes_at(self.big.data_ptr())
+        self.big.sum()  # warm-up
 
     def sample(self, seconds: float) -> list[float]:
         """Read bandwidths (GB/s), one a sum, for about `seconds`."""
@@ -302,7 +306,7 @@ def main() -> None:
         # each side's runs over their own floors (ReadFloor), the medians over rounds
         each = {side: [one[side] for one in rounds["one_stream"]] for side in results}
         record["read_floor"] = {
-            "step_bytes": floor.step_bytes,
+            "step_bytes": floor.step_bytes, "probe_huge_page_bytes": floor.huge_page_bytes,
             "floor_tokens_per_s_median": statistics.median(
                 x["floor"]["floor_tokens_per_s"] for x in each["llm-worker"]),
             "one_stream_over_floor": statistics.median(x["over_floor"] for x in each["llm-worker"]),
