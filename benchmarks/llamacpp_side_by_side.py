@@ -7,8 +7,7 @@ streaming, the same number of threads, one server working at a time.
 
 `--read-floor` also measures one stream's memory floor just before and just after each side's
 one-stream run (ReadFloor: a sum over huge pages; the machine's read bandwidth moves within
-seconds) and records each
-run's decode rate over its own floor, for both servers.
+seconds) and records each run's decode rate over its own floor, for both servers.
 
 `--rounds N` runs each workload N times a side, alternating between the two servers (ours
 first in even rounds, theirs first in odd ones), both up for the whole workload. This
@@ -204,7 +203,6 @@ class ReadFloor:
         names = {t.name for t in f.tensors}
         self.step_bytes = sum(t.n_bytes for t in f.tensors
                               if t.name != "token_embd.weight" or "output.weight" not in names)
-        self.threads = threads
         torch.set_num_threads(threads)
         self.big = huge_pages.arena(megabytes * 1024 * 1024).view(torch.float32)
         self.big.fill_(1.0)
@@ -274,9 +272,9 @@ def main() -> None:
                         for side in order:
                             run = functools.partial(bench, targets[side], w, tok, seed=r)
                             if floor is not None and w == "one_stream":
-                                one[side], one[side]["floor"] = floor.around(run)
-                                one[side]["over_floor"] = round(one[side]["decode_tokens_per_s"]
-                                                                / one[side]["floor"]["floor_tokens_per_s"], 3)
+                                got, f = floor.around(run)
+                                over = round(got["decode_tokens_per_s"] / f["floor_tokens_per_s"], 3)
+                                one[side] = {**got, "floor": f, "over_floor": over}
                             else:
                                 one[side] = run()
                         rounds[w].append(one)
