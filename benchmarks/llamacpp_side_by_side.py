@@ -5,9 +5,10 @@ streaming, the same number of threads, one server working at a time.
     python -m benchmarks.llamacpp_side_by_side --llama-server PATH --rounds 5 \\
         --output-json bench-results/llamacpp-side-by-side.json
 
-`--read-floor` also measures one stream's memory floor just before and just after each side's
-one-stream run (ReadFloor: a sum over huge pages; the machine's read bandwidth moves within
-seconds) and records each run's decode rate over its own floor, for both servers.
+`--read-floor` runs the one-stream workload request by request, the two servers' requests
+interleaved and the memory floor read between them (`paired_one_stream`, ReadFloor: a sum
+over huge pages; the machine's read bandwidth moves within seconds), and records each run's
+decode rate over its floor, for both servers.
 
 `--rounds N` runs each workload N times a side, alternating between the two servers (ours
 first in even rounds, theirs first in odd ones), both up for the whole workload. This
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import re
@@ -184,16 +184,21 @@ def bench(server: list[str], workload: str, tokenizer: str, seed: int = 0,
 
 
 class ReadFloor:
-    """One stream's memory floor, measured beside each run it is compared with: the bytes a
-    decode step reads (every tensor of the file but the token embedding, which a step reads
-    one row of, unless it is also the tied head) over this machine's read bandwidth (a
-    float32 sum over `megabytes` on `threads` threads, in huge pages as the worker holds its
-    weights: on 4 KB pages the same sum reads ~25 GB/s where it reads ~32 in huge pages, and
-    our decode outran that "floor" by 12%; Zen 4, 2026-12-02). The bandwidth also moves by
-    up to 2x from one second to the next here, so `around` samples it for `seconds` just
-    before and just after a run, and the run's floor is the median of those samples."""
+    """One stream's memory floor: the bytes a decode step reads (every tensor of the file but
+    the token embedding, which a step reads one row of, unless it is also the tied head) over
+    this machine's read bandwidth (a float32 sum over `megabytes` on `threads` threads, in
+    huge pages as the worker holds its weights: on 4 KB pages the same sum reads ~25 GB/s
+    where it reads ~32 in huge pages, and our decode outran that "floor" by 12%; Zen 4,
+    2026-12-02). 128 MB reads as fast as 512 MB here, in 2-8 ms.
 
-    def __init__(self, model: Path, threads: int, megabytes: int = 512) -> None:
+    The bandwidth this VM gets moves between ~17 and ~65 GB/s within seconds (a sum every
+    second for a minute; Zen 4, 2026-12-02), so a floor read for a second before and after
+    a ~17 s run was often another moment's: one round read 61 GB/s around our run and our
+    decode ran at 0.50 of it, another read 34 and ours ran at 0.93 (BENCHMARKS.md run lc14).
+    Nor can it be read while a server decodes: the sum's threads then share the two cores
+    with the server's and read about half. `paired_one_stream` reads it between requests."""
+
+    def __init__(self, model: Path, threads: int, megabytes: int = 128) -> None:
         import torch
 
         from ops import huge_pages
@@ -204,28 +209,54 @@ class ReadFloor:
         self.step_bytes = sum(t.n_bytes for t in f.tensors
                               if t.name != "token_embd.weight" or "output.weight" not in names)
         torch.set_num_threads(threads)
-        self.big = huge_pages.arena(megabytes * 1024 * 1024).view(torch.float32)
-        self.big.fill_(1.0)
-        self.huge_page_bytes = huge_pages.huge_bytes_at(self.big.data_ptr())
-        self.big.sum()  # warm-up
+        self.probe = huge_pages.arena(megabytes * 1024 * 1024).view(torch.float32)
+        self.probe.fill_(1.0)
+        self.huge_page_bytes = huge_pages.huge_bytes_at(self.probe.data_ptr())
+        self.probe.sum()  # warm-up
 
     def sample(self, seconds: float) -> list[float]:
-        """Read bandwidths (GB/s), one a sum, for about `seconds`."""
+        """Read bandwidths (GB/s), one a sum, for about `seconds` (at least one)."""
         out, end = [], time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        while not out or time.perf_counter() < end:
             t0 = time.perf_counter()
-            self.big.sum()
-            out.append(self.big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+            self.probe.sum()
+            out.append(self.probe.numel() * 4 / (time.perf_counter() - t0) / 1e9)
         return out
 
-    def around(self, run: Any, seconds: float = 1.0) -> tuple[Any, dict[str, float]]:
-        """`run()`'s result and its floor: the median bandwidth of the samples before and
-        after it, and the tokens/s a step reading `step_bytes` at that bandwidth makes."""
-        before = self.sample(seconds)
-        got = run()
-        gbs = statistics.median(before + self.sample(seconds))
-        return got, {"read_bandwidth_gbs": round(gbs, 2),
-                     "floor_tokens_per_s": round(gbs * 1e9 / self.step_bytes, 2)}
+    def floor(self, gbs: float) -> dict[str, float]:
+        """The bandwidth and the tokens/s of a step reading `step_bytes` at it."""
+        return {"read_bandwidth_gbs": round(gbs, 2), "floor_tokens_per_s": round(gbs * 1e9 / self.step_bytes, 2)}
+
+
+def paired_one_stream(targets: dict[str, list[str]], order: list[str], tokenizer: str, r: int,
+                      floor: ReadFloor, requests: int = 6, seconds: float = 0.3) -> dict[str, dict[str, Any]]:
+    """Round `r` of the one-stream workload with the floor read between requests: request i
+    (its prompt from seed 1000 r + i, the same for both) to one server, then the other
+    (`order` reversed on odd i), each a one-request bench run, the floor sampled for
+    `seconds` before and after each with neither server working. A request's floor is the
+    median of the samples on its two sides (~3 s apart); a side's round gives its median
+    TPOT's decode rate, as a six-request run does, and its median request over its floor."""
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in order}
+    last = floor.sample(seconds)
+    for i in range(requests):
+        for side in (order if i % 2 == 0 else order[::-1]):
+            got = bench(targets[side], "one_stream", tokenizer, seed=1000 * r + i,
+                        extra=["--num-requests", "1", "--warmup", "1" if i == 0 else "0"])
+            after = floor.sample(seconds)
+            f = floor.floor(statistics.median(last + after))
+            last = after
+            runs[side].append({**got, "floor": f, "over_floor": round(got["decode_tokens_per_s"] / f["floor_tokens_per_s"], 3)})
+    out = {}
+    for side, each in runs.items():
+        tpot = statistics.median(x["tpot_ms_median"] for x in each)
+        out[side] = {"output_throughput": statistics.median(x["output_throughput"] for x in each),
+                     "ttft_ms_median": statistics.median(x["ttft_ms_median"] for x in each),
+                     "tpot_ms_median": tpot, "decode_tokens_per_s": 1000.0 / tpot,
+                     "completed": sum(x["completed"] or 0 for x in each),
+                     "floor": floor.floor(statistics.median(x["floor"]["read_bandwidth_gbs"] for x in each)),
+                     "over_floor": statistics.median(x["over_floor"] for x in each),
+                     "requests": each}
+    return out
 
 
 def main() -> None:
@@ -242,8 +273,8 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=1, help="alternating runs a side per workload")
     ap.add_argument("--read-floor", action="store_true",
-                    help="also measure one stream's memory floor just before and after each side's "
-                         "one-stream run (ReadFloor) and record each run over its own floor")
+                    help="run one stream request by request, the servers interleaved, with the memory "
+                         "floor read between requests (paired_one_stream), and record each run over its floor")
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args()
     assert args.llama_server.exists(), f"no llama-server at {args.llama_server}"
@@ -268,18 +299,14 @@ def main() -> None:
                     rounds[w] = []
                     for r in range(args.rounds):
                         order = list(targets) if r % 2 == 0 else list(targets)[::-1]
-                        one = {}
-                        for side in order:
-                            run = functools.partial(bench, targets[side], w, tok, seed=r)
-                            if floor is not None and w == "one_stream":
-                                got, f = floor.around(run)
-                                over = round(got["decode_tokens_per_s"] / f["floor_tokens_per_s"], 3)
-                                one[side] = {**got, "floor": f, "over_floor": over}
-                            else:
-                                one[side] = run()
+                        if floor is not None and w == "one_stream":
+                            one = paired_one_stream(targets, order, tok, r, floor)
+                        else:
+                            one = {side: bench(targets[side], w, tok, seed=r) for side in order}
                         rounds[w].append(one)
                         for side in order:
-                            print(side, w, f"round {r + 1}", one[side], flush=True)
+                            print(side, w, f"round {r + 1}", {k: v for k, v in one[side].items() if k != "requests"},
+                                  flush=True)
                 for side in results:
                     results[side][w] = _medians([one[side] for one in rounds[w]])
     ratios: dict[str, float] = {}
