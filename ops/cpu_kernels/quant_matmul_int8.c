@@ -472,10 +472,15 @@ INLINE void qn_i8_rows(const uint8_t *tile, int qt, int b0, int b1, int K, const
         const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
         const int j = b % qn_group(qt);
         if (pf) prefetch_bytes_l2(tile + (size_t)b * qn_stride(qt) + qn_ahead(qt), qn_stride(qt));
+        /* unrolled (Q6_K's two halves and their chunks): GCC had left them a loop of
+         * computed offsets. A Q6_K 2048x8192 at 16 rows, int16: 1.14x (benchmarks.ab
+         * linear; Zen 4); the same bits, the sums being exact. */
+#pragma GCC unroll 2
         for (int kh = 0; kh < halves; kh++) {
             __m512i s[4][3][2];
             for (int r = 0; r < R; r++)
                 for (int p = 0; p < P; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
             for (int c = kh * 4 / halves; c < (kh + 1) * 4 / halves; c++) {
                 __m512i u[2][2];
                 for (int h = 0; h < 2; h++) {
