@@ -248,13 +248,12 @@ def paired_one_stream(targets: dict[str, list[str]], order: list[str], tokenizer
             runs[side].append({**got, "floor": f, "over_floor": round(got["decode_tokens_per_s"] / f["floor_tokens_per_s"], 3)})
     out = {}
     for side, each in runs.items():
-        tpot = statistics.median(x["tpot_ms_median"] for x in each)
-        out[side] = {"output_throughput": statistics.median(x["output_throughput"] for x in each),
-                     "ttft_ms_median": statistics.median(x["ttft_ms_median"] for x in each),
-                     "tpot_ms_median": tpot, "decode_tokens_per_s": 1000.0 / tpot,
+        # the requests' medians (over_floor's too), but for the rate, which is the median
+        # TPOT's (not the median of six rates), and the count, which adds up
+        med = _medians(each)
+        out[side] = {**med, "decode_tokens_per_s": 1000.0 / med["tpot_ms_median"],
                      "completed": sum(x["completed"] or 0 for x in each),
                      "floor": floor.floor(statistics.median(x["floor"]["read_bandwidth_gbs"] for x in each)),
-                     "over_floor": statistics.median(x["over_floor"] for x in each),
                      "requests": each}
     return out
 
