@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drafts", type=int, default=0, help="drafted tokens a request: a verification step")
     g.add_argument("--prefill", action="store_true", help="the prompts' prefill call instead of a decode step")
     g.add_argument("--breakdown", action="store_true",
-                   help="also the first side's call without the LM head and without the matmuls")
+                   help="also the first side's call without the LM head, without the matmuls, and with each matmul a plain "
+                        "read of its records; and a plain sum's time for the records' bytes")
     g = ap.add_argument_group("native, linear")
     g.add_argument("--calls", type=int, default=10, help="calls a side a round")
     g = ap.add_argument_group("linear")

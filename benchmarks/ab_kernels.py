@@ -8,8 +8,11 @@ kernels built from its own checkout's sources with this machine's flags.
   build of `ops/cpu_kernels/decoder.c` with them `--calls` times. The other checkout's
   `model_desc`/`step_desc` layouts must be this one's. A side's logits must equal the first
   side's of the same settings (its hidden states for a prefill): `same_output`.
-  `--breakdown` times two more calls a measurement: without the LM head (its logits not
-  asked for), and with a build whose matmuls only zero their outputs.
+  `--breakdown` times three more calls a measurement: without the LM head (its logits not
+  asked for), with a build whose matmuls only zero their outputs, and with one whose
+  matmuls read their tiles' records as a plain sum does (`LLMWORKER_READ_ONLY_MATMULS`: the
+  weights read in the call's order, shares and waits, without their arithmetic); and a
+  plain sum's time for the records' bytes (ReadFloor's probe).
 - `linear`: one quantized linear's kernel (`--weight`, a tensor of the default GGUF, or a
   type's random blocks with `--shape NxK`: benchmarks/gguf_blocks.py). Each
   side repacks it with its own checkout's `ops/quantized_linear.py` and `ops/quant_records.py`
@@ -23,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib.util
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,9 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.ab import stats
 from benchmarks.ab_engine import worker_config
 from ops import cpu_decoder, cpu_kernels, huge_pages
-from ops.quantized_linear import ACTIVATIONS, QuantizedWeight, resolve_activations
+from ops.quantized_linear import ACTIVATIONS, QuantizedWeight, QuantLinear, resolve_activations
 from scheduler.request import SamplingParams
 from worker.config import NgramSpeculation, SpeculativeConfig
 from worker.engine import Engine
@@ -121,6 +126,25 @@ def _captured_step(flags: list[str], batch: int, context: int, drafts: int, pref
     return engine, decoder, captured["args"]
 
 
+class _SumProbe:
+    """A plain read's time for `step_bytes`: torch's float32 sum over 128 MB in huge pages on
+    this process's threads (ReadFloor's probe), scaled to the step's bytes."""
+
+    def __init__(self, step_bytes: int, megabytes: int = 128) -> None:
+        self.step_bytes = step_bytes
+        self.arena = huge_pages.arena(megabytes << 20).view(torch.float32)
+        self.arena.fill_(1.0)
+        self.arena.sum()
+
+    def times(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.arena.sum()
+            out.append((time.perf_counter() - t0) * 1e3 * self.step_bytes / (self.arena.numel() * 4))
+        return out
+
+
 class Native:
     """The `native` workload over the sides (name, checkout root, flags)."""
 
@@ -136,8 +160,12 @@ class Native:
             if side.root not in libs:
                 libs[side.root] = _decoder_lib(side.root / "ops" / "cpu_kernels", tmp / f"{len(libs)}.so")
             self.sides[side.name] = (key, libs[side.root])
-        self.bare = (_decoder_lib(sides[0].root / "ops" / "cpu_kernels", tmp / "bare.so",
-                                  ("-DLLMWORKER_SKIP_MATMULS",)) if o["breakdown"] else None)
+        folder = sides[0].root / "ops" / "cpu_kernels"
+        self.bare = _decoder_lib(folder, tmp / "bare.so", ("-DLLMWORKER_SKIP_MATMULS",)) if o["breakdown"] else None
+        self.reads = (_decoder_lib(folder, tmp / "reads.so", ("-DLLMWORKER_READ_ONLY_MATMULS",))
+                      if o["breakdown"] else None)
+        self.probe = _SumProbe(self._weight_bytes(next(iter(self.engines)))) if o["breakdown"] else None
+        self.ratios: dict[str, list[float]] = {}
         self.reference: dict[tuple[str, ...], torch.Tensor] = {}
         self.same: dict[str, bool] = {}
         self.kernels = {name: self.engines[key][0].runner.describe_kernels() for name, (key, _) in self.sides.items()}
@@ -162,10 +190,28 @@ class Native:
         if self.bare is not None and name == next(iter(self.sides)):
             metrics["call_ms no LM head"] = self._calls(key, lib, no_head=True)[0]
             metrics["call_ms no matmuls"] = self._calls(key, self.bare)[0]
+            metrics["call_ms reads only"] = self._calls(key, self.reads)[0]
+            metrics["sum_ms of the weights' bytes"] = self.probe.times(self.o["calls"])
+            if r >= 0:  # not a warm-up round
+                med = {k: statistics.median(v) for k, v in metrics.items()}
+                call, reads, plain = med["call_ms"], med["call_ms reads only"], med["sum_ms of the weights' bytes"]
+                for ratio, x in (("call over reads only", call / reads), ("reads only over sum", reads / plain),
+                                 ("call over sum", call / plain)):
+                    self.ratios.setdefault(ratio, []).append(x)
         return metrics
 
+    def _weight_bytes(self, key: tuple[str, ...]) -> int:
+        """The bytes of the records a step's matmuls read (the LM head's included)."""
+        model = self.engines[key][0].runner.model
+        packed = {m.packed.data_ptr(): m.packed for m in model.modules() if isinstance(m, QuantLinear)}
+        return sum(t.numel() * t.element_size() for t in packed.values())
+
     def report(self) -> dict[str, Any]:
-        return {"same_output": self.same, "kernels": self.kernels, "read_gbps": read_gbps()}
+        out = {"same_output": self.same, "kernels": self.kernels, "read_gbps": read_gbps()}
+        if self.probe is not None:  # each a round's medians' ratio (the same moment's bandwidth)
+            out["breakdown_ratios"] = {k: stats(v) for k, v in self.ratios.items()}
+            out["weight_bytes"] = self.probe.step_bytes
+        return out
 
 
 def gguf_weight(name: str) -> QuantizedWeight:

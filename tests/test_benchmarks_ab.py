@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
 
 from benchmarks import ab
 from ops import cpu_kernels, quantized_linear
+from worker.weights import default_model_path
+from worker.weights.gguf_reader import GGUFFile
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_kernels = pytest.mark.skipif(not quantized_linear.available(), reason="no gcc or no AVX2/FMA/F16C here")
@@ -104,16 +107,37 @@ def test_offline_generates_the_whole_set(tmp_path: Path) -> None:
 @needs_kernels
 def test_native_sides_of_settings_and_the_breakdown(tmp_path: Path) -> None:
     """Two settings' engines (float32 and float16 KV caches), this checkout's build; the
-    breakdown's calls without the head and without the matmuls are shorter than the call."""
+    breakdown's calls without the head and without the matmuls are shorter than the call, the
+    one reading the weights in the matmuls' place longer than the one without them; the
+    plain sum is timed over the bytes of the records every linear holds (the tied head once),
+    and each round's ratios are its medians'."""
     report = run(tmp_path, "native", "--side", "f32=.", "--side", "f16=.,--kv-cache-dtype=float16",
-                 "--rounds", "1", "--warmup", "0", "--calls", "3", "--context", "20", "--breakdown")
+                 "--rounds", "2", "--warmup", "0", "--calls", "3", "--context", "20", "--breakdown")
     first = report["rounds"][0]["f32"]
-    assert set(first) == {"call_ms", "call_ms no LM head", "call_ms no matmuls"}
+    assert set(first) == {"call_ms", "call_ms no LM head", "call_ms no matmuls", "call_ms reads only",
+                          "sum_ms of the weights' bytes"}
     assert set(report["rounds"][0]["f16"]) == {"call_ms"}
     assert report["details"]["same_output"] == {"f32": True, "f16": True}
     assert "KV cache float16" in report["details"]["kernels"]["f16"]
     summary = report["summary"]
-    assert summary["call_ms no matmuls"]["sides"]["f32"]["median"] < summary["call_ms"]["sides"]["f32"]["median"]
+    median = {m: summary[m]["sides"]["f32"]["median"] for m in first}
+    assert median["call_ms no matmuls"] < median["call_ms"]
+    assert median["call_ms no matmuls"] < median["call_ms reads only"]
+
+    # the default model's records: its file's tensors, the tied embedding/head once, repacked
+    # a few percent larger at most
+    file_bytes = sum(t.n_bytes for t in GGUFFile(default_model_path()).tensors if "norm" not in t.name)
+    held = report["details"]["weight_bytes"]
+    assert 0.95 * file_bytes < held < 1.15 * file_bytes
+    # the read-only build reads them: no 2-core machine streams ~100 MB faster than 200 GB/s
+    assert median["call_ms reads only"] - median["call_ms no matmuls"] > held / 200e9 * 1e3
+    ratios = report["details"]["breakdown_ratios"]
+    assert {k: v["n"] for k, v in ratios.items()} == {"call over reads only": 2, "reads only over sum": 2,
+                                                       "call over sum": 2}
+    for r in report["rounds"]:
+        med = {m: statistics.median(v) for m, v in r["f32"].items()}
+        assert med["call_ms"] / med["sum_ms of the weights' bytes"] in (ratios["call over sum"]["min"],
+                                                                         ratios["call over sum"]["max"])
 
 
 @needs_kernels

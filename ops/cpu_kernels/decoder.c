@@ -399,8 +399,20 @@ static void prepare_mine(const matmul_input *in, const temps *t) {
 /* Tiles t0..t1-1 of linear L for M rows into y (the first tile's columns, stride ldy):
  * from the float rows or their quantized form, then the bias. */
 static void linear_tiles(const qlinear *L, const matmul_input *in, int M, float *y, size_t ldy, int t0, int t1) {
-#ifdef LLMWORKER_SKIP_MATMULS /* benchmarks/native_ab.py --breakdown: the call's time without them */
+#if defined(LLMWORKER_SKIP_MATMULS) || defined(LLMWORKER_READ_ONLY_MATMULS)
+    /* benchmarks/ab_kernels.py --breakdown: the call's time without the matmuls, and with
+     * each tile's records read (a plain sum of their bytes, kept from the optimizer) in
+     * the place of its arithmetic: what reading the weights in the call's order costs */
     for (int r = 0; r < M; r++) memset(y + (size_t)r * ldy, 0, sizeof(float) * (size_t)(t1 - t0) * TILE);
+#ifdef LLMWORKER_READ_ONLY_MATMULS
+    const size_t bytes = tile_bytes(L->qtype, L->K);
+    const uint8_t *p = L->w + (size_t)t0 * bytes, *end = p + (size_t)(t1 - t0) * bytes;
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (; p + 128 <= end; p += 128)
+        for (int j = 0; j < 4; j++) acc[j] = _mm256_add_epi32(acc[j], _mm256_loadu_si256((const __m256i *)(p + 32 * j)));
+    __m256i all = _mm256_add_epi32(_mm256_add_epi32(acc[0], acc[1]), _mm256_add_epi32(acc[2], acc[3]));
+    if (_mm256_testz_si256(all, all) && p < end && *p == 0x5a) y[0] = 1.0f; /* a use of the sum */
+#endif
     return;
 #endif
     for (int tile = t0; tile < t1; tile++) {
