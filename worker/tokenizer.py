@@ -108,6 +108,28 @@ _GGUF_PRE: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
 PRE_GROUP = {name: group for group, names in _PRE_NAMES.items() for name in names}
 
 
+def _gguf_bpe(tokens: list[str], merges: list[str], path: Path) -> models.BPE:
+    """A GGUF's byte-level BPE: its tokens by id, its merges ("a b": two tokens whose join is one). A token
+    twice (llama.cpp asserts on it: ids would not round-trip), a merge that is not two
+    tokens, are refused naming them, not left to fail inside the tokenizers library."""
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if t in vocab:
+            raise TokenizerError(f"{path}: tokenizer.ggml.tokens holds {t[:100]!r} twice (ids {vocab[t]} and {i})")
+        vocab[t] = i
+    pairs = []
+    for i, m in enumerate(merges):
+        pair = tuple(m.split(" ", 1))
+        if len(pair) != 2 or not (pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab):
+            raise TokenizerError(f"{path}: tokenizer.ggml.merges[{i}] = {m[:100]!r}: two tokens of "
+                                 "tokenizer.ggml.tokens, a space between, whose join is one too, expected")
+        pairs.append(pair)
+    try:
+        return models.BPE(vocab=vocab, merges=pairs)
+    except Exception as e:  # the library's own checks, beyond those above
+        raise TokenizerError(f"{path}: the GGUF's BPE vocabulary: {str(e)[:200]}") from e
+
+
 class Tokenizer:
     """Encode, decode and chat-template for one model."""
 
@@ -166,12 +188,11 @@ class Tokenizer:
                 reader = gguf_reader.GGUFFile(path)
             except (OSError, ValueError) as e:
                 raise TokenizerError(f"{path} is not a readable GGUF file: {e}") from e
-        fields = reader.fields
+        from worker.weights.gguf_meta import Metadata  # deferred: worker.weights imports us
 
-        def meta(key: str, default: Any = None) -> Any:
-            return fields.get(key, default)
-
-        model = meta("tokenizer.ggml.model")
+        meta = Metadata(reader.fields, path)  # a key of the wrong type: refused, naming it
+        model = meta.string("tokenizer.ggml.model")
+        template = meta.string("tokenizer.chat_template")
         if model == "llama":  # SentencePiece (Llama 2, Mistral, Gemma 2/3, Phi-3-mini)
             from worker import tokenizer_spm
 
@@ -179,32 +200,28 @@ class Tokenizer:
                 parts = tokenizer_spm.build(meta, path)
             except tokenizer_spm.SpmVocabError as e:
                 raise TokenizerError(f"{path}: {e}") from e
-            return cls(chat_template=meta("tokenizer.chat_template"), **parts)
+            return cls(chat_template=template, **parts)
         if model != "gpt2":
             raise TokenizerError(
                 f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, "
                 "'gpt2', and SentencePiece, 'llama'); load the model from its Hugging Face folder instead"
             )
-        pre = meta("tokenizer.ggml.pre", "gpt2")
+        pre = meta.string("tokenizer.ggml.pre", "gpt2")
         if pre not in _GGUF_PRE:
             known = ", ".join(sorted(_GGUF_PRE))
             raise TokenizerError(
                 f"{path}: GGUF pre-tokenizer {pre!r} is not supported; known: {known}"
             )
-        tokens: list[str] | None = meta("tokenizer.ggml.tokens")
-        merges: list[str] | None = meta("tokenizer.ggml.merges")
+        tokens = meta.strings("tokenizer.ggml.tokens")
+        merges = meta.strings("tokenizer.ggml.merges")
         if not tokens or merges is None:
             raise TokenizerError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens/merges")
-        types: list[int] = meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        types = meta.integers("tokenizer.ggml.token_type") or [1] * len(tokens)
         if len(types) != len(tokens):
             raise TokenizerError(
                 f"{path}: {len(types)} token types for {len(tokens)} tokens in the GGUF metadata"
             )
-
-        bpe = models.BPE(
-            vocab={tok: i for i, tok in enumerate(tokens)},
-            merges=[tuple(m.split(" ", 1)) for m in merges],
-        )
+        bpe = _gguf_bpe(tokens, merges, path)
         tok = _HFTokenizer(bpe)
         tok.pre_tokenizer = _GGUF_PRE[pre]()
         tok.decoder = decoders.ByteLevel()
@@ -223,16 +240,20 @@ class Tokenizer:
                 if ty == _USER_DEFINED
             ]
         )
+
+        def token_id(key: str) -> int | None:  # its range: checked against the vocabulary in __init__
+            return meta.integer(f"tokenizer.ggml.{key}_token_id", low=None)
+
         # llama.cpp stops generation on any of EOS, end-of-turn and end-of-message.
-        eos = [meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        eos = [token_id(k) for k in ("eos", "eot", "eom")]
         return cls(
             tok,
-            bos_token_id=meta("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[int(i) for i in eos if i is not None],
-            pad_token_id=meta("tokenizer.ggml.padding_token_id"),
-            unk_token_id=meta("tokenizer.ggml.unknown_token_id"),
-            chat_template=meta("tokenizer.chat_template"),
-            add_bos=bool(meta("tokenizer.ggml.add_bos_token", False)),
+            bos_token_id=token_id("bos"),
+            eos_token_ids=[i for i in eos if i is not None],
+            pad_token_id=token_id("padding"),
+            unk_token_id=token_id("unknown"),
+            chat_template=template,
+            add_bos=bool(meta.flag("tokenizer.ggml.add_bos_token", False)),
         )
 
     @classmethod

@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as _HFTokenizer
+
+if TYPE_CHECKING:  # worker.weights imports worker.tokenizer, which imports this
+    from worker.weights.gguf_meta import Metadata
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,9 @@ class SpmVocabError(ValueError):
     """The file's SentencePiece vocabulary cannot be used; the message names the key."""
 
 
-def _array(meta: Callable[[str], Any], key: str, n: int | None, kind: type | tuple[type, ...]) -> list[Any]:
+def _array(meta: Metadata, key: str, n: int | None, kind: type | tuple[type, ...]) -> list[Any]:
     """The array at `key`: present, of `n` entries (when given), each of `kind`."""
-    value = meta(key)
+    value = meta.raw(key)
     if value is None:
         raise SpmVocabError(f"no {key}: a SentencePiece vocabulary needs it")
     if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
@@ -89,10 +91,10 @@ def _merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     return [(a, b) for _, _, _, a, b in ranked]
 
 
-def build(meta: Callable[[str], Any], path: Path) -> dict[str, Any]:
+def build(meta: Metadata, path: Path) -> dict[str, Any]:
     """The `tokenizers` backend of the file's SentencePiece vocabulary and the keyword
     arguments of worker.tokenizer.Tokenizer (ids, add_bos/add_eos) that go with it.
-    `meta(key)` reads a metadata key (None when absent)."""
+    `meta`: the file's metadata, read by type (a key of the wrong type is refused)."""
     tokens = _array(meta, "tokenizer.ggml.tokens", None, str)
     if not tokens:
         raise SpmVocabError("tokenizer.ggml.tokens is empty")
@@ -108,7 +110,7 @@ def build(meta: Callable[[str], Any], path: Path) -> dict[str, Any]:
         vocab[t] = i
 
     def token_id(key: str, default: int | None) -> int | None:
-        value = meta(f"tokenizer.ggml.{key}")
+        value = meta.raw(f"tokenizer.ggml.{key}")
         if value is None:  # llama.cpp's SPM defaults (bos 1, eos 2), where they exist
             return default if default is not None and default < n else None
         if not isinstance(value, int) or isinstance(value, bool):
@@ -135,8 +137,7 @@ def build(meta: Callable[[str], Any], path: Path) -> dict[str, Any]:
     bpe = models.BPE(vocab=vocab, merges=_merges(tokens, scores), byte_fallback=bool(byte_tokens),
                      unk_token=tokens[unk] if unk is not None else None, fuse_unk=True)
     tok = _HFTokenizer(bpe)
-    prefix = meta("tokenizer.ggml.add_space_prefix")
-    prefix = True if prefix is None else bool(prefix)
+    prefix = meta.flag("tokenizer.ggml.add_space_prefix", True)
     # A normalizer, not a pre-tokenizer: it runs on each piece between added tokens, so each
     # gets its "▁" as llama.cpp's fragments do, even one that starts with a space ("▁▁hi").
     escape = normalizers.Replace(" ", SPACE)
@@ -146,7 +147,7 @@ def build(meta: Callable[[str], Any], path: Path) -> dict[str, Any]:
 
     # llama.cpp strips the whitespace after Phi-3's special tokens, chosen by the model's name
     # (llama-vocab.cpp: "phi-3"/"phi3" in general.name), as Phi-3's tokenizer.json does.
-    name = str(meta("general.name") or "").lower()
+    name = (meta.string("general.name") or "").lower()
     phi3 = "phi-3" in name or "phi3" in name
 
     def rstrip(t: str) -> bool:
@@ -157,7 +158,7 @@ def build(meta: Callable[[str], Any], path: Path) -> dict[str, Any]:
                             for t, ty in typed if ty in (CONTROL, UNKNOWN)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False, rstrip=rstrip(t))
                     for t, ty in typed if ty == USER_DEFINED])
-    add_bos, add_eos = meta("tokenizer.ggml.add_bos_token"), meta("tokenizer.ggml.add_eos_token")
+    add_bos, add_eos = meta.flag("tokenizer.ggml.add_bos_token"), meta.flag("tokenizer.ggml.add_eos_token")
     # llama.cpp stops generation on any of EOS, end-of-turn and end-of-message, and on the
     # tokens its text list names: Gemma 2/3's and Phi-3's files carry no end-of-turn id, and
     # their chat turns end with <end_of_turn> and <|end|>.

@@ -29,6 +29,7 @@ import numpy as np
 
 from ops.rotary import RopeScaling
 from worker.models.gemma import GemmaConfig
+from worker.weights.gguf_meta import Metadata
 from worker.weights.gguf_reader import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def phi3_fields(reader: GGUFFile, path: Path, base: dict[str, Any], rotary_dim: 
     out: dict[str, Any] = {"sliding_window": window(reader, path, "phi3", context)}
     tensors = {t.name: t for t in reader.tensors if t.name in LONGROPE_TENSORS}
     if not tensors:
-        if _field(reader, "phi3.rope.scaling.type") == "longrope":
+        if Metadata(reader.fields, path).string("phi3.rope.scaling.type") == "longrope":
             raise ValueError(f"{path}: GGUF phi3.rope.scaling.type is longrope but the file has no "
                              f"{' or '.join(LONGROPE_TENSORS)}")
         return out
@@ -97,16 +98,17 @@ def phi3_fields(reader: GGUFFile, path: Path, base: dict[str, Any], rotary_dim: 
         if not (np.isfinite(values).all() and (values > 0).all()):
             raise ValueError(f"{path}: {name} holds a factor that is not finite and positive")
         factors[name.split("_")[2].removesuffix(".weight")] = [float(v) for v in values]
+    meta = Metadata(reader.fields, path)
     key = "phi3.rope.scaling.original_context_length"
-    orig = _field(reader, key)
+    orig = meta.integer(key, low=1)
     if orig is None:
         raise ValueError(f"{path}: GGUF {key} is missing: LongRoPE's factors need the original context")
     rs = {"rope_type": "longrope", "short_factor": factors["short"], "long_factor": factors["long"]}
-    attn = _field(reader, "phi3.rope.scaling.attn_factor")
+    attn = meta.number("phi3.rope.scaling.attn_factor")
     if attn is not None:
-        rs["attention_factor"] = float(attn)
+        rs["attention_factor"] = attn
     try:
-        out["rope_scaling"] = RopeScaling.from_hf(rs, context, int(orig))
+        out["rope_scaling"] = RopeScaling.from_hf(rs, context, orig)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     return out
@@ -134,13 +136,17 @@ def gemma_config(reader: GGUFFile, path: Path, arch: str, base: dict[str, Any]) 
     heads, head_dim = base["num_heads"], base["head_dim"]
     scalar = base["hidden_size"] // heads if n == _GEMMA_27B_LAYERS[arch] else head_dim
 
-    def cap(name: str, default: float | None) -> float | None:
-        v = _field(reader, f"{arch}.{name}", default)
-        return None if v in (None, 0) else float(v)
+    meta = Metadata(reader.fields, path)
 
-    local = _field(reader, f"{arch}.rope.freq_base_swa", None if gemma2 else 10000.0)
+    def cap(name: str, default: float | None) -> float | None:
+        v = meta.number(f"{arch}.{name}", default, positive=False)
+        if v is not None and v < 0:
+            raise meta.bad(f"{arch}.{name}", v, "a cap above 0 (0: none)")
+        return v or None
+
+    local = meta.number(f"{arch}.rope.freq_base_swa", None if gemma2 else 10000.0)
     if local is not None and gemma2:
-        if float(local) == base["rope_theta"]:
+        if local == base["rope_theta"]:
             local = None
         elif base["rope_scaling"] is not None:  # llama.cpp scales Gemma 2's local table too; we do not
             raise _bad(path, f"{arch}.rope.freq_base_swa", local, "a local rope base beside rope scaling")
@@ -149,4 +155,4 @@ def gemma_config(reader: GGUFFile, path: Path, arch: str, base: dict[str, Any]) 
     return GemmaConfig(**fields, query_pre_attn_scalar=float(scalar),
                        attn_logit_softcapping=cap("attn_logit_softcapping", 50.0) if gemma2 else None,
                        final_logit_softcapping=cap("final_logit_softcapping", 30.0 if gemma2 else None),
-                       rope_local_theta=None if local is None else float(local))
+                       rope_local_theta=local)

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from ops.rotary import RopeScaling
 from worker.models.llama import QK_NORM_ARCHITECTURES, LlamaConfig
 from worker.weights import gguf_families
+from worker.weights.gguf_meta import Metadata
 from worker.weights.gguf_reader import GGUFFile
 
 # GGUF architecture -> (HF architecture, are q/k stored permuted for interleaved rotary?)
@@ -68,20 +69,21 @@ def count(reader: GGUFFile, path: Path, key: str, default: int | None = None) ->
 
 
 def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
-    arch = field(reader, "general.architecture")
+    meta = Metadata(reader.fields, path)
+    arch = meta.string("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"{path}: unknown GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
     hidden = count(reader, path, f"{arch}.embedding_length")
     heads = count(reader, path, f"{arch}.attention.head_count")
     names = {t.name for t in reader.tensors}
-    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", ()))
+    vocab = meta.integer(f"{arch}.vocab_size", low=1) or len(meta.strings("tokenizer.ggml.tokens") or ())
     if not vocab:
         raise ValueError(f"{path}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     head_dim = count(reader, path, f"{arch}.attention.key_length", hidden // heads)
-    _refuse_unused(reader, path, arch, head_dim)
+    _refuse_unused(meta, path, arch, head_dim)
     rotary_dim = _rotary_dim(reader, path, arch, head_dim)
     context = count(reader, path, f"{arch}.context_length", 4096)
-    scaling = _rope_scaling(reader, arch, path, context)
+    scaling = _rope_scaling(meta, arch, path, context)
     if scaling is not None and scaling.context_length is not None:
         context = max(context, scaling.context_length)
     fields = dict(
@@ -93,8 +95,8 @@ def config_from_gguf(reader: GGUFFile, path: Path) -> LlamaConfig:
         num_heads=heads,
         num_kv_heads=count(reader, path, f"{arch}.attention.head_count_kv", heads),
         head_dim=head_dim,
-        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=meta.number(f"{arch}.rope.freq_base", 10000.0),
         max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
@@ -127,28 +129,29 @@ def _rotary_dim(reader: GGUFFile, path: Path, arch: str, head_dim: int) -> int:
     return dim
 
 
-def _rope_scaling(reader: GGUFFile, arch: str, path: Path, context: int) -> RopeScaling | None:
+def _rope_scaling(meta: Metadata, arch: str, path: Path, context: int) -> RopeScaling | None:
     """The rope scaling convert_hf_to_gguf wrote ({arch}.rope.scaling.*: Qwen's YaRN), as the
     Hugging Face config's would be; llama3's goes to rope_freqs instead (_rope_freq_factors)."""
-    kind = field(reader, f"{arch}.rope.scaling.type")
+    kind = meta.string(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
     if kind == "longrope" and arch == "phi3":
         return None  # its factors are tensors: gguf_families.phi3_fields
     if kind not in ("linear", "yarn"):
         raise ValueError(f"{path}: {arch}.rope.scaling.type {str(kind)[:40]!r} is not supported (linear, yarn)")
-    rs = {"rope_type": kind, "factor": field(reader, f"{arch}.rope.scaling.factor"),
-          "original_max_position_embeddings": field(reader, f"{arch}.rope.scaling.original_context_length"),
-          "attention_factor": field(reader, f"{arch}.rope.scaling.attn_factor"),
-          "beta_fast": field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
-          "beta_slow": field(reader, f"{arch}.rope.scaling.yarn_beta_slow")}
+    key = f"{arch}.rope.scaling"
+    rs = {"rope_type": kind, "factor": meta.number(f"{key}.factor"),
+          "original_max_position_embeddings": meta.integer(f"{key}.original_context_length", low=1),
+          "attention_factor": meta.number(f"{key}.attn_factor"),
+          "beta_fast": meta.number(f"{key}.yarn_beta_fast"),
+          "beta_slow": meta.number(f"{key}.yarn_beta_slow")}
     try:
         return RopeScaling.from_hf({k: v for k, v in rs.items() if v is not None}, context)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
 
 
-def _refuse_unused(reader: GGUFFile, path: Path, arch: str, head_dim: int) -> None:
+def _refuse_unused(meta: Metadata, path: Path, arch: str, head_dim: int) -> None:
     """Refuse metadata that would change the model's arithmetic if it were ignored: the
     model would load and compute something else. (llama.cpp's keys, llama-arch.cpp.)"""
     def bad(key: str, value: Any, why: str) -> ValueError:
@@ -156,11 +159,11 @@ def _refuse_unused(reader: GGUFFile, path: Path, arch: str, head_dim: int) -> No
 
     # {arch}.rope.scaling.type: _rope_scaling takes linear and yarn and refuses the rest
     key = f"{arch}.expert_count"
-    if int(field(reader, key, 0) or 0) > 0:
-        raise bad(key, field(reader, key), "mixture-of-experts models are not supported")
+    if n := meta.integer(key, 0):
+        raise bad(key, n, "mixture-of-experts models are not supported")
     key = f"{arch}.attention.value_length"
-    if int(field(reader, key, head_dim)) != head_dim:
-        raise bad(key, field(reader, key), f"a value head size other than the key's ({head_dim}) is not supported")
+    if (n := meta.integer(key, head_dim, low=1)) != head_dim:
+        raise bad(key, n, f"a value head size other than the key's ({head_dim}) is not supported")
 
 
 def _rope_freq_factors(reader: GGUFFile, path: Path, head_dim: int) -> tuple[float, ...] | None:
