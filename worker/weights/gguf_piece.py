@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from worker.weights import gguf_file
+from worker.weights import gguf_file, gguf_finite
 from worker.weights.gguf_reader import GGUFTensor
 
 
@@ -78,8 +78,10 @@ class Piece:
 
     def blocks(self) -> np.ndarray:
         """The file's blocks of this piece, [rows, bytes per row] (elements for F32/F16),
-        rows unpermuted: a view of the map where nothing moves, else a copy of the slice."""
+        rows unpermuted: a view of the map where nothing moves, else a copy of the slice.
+        A float16 scale (or F16/BF16 element) that is inf or NaN: refused (gguf_finite.py)."""
         data = self._rows(self.tensor.data)
+        gguf_finite.check_blocks(self.tensor.name, self.qtype, data)
         if self.cols is not None:
             c, n, bs = self.cols, self.full_shape[1], self.block_size
             assert c.start % bs == 0 and c.stop % bs == 0, (self.tensor.name, c, bs)
@@ -89,12 +91,13 @@ class Piece:
         return _padded(gguf_file.unpermute(data, heads) if heads else data, self.pad_rows)
 
     def floats(self) -> np.ndarray:
-        """float32 values of this piece, rows unpermuted."""
+        """float32 values of this piece, rows unpermuted; one that is inf or NaN: refused."""
         data = self._rows(self.tensor.data)
         rows = self.kept_shape[0]
         if rows:
             w = gguf_file.dequantize_tensor(data, self.tensor.tensor_type)
             w = w.reshape((rows, *self.full_shape[1:]))
+            gguf_finite.check_floats(self.tensor.name, self.qtype, w)
         else:  # a vocab-parallel rank past the vocabulary's end: padding only
             w = np.zeros((0, *self.full_shape[1:]), dtype=np.float32)
         if self.cols is not None:
