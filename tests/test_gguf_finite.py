@@ -100,3 +100,15 @@ def test_the_first_bad_item_is_found_past_the_first_chunk() -> None:
         check_floats("w", "F32", values)
     check_floats("w", "F32", np.zeros((0, 4), dtype=np.float32))
     check_blocks("w", "Q8_0", np.zeros((4, 34), dtype=np.uint8))  # zero scales: finite
+
+
+def test_every_native_gguf_type_has_its_scale_fields() -> None:
+    """A GGUF type the CPU kernels take natively is read as blocks (not dequantized), so its
+    scales must be listed, or a file of it would fail at load with a KeyError."""
+    from ops.quant_records import TYPES
+
+    native = {t for t in TYPES if t in GGMLQuantizationType.__members__} - {"F16", "BF16"}
+    assert native == set(F16_FIELDS)
+    for qtype, fields in F16_FIELDS.items():
+        block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
+        assert block_bytes % 2 == 0 and all(o % 2 == 0 and o + 2 <= block_bytes for o in fields), qtype
