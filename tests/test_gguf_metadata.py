@@ -146,3 +146,20 @@ def test_random_changes_to_the_header_load_or_are_refused(tmp_path: Path) -> Non
             outcome = "refused"
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert outcomes.get("refused", 0) > 200, outcomes  # the changes were seen
+
+
+def test_a_sentencepiece_token_id_of_the_wrong_type_is_quoted_bounded() -> None:
+    """The SentencePiece vocabulary's ids are read as the byte-level one's: a list of 100,000
+    ids as the BOS id is refused naming the key, its first items and length, not all of it."""
+    from worker.tokenizer import Tokenizer
+
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581a"]
+    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.scores": [0.0] * len(tokens),
+              "tokenizer.ggml.token_type": [2, 3, 3, *[6] * 256, 1]}
+    reader = type("Reader", (), {"fields": fields})()
+    assert Tokenizer.from_gguf("/f.gguf", reader).bos_token_id == 1  # llama.cpp's default
+    fields["tokenizer.ggml.bos_token_id"] = list(range(100_000))
+    with pytest.raises(ValueError, match=r"^/f.gguf: GGUF tokenizer.ggml.bos_token_id = \[0, 1, 2, \.\.\.\] "
+                                         r"\(100000 items\): an integer expected$"):
+        Tokenizer.from_gguf("/f.gguf", reader)

@@ -110,11 +110,9 @@ def build(meta: Metadata, path: Path) -> dict[str, Any]:
         vocab[t] = i
 
     def token_id(key: str, default: int | None) -> int | None:
-        value = meta.raw(f"tokenizer.ggml.{key}")
+        value = meta.integer(f"tokenizer.ggml.{key}", low=None)  # (its range: the Tokenizer's)
         if value is None:  # llama.cpp's SPM defaults (bos 1, eos 2), where they exist
             return default if default is not None and default < n else None
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise SpmVocabError(f"tokenizer.ggml.{key} = {value!r}: a token id")
         return value
 
     bos, eos, unk = token_id("bos_token_id", 1), token_id("eos_token_id", 2), token_id("unknown_token_id", None)
