@@ -56,6 +56,7 @@ TYPES: dict[str, RecordType] = {
     "Q4_G128": RecordType(14, 14, 128, 72, 4, 2304),  # f32 d, f32 m, 64 bytes of nibbles
     "Q4_G32": RecordType(15, 15, 32, 24, 1, 768),  # f32 d, f32 m, 16 bytes of nibbles
     "Q8_CH": RecordType(16, 16, 128, 132, 4, 4224),  # f32 d (the channel's), 128 int8
+    "Q3_K": RecordType(17, 17, 256, 110, 8, 3648),
 }
 
 # Rows of the file repacked at once: about this many weights.
@@ -202,6 +203,14 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
         high = (b[..., 128:192].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
         q = low.reshape(n, nsb, 256) | (high.reshape(n, nsb, 256) << 4)  # element 128g + 64s + l, 128g + 32i + l
         return q.reshape(n, -1, 32), [_u16(b, 208), np.ascontiguousarray(b[..., 192:208])]
+    if qtype == "Q3_K":  # hmask[32], qs[64], scales[12], d: element 128g + 32i + l
+        ql = (b[..., 32:96].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        hbit = (b[..., None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # element 32i + l: bit i of byte l
+        q = ql.reshape(n, nsb, 256) | (hbit.reshape(n, nsb, 256) << 2)
+        low = (b[..., None, 96:104] >> np.array([0, 4], np.uint8)[:, None]) & 0x0F  # scale 8s + i: byte i >> 4s
+        high = (b[..., None, 104:108] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3  # scale 4s + i
+        sc = (low.reshape(n, nsb, 16) | (high.reshape(n, nsb, 16) << 4)).astype(np.int16) - 32
+        return q.reshape(n, -1, 32), [_u16(b, 108), sc.astype(np.int8).view(np.uint8)]
     if qtype in ("Q4_G128", "Q4_G32"):  # per 32 of a block: 16 bytes, low nibbles k = j, high j + 16
         return _nibbles(b[..., 8:].reshape(n, -1, 16)), [_u32(b, 0), _u32(b, 4)]
     if qtype == "Q8_CH":
@@ -216,25 +225,41 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
 
 def _body(q: np.ndarray, bits: int) -> np.ndarray:
     """Quants [n, nb, 32 k] -> the bodies [T, nb, bytes] (quant_types.h): Q4_1's integer
-    chunks of nibbles, then Q5's high-bit planes or Q6_K's 2-bit ones; 8-bit: Q8_0_I8's chunks."""
+    chunks of nibbles, then Q5's high-bit planes or Q6_K's 2-bit ones; 8-bit: Q8_0_I8's chunks;
+    Q3_K's 3-bit: the 2-bit planes (of its low bits) and the 1-bit ones, no nibbles."""
     n, nb, _ = q.shape
     t = n // TILE
+    if bits == 3:  # Q3_K: bits 0, 1 as the 6-bit's planes hold bits 4, 5; bit 2 as the 5-bit's bit 4
+        return np.concatenate([_planes2(q & 3, t, nb), _plane1((q >> 2) & 1, t, nb)], axis=-1)
     if bits == 8:  # chunk 8h + p (k = 4p + j), byte 4n' + j
         q8 = q.reshape(t, 2, 16, nb, 8, 4).transpose(0, 3, 1, 4, 2, 5)
         return np.ascontiguousarray(q8).reshape(t, nb, 1024)
-    q = q.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
-    parts = [((q[..., 0] & 0x0F) | ((q[..., 1] & 0x0F) << 4)).reshape(t, nb, 512)]
-    if bits == 5:  # bit 2p + s of byte (h, n', j)
-        shift = (2 * np.arange(4)[:, None, None, None] + np.arange(2)).astype(np.uint8)  # [p, 1, 1, s]
-        parts.append((((q >> 4) & 1) << shift).sum(axis=(3, 6), dtype=np.uint8).reshape(t, nb, 128))
-    elif bits == 6:  # bits 2i, 2i + 1 (i = 2 (p % 2) + s) of byte (h, g = p / 2, n', j)
-        high = ((q >> 4) & 3).reshape(t, nb, 2, 2, 2, 16, 4, 2)  # [T, b, h, g, p % 2, n', j, s]
-        shift = (2 * (2 * np.arange(2)[:, None, None, None] + np.arange(2))).astype(np.uint8)
-        parts.append((high << shift).sum(axis=(4, 7), dtype=np.uint8).reshape(t, nb, 256))
+    c = q.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
+    parts = [((c[..., 0] & 0x0F) | ((c[..., 1] & 0x0F) << 4)).reshape(t, nb, 512)]
+    if bits == 5:
+        parts.append(_plane1((q >> 4) & 1, t, nb))
+    elif bits == 6:
+        parts.append(_planes2((q >> 4) & 3, t, nb))
     return np.concatenate(parts, axis=-1)
 
 
-_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8}
+def _plane1(bit: np.ndarray, t: int, nb: int) -> np.ndarray:
+    """One bit of each quant [n, nb, 32 k] -> planes H[h]: bit 2p + s of byte (h, n', j)."""
+    bit = bit.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
+    shift = (2 * np.arange(4)[:, None, None, None] + np.arange(2)).astype(np.uint8)  # [p, 1, 1, s]
+    return (bit << shift).sum(axis=(3, 6), dtype=np.uint8).reshape(t, nb, 128)
+
+
+def _planes2(two: np.ndarray, t: int, nb: int) -> np.ndarray:
+    """Two bits of each quant [n, nb, 32 k] -> planes [h][g = p / 2]: bits 2i, 2i + 1
+    (i = 2 (p % 2) + s) of byte (h, g, n', j)."""
+    two = two.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
+    two = two.reshape(t, nb, 2, 2, 2, 16, 4, 2)  # [T, b, h, g, p % 2, n', j, s]
+    shift = (2 * (2 * np.arange(2)[:, None, None, None] + np.arange(2))).astype(np.uint8)
+    return (two << shift).sum(axis=(4, 7), dtype=np.uint8).reshape(t, nb, 256)
+
+
+_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8, "Q3_K": 3}
 
 
 def _pack_qn(qtype: str):
@@ -260,7 +285,7 @@ _PACKERS = {
     **{(q, False): _pack_float(q) for q in ("Q4_1", "Q8_0")},
     **{(q, True): _pack_int(q) for q in ("Q4_1", "Q8_0")},
     **{(q, False): _pack_qn(q) for q in ("Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
-                                         "Q4_G128", "Q4_G32", "Q8_CH")},
+                                         "Q4_G128", "Q4_G32", "Q8_CH", "Q3_K")},
     ("F16", False): _pack_f16,
     ("BF16", False): _pack_f16,
 }

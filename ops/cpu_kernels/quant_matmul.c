@@ -426,7 +426,7 @@ static void qn_tile_f_any(const uint8_t *w, int qt, int K, const float *x, size_
 #define QN_CASE(T) case T: qn_tile_f(w, T, K, x, ldx, sx, ldsx, M, yt, ldy, t); break;
     QN_CASE(QT_Q4_0) QN_CASE(QT_Q5_0) QN_CASE(QT_Q5_1) QN_CASE(QT_IQ4_NL) QN_CASE(QT_Q4_K) QN_CASE(QT_Q5_K)
     QN_CASE(QT_Q6_K) QN_CASE(QT_IQ4_XS) QN_CASE(QT_F16) QN_CASE(QT_BF16)
-    QN_CASE(QT_Q4_G128) QN_CASE(QT_Q4_G32) QN_CASE(QT_Q8_CH)
+    QN_CASE(QT_Q4_G128) QN_CASE(QT_Q4_G32) QN_CASE(QT_Q8_CH) QN_CASE(QT_Q3_K)
 #undef QN_CASE
     default: break;
     }
@@ -511,7 +511,7 @@ int q8_0_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y,
 QF_EXPORT(q4_0, QT_Q4_0) QF_EXPORT(q5_0, QT_Q5_0) QF_EXPORT(q5_1, QT_Q5_1) QF_EXPORT(iq4_nl, QT_IQ4_NL)
 QF_EXPORT(q4_k, QT_Q4_K) QF_EXPORT(q5_k, QT_Q5_K) QF_EXPORT(q6_k, QT_Q6_K) QF_EXPORT(iq4_xs, QT_IQ4_XS)
 QF_EXPORT(f16, QT_F16) QF_EXPORT(bf16, QT_BF16)
-QF_EXPORT(q4_g128, QT_Q4_G128) QF_EXPORT(q4_g32, QT_Q4_G32) QF_EXPORT(q8_ch, QT_Q8_CH)
+QF_EXPORT(q4_g128, QT_Q4_G128) QF_EXPORT(q4_g32, QT_Q4_G32) QF_EXPORT(q8_ch, QT_Q8_CH) QF_EXPORT(q3_k, QT_Q3_K)
 #undef QF_EXPORT
 
 /* Bytes of one tile of K columns (the tests check the repacker's against it). */

@@ -434,19 +434,19 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
 }
 #endif
 
-/* ---- the qn types (quant_types.h): Q4_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS ----
+/* ---- the qn types (quant_types.h): Q4_0, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS ----
  *
  * Their records hold unsigned quants q in Q4_1's chunks (plus Q5's and Q6_K's high-bit planes),
  * the unsigned side of vpdpbusd as they are (IQ4's as kv[q] + 128, a vpshufb of the nibbles);
- * per sub-block of 32 (Q6_K: per half of 16) the exact int32 sum of q times the digits, less
- * zero times the digits' sum (Q4_0 8, Q5_0 16, Q6_K 32, IQ4 128), and then, as Q4_1's:
+ * per sub-block of 32 (Q3_K, Q6_K: per half of 16) the exact int32 sum of q times the digits, less
+ * zero times the digits' sum (Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32, IQ4 128), and then, as Q4_1's:
  *
  *   y = fma(float(sum v m), D dx, y)      [Q6_K: once per half, its own D]
  *   y = fma(M, sx, y)                     (Q5_1, Q4_K, Q5_K)
  *
  * with D, M the sub-block's scales in float32 (quant_types.h). AVX2 without VNNI sums
  * vpmaddubsw's pairs in int16 for as many chunks as cannot overflow (4 for 4-bit quants, 2
- * for 5-bit, 1 for 6-bit), then in int32; IQ4's values go signed there, with the digits'
+ * for 5-bit, 1 for 6-bit; 4 for Q3_K's 3-bit), then in int32; IQ4's values go signed there, with the digits'
  * signs (as Q8_0's). The sums are exact either way: every build gives the same bits.
  * Q8_CH's 8-bit q + 128 are vpdpbusd's unsigned side too, 128 times the digits' sum out;
  * vpmaddubsw takes them as 16 a + b (nibbles), each product's pairs below 2^15. */
@@ -540,7 +540,7 @@ INLINE void qn_dots8(const uint8_t *body, int qt, int kh, int e, int b, int K, c
     for (int r = 0; r < R; r++)
         for (int p = 0; p < P; p++) s[r][p] = _mm256_setzero_si256();
 #if !QN_VNNI
-    const int F = qn_bits(qt) == 4 ? 4 : qn_bits(qt) == 5 ? 2 : 1; /* chunks an int16 sum takes */
+    const int F = qn_bits(qt) <= 4 ? 4 : qn_bits(qt) == 5 ? 2 : 1; /* chunks an int16 sum takes */
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i s16[4][3];
 #endif
@@ -635,7 +635,7 @@ typedef void (*qn_rows_fn)(QN_ROWS_ARGS);
 #define QN_TYPE(T) QN_ROWS(T, 1) QN_ROWS(T, 2) QN_ROWS(T, 3)
 QN_TYPE(QT_Q4_0) QN_TYPE(QT_Q5_0) QN_TYPE(QT_Q5_1) QN_TYPE(QT_IQ4_NL)
 QN_TYPE(QT_Q4_K) QN_TYPE(QT_Q5_K) QN_TYPE(QT_Q6_K) QN_TYPE(QT_IQ4_XS)
-QN_TYPE(QT_Q4_G128) QN_TYPE(QT_Q4_G32) QN_TYPE(QT_Q8_CH)
+QN_TYPE(QT_Q4_G128) QN_TYPE(QT_Q4_G32) QN_TYPE(QT_Q8_CH) QN_TYPE(QT_Q3_K)
 
 static qn_rows_fn qn_rows_for(int qt, int P, int group) {
 #define QN_PICK(T)                                                                           \
@@ -646,7 +646,7 @@ static qn_rows_fn qn_rows_for(int qt, int P, int group) {
     switch (qt) {
     QN_PICK(QT_Q4_0) QN_PICK(QT_Q5_0) QN_PICK(QT_Q5_1) QN_PICK(QT_IQ4_NL)
     QN_PICK(QT_Q4_K) QN_PICK(QT_Q5_K) QN_PICK(QT_Q6_K) QN_PICK(QT_IQ4_XS)
-    QN_PICK(QT_Q4_G128) QN_PICK(QT_Q4_G32) QN_PICK(QT_Q8_CH)
+    QN_PICK(QT_Q4_G128) QN_PICK(QT_Q4_G32) QN_PICK(QT_Q8_CH) QN_PICK(QT_Q3_K)
     default: return NULL;
     }
 #undef QN_PICK
@@ -759,7 +759,7 @@ int q8_0_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float 
     }
 QI_EXPORT(q4_0, QT_Q4_0) QI_EXPORT(q5_0, QT_Q5_0) QI_EXPORT(q5_1, QT_Q5_1) QI_EXPORT(iq4_nl, QT_IQ4_NL)
 QI_EXPORT(q4_k, QT_Q4_K) QI_EXPORT(q5_k, QT_Q5_K) QI_EXPORT(q6_k, QT_Q6_K) QI_EXPORT(iq4_xs, QT_IQ4_XS)
-QI_EXPORT(q4_g128, QT_Q4_G128) QI_EXPORT(q4_g32, QT_Q4_G32) QI_EXPORT(q8_ch, QT_Q8_CH)
+QI_EXPORT(q4_g128, QT_Q4_G128) QI_EXPORT(q4_g32, QT_Q4_G32) QI_EXPORT(q8_ch, QT_Q8_CH) QI_EXPORT(q3_k, QT_Q3_K)
 #undef QI_EXPORT
 
 #endif
