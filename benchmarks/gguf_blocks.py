@@ -9,8 +9,8 @@ from ops.quantized_linear import QuantizedWeight
 
 # Bytes (from a block's start) of each type's fp16 scales and of its fp16 mins.
 FP16_SCALES = {"Q4_0": [0], "Q4_1": [0], "Q5_0": [0], "Q5_1": [0], "Q8_0": [0], "IQ4_NL": [0], "Q4_K": [0],
-               "Q5_K": [0], "Q6_K": [208], "IQ4_XS": [0], "Q3_K": [108]}
-FP16_MINS = {"Q4_1": 2, "Q5_1": 2, "Q4_K": 2, "Q5_K": 2}
+               "Q5_K": [0], "Q6_K": [208], "IQ4_XS": [0], "Q3_K": [108], "Q2_K": [80]}
+FP16_MINS = {"Q4_1": 2, "Q5_1": 2, "Q4_K": 2, "Q5_K": 2, "Q2_K": 82}
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int, scale: float = 1.0) -> QuantizedWeight:

@@ -10,14 +10,14 @@ repository), for the parity tests and the benchmarks:
   as Q5_0/Q5_1/IQ4_NL/Q8_0 and only the 1536-wide ffn_down as K-quants);
 - `kquant`: a random Llama of hidden 256 (every tensor in whole 256-blocks: pure K-quants)
   saved by transformers (`LlamaConfig` + `save_pretrained`, the default model's tokenizer),
-  converted by llama.cpp's `convert_hf_to_gguf.py` and quantized to Q4_K_M, Q5_K_M, Q6_K and
-  Q3_K_M;
+  converted by llama.cpp's `convert_hf_to_gguf.py` and quantized to Q4_K_M, Q5_K_M, Q6_K,
+  Q3_K_M and Q2_K;
 - `llama31`: a random Llama with Llama 3.1's rope scaling (original context 32), whose GGUF
   `convert_hf_to_gguf.py` writes with a `rope_freqs` tensor; the folder is kept (the
   reference loads it);
 - `billion`: a random Llama of ~1B parameters (hidden 2048, 16 layers, 32 heads / 8 KV,
   intermediate 8192, the default model's vocabulary) written as F16 by gguf-py's
-  GGUFWriter one tensor at a time, quantized to Q4_K_M, Q8_0 and Q3_K_M.
+  GGUFWriter one tensor at a time, quantized to Q4_K_M, Q8_0, Q3_K_M and Q2_K.
 
 `llama-quantize` and `convert_hf_to_gguf.py` come from the llama.cpp vendored in the
 llama-cpp-python 0.3.36 sdist (PyPI): found where $LLAMA_CPP_DIR or
@@ -43,7 +43,7 @@ import numpy as np
 
 SDIST_VERSION = "0.3.36"
 DEFAULT_VARIANTS = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS")
-KQUANT_VARIANTS = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M")
+KQUANT_VARIANTS = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K")
 # Bump when a file's recipe changes: the cache keeps files by name.
 RECIPE = "v1"
 
@@ -325,7 +325,7 @@ def billion_f16(out: Path, seed: int = 0) -> Path:
 
 def billion_model(tools_: Tools, out: Path) -> dict[str, Path]:
     src = billion_f16(out)
-    return {"F16": src, **{q: quantized(tools_, src, q) for q in ("Q4_K_M", "Q8_0", "Q3_K_M")}}
+    return {"F16": src, **{q: quantized(tools_, src, q) for q in ("Q4_K_M", "Q8_0", "Q3_K_M", "Q2_K")}}
 
 
 def main(argv: list[str] | None = None) -> int:

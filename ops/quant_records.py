@@ -57,6 +57,7 @@ TYPES: dict[str, RecordType] = {
     "Q4_G32": RecordType(15, 15, 32, 24, 1, 768),  # f32 d, f32 m, 16 bytes of nibbles
     "Q8_CH": RecordType(16, 16, 128, 132, 4, 4224),  # f32 d (the channel's), 128 int8
     "Q3_K": RecordType(17, 17, 256, 110, 8, 3648),
+    "Q2_K": RecordType(18, 18, 256, 84, 8, 2688),
 }
 
 # Rows of the file repacked at once: about this many weights.
@@ -203,6 +204,9 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
         high = (b[..., 128:192].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
         q = low.reshape(n, nsb, 256) | (high.reshape(n, nsb, 256) << 4)  # element 128g + 64s + l, 128g + 32i + l
         return q.reshape(n, -1, 32), [_u16(b, 208), np.ascontiguousarray(b[..., 192:208])]
+    if qtype == "Q2_K":  # scales[16] (sc | mn << 4 per 16 elements), qs[64] as Q3_K's, d, dmin
+        q = (b[..., 16:80].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        return q.reshape(n, -1, 32), [_u16(b, 80), _u16(b, 82), np.ascontiguousarray(b[..., 0:16])]
     if qtype == "Q3_K":  # hmask[32], qs[64], scales[12], d: element 128g + 32i + l
         ql = (b[..., 32:96].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
         hbit = (b[..., None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # element 32i + l: bit i of byte l
@@ -226,11 +230,14 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
 def _body(q: np.ndarray, bits: int) -> np.ndarray:
     """Quants [n, nb, 32 k] -> the bodies [T, nb, bytes] (quant_types.h): Q4_1's integer
     chunks of nibbles, then Q5's high-bit planes or Q6_K's 2-bit ones; 8-bit: Q8_0_I8's chunks;
-    Q3_K's 3-bit: the 2-bit planes (of its low bits) and the 1-bit ones, no nibbles."""
+    Q3_K's 3-bit: the 2-bit planes (of its low bits) and the 1-bit ones, no nibbles; Q2_K's
+    2-bit: the 2-bit planes."""
     n, nb, _ = q.shape
     t = n // TILE
     if bits == 3:  # Q3_K: bits 0, 1 as the 6-bit's planes hold bits 4, 5; bit 2 as the 5-bit's bit 4
         return np.concatenate([_planes2(q & 3, t, nb), _plane1((q >> 2) & 1, t, nb)], axis=-1)
+    if bits == 2:  # Q2_K: the 2-bit planes alone
+        return _planes2(q, t, nb)
     if bits == 8:  # chunk 8h + p (k = 4p + j), byte 4n' + j
         q8 = q.reshape(t, 2, 16, nb, 8, 4).transpose(0, 3, 1, 4, 2, 5)
         return np.ascontiguousarray(q8).reshape(t, nb, 1024)
@@ -259,7 +266,7 @@ def _planes2(two: np.ndarray, t: int, nb: int) -> np.ndarray:
     return (two << shift).sum(axis=(4, 7), dtype=np.uint8).reshape(t, nb, 256)
 
 
-_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8, "Q3_K": 3}
+_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8, "Q3_K": 3, "Q2_K": 2}
 
 
 def _pack_qn(qtype: str):
@@ -285,7 +292,7 @@ _PACKERS = {
     **{(q, False): _pack_float(q) for q in ("Q4_1", "Q8_0")},
     **{(q, True): _pack_int(q) for q in ("Q4_1", "Q8_0")},
     **{(q, False): _pack_qn(q) for q in ("Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
-                                         "Q4_G128", "Q4_G32", "Q8_CH", "Q3_K")},
+                                         "Q4_G128", "Q4_G32", "Q8_CH", "Q3_K", "Q2_K")},
     ("F16", False): _pack_f16,
     ("BF16", False): _pack_f16,
 }

@@ -1,5 +1,5 @@
 """Linear layers and embeddings on the CPU over GGUF-quantized weights, computed on the file's
-own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16 and BF16.
+own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16 and BF16.
 
 A decode step reads every weight once, so on the CPU its floor is the weights' bytes over
 memory bandwidth: 538 MB in float32 for the default model, 96 MB as the GGUF stores it.
@@ -33,7 +33,7 @@ and the runner then falls back to float32 weights.
 
 The K-quants' and IQ4_XS's sub-block scales (d times a 6-bit scale, dmin times a 6-bit min)
 are formed in float32 in the kernels, where they are exact, from the file's fp16 and integer
-fields; Q3_K and Q6_K have a scale per 16 weights. How each type's weights enter the arithmetic is in
+fields; Q2_K, Q3_K and Q6_K have a scale per 16 weights (Q2_K a min per 16 too). How each type's weights enter the arithmetic is in
 `cpu_kernels/quant_types.h`.
 
 The interface the loader and the capacity planner use (worker/weights, worker/plan.py):
@@ -43,7 +43,7 @@ The interface the loader and the capacity planner use (worker/weights, worker/pl
 - `supports(qtype, shape)`: a native kernel runs it; the loader keeps such tensors quantized
   (no float32 copy) and dequantizes the rest. Every type needs out_features % 32 == 0 (the
   tile); in_features % 32 == 0 for the 32-blocks and F16/BF16, % 256 == 0 for Q4_K, Q5_K,
-  Q3_K, Q6_K and IQ4_XS.
+  Q2_K, Q3_K, Q6_K and IQ4_XS.
 - `QuantLinear(weight, bias, activations)`, `QuantEmbedding(weight)` and
   `QuantEmbedding.of_head(head, weight)` (a tied head's records, held once), for every type;
   `activations_for(weight, activations)` (float32 for F16/BF16 and a Q8_0 weight with a -128
@@ -298,7 +298,7 @@ def held_bytes(qtype: str, gguf_nbytes: int, activations: str) -> int:
     """Bytes a GGUF weight of `gguf_nbytes` holds once repacked into the tile records of
     `activations` (resolved; every type's records are the same size in both arithmetics):
     `HELD_RATIO[qtype]` times the file's bytes. The layouts hold the blocks' scales, mins and
-    quants in another order, the file's bytes for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q6_K,
+    quants in another order, the file's bytes for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q6_K,
     F16 and BF16; Q3_K (+3.6%), Q4_K (+2.8%), Q5_K (+2.3%) and IQ4_XS (+1.5%) hold their 6-bit sub-block
     scales and mins a byte each."""
     t = TYPES[qtype]

@@ -142,7 +142,7 @@ def test_the_default_model_s_variants_give_transformers_greedy_tokens(default_va
 def test_a_pure_k_quant_model_gives_transformers_greedy_tokens(kquant, variant: str) -> None:
     loaded = _assert_same_greedy(kquant[variant])
     matrices = {h.qtype for h in loaded.held if h.qtype != "F32"}
-    assert matrices <= {"Q3_K", "Q4_K", "Q5_K", "Q6_K"} and matrices, matrices
+    assert matrices <= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"} and matrices, matrices
     assert variant.split("_")[0] in "".join(matrices)  # the file holds the type it is named for
     assert all(h.how.endswith("records") for h in loaded.held if h.qtype != "F32"), loaded.describe_weights()
 
@@ -212,7 +212,7 @@ def test_the_start_up_log_says_per_type_what_is_held(default_variants) -> None:
             assert h.how == "float32" and h.note, h
 
 
-@pytest.mark.parametrize("which", ["default Q4_K_M", "kquant Q4_K_M", "kquant Q3_K_M", "default IQ4_XS"])
+@pytest.mark.parametrize("which", ["default Q4_K_M", "kquant Q4_K_M", "kquant Q3_K_M", "kquant Q2_K", "default IQ4_XS"])
 def test_the_planner_holds_what_the_runner_holds(default_variants, kquant, which: str) -> None:
     from tests.test_plan import CPU, _held_bytes
     from worker import plan

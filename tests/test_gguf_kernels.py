@@ -1,5 +1,5 @@
 """Native CPU kernels for the GGUF types users download (issue 49): Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16 and BF16 (ops/quantized_linear.py).
+Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16 and BF16 (ops/quantized_linear.py).
 
 Weights are random blocks (any bit pattern with finite scales is a valid block), written into
 a GGUF file with gguf-py's GGUFWriter and read back with the loader's reader
@@ -11,6 +11,9 @@ reference is gguf-py's `dequantize` and a float64 matmul; each arithmetic has it
   T = |x| @ (|W_dq| + |W_m|)^T bounds every term's size (W_dq: the weight with its mins
   zeroed, d q; W_m = W - W_dq, the mins, which the kernels add as m times the block's sum of
   x; Q6_K's halves give 2 nb blocks).
+  Q2_K's mins are per 16 k, each half's M times the half's sum of x in float32; in the
+  integer kernels that sum is the half's digits' (the activations its quants meet), so its
+  bound below takes |W| whole, mins included.
 - int8/int16/int24 (P = 1, 2, 3 bytes): x is written per block b as integers m of at most
   lim = 127 256^(P-1) with dx_b = max|x_b| / lim; each element is off by at most
   e_b = dx_b (1/2 + lim 2^-24) (the rounding, and float32's rounding of x / dx before it)
@@ -36,8 +39,9 @@ from worker.weights.gguf_reader import GGUFFile
 
 pytestmark = pytest.mark.skipif(not ql.available(), reason="no gcc or no AVX2/FMA/F16C here")
 
-QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "F16", "BF16"]
-BLOCKS_256 = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "F16",
+          "BF16"]
+BLOCKS_256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 N, K = 64, 512  # two super-blocks of the 256-block types
 U = 2.0**-24
 def through_a_file(weights: dict[str, ql.QuantizedWeight], path) -> dict[str, ql.QuantizedWeight]:
@@ -92,7 +96,8 @@ def bound(w: ql.QuantizedWeight, x: torch.Tensor, activations: str) -> torch.Ten
         lim = 127.0 * 256 ** (planes - 1)
         amax = xd.reshape(x.shape[0], nb, 32).abs().amax(-1)  # [rows, nb]
         e = amax / lim * (0.5 + lim * U) + amax * 2.0**-22
-        err = err + torch.einsum("rb,nb->rn", e, wd.abs().reshape(w.shape[0], nb, 32).sum(-1))
+        wq = wd.abs() + wm.abs() if w.qtype == "Q2_K" else wd.abs()
+        err = err + torch.einsum("rb,nb->rn", e, wq.reshape(w.shape[0], nb, 32).sum(-1))
     return err
 
 
@@ -107,7 +112,7 @@ def test_every_type_is_supported_at_its_block_size() -> None:
         assert not ql.supports(q, (64 + 16, k)), q  # rows: a multiple of the 32-row tile
         if k == 256:
             assert not ql.supports(q, (64, 576)), q  # the default model's width is no multiple of 256
-    assert not ql.supports("Q2_K", (64, 256)) and not ql.supports("F32", (64, 32))
+    assert not ql.supports("IQ2_XXS", (64, 256)) and not ql.supports("F32", (64, 32))
     assert ql.activations_for(random_weight("F16", 32, 64, 0), "int16") == "float32"
     assert ql.activations_for(random_weight("Q6_K", 32, 256, 0), "int16") == "int16"
 
@@ -191,9 +196,9 @@ def test_every_isa_computes_within_the_bound_and_gives_the_same_bits(weights, qt
             assert torch.equal(y, base[activations]), f"{qtype} {activations}: {isa} differs from avx2"
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_the_largest_quants_and_digits_do_not_overflow(qtype, restore_isa) -> None:
-    """Every quant byte 0xFF (q at its largest: 7, 15, 31 or 63; IQ4's index 15), against
+    """Every quant byte 0xFF (q at its largest: 3, 7, 15, 31 or 63; IQ4's index 15), against
     activations whose digits are all at full scale, of one sign, alternating, or tiny: where
     the int16 sums of AVX2's vpmaddubsw and the int32 ones would be nearest to overflowing."""
     w = random_weight(qtype, 32, 256, seed=5)
@@ -206,6 +211,8 @@ def test_the_largest_quants_and_digits_do_not_overflow(qtype, restore_isa) -> No
         keep -= set(range(192, 208))
     if qtype == "Q3_K":
         keep -= set(range(96, 108))
+    if qtype == "Q2_K":
+        keep -= set(range(0, 16))  # its scales and mins
     if qtype == "IQ4_XS":
         keep -= set(range(2, 8))
     raw[..., sorted(keep)] = 0xFF
@@ -246,21 +253,21 @@ def test_a_large_weight_repacks_row_chunk_by_row_chunk(monkeypatch) -> None:
 # ---- the fused decoder (ops/cpu_decoder.py) over a model whose linears mix the types ----
 
 # Per layer (qkv, o, gate_up, down), as a Q4_K_M file mixes Q4_K, Q6_K, Q5_0 and Q8_0 (a Q3_K_M file
-# Q3_K with Q4_K and Q5_K), and more.
+# Q3_K with Q4_K and Q5_K, a Q2_K file Q2_K with Q3_K), and more.
 _LAYER_TYPES = [("Q4_K", "Q5_0", "Q3_K", "Q6_K"), ("Q5_K", "IQ4_XS", "Q8_0", "Q4_0"),
-                ("IQ4_NL", "Q5_1", "F16", "BF16")]
+                ("IQ4_NL", "Q5_1", "F16", "BF16"), ("Q2_K", "Q6_K", "Q2_K", "Q3_K")]
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def mixed_model(activations: str, tied: bool):
-    """A random Llama (hidden 512, 3 layers, vocab 544) whose every linear is a QuantLinear of
+    """A random Llama (hidden 512, 4 layers, vocab 544) whose every linear is a QuantLinear of
     another type, its embedding a QuantEmbedding (Q4_K tied to the head, or Q6_K with a Q6_K
     head of its own), as the runner swaps them in."""
     from worker.models.llama import LlamaConfig, LlamaForCausalLM
     from worker.weights.dummy import init_dummy
 
     cfg = LlamaConfig(architecture="LlamaForCausalLM", vocab_size=544, hidden_size=512, intermediate_size=512,
-                      num_layers=3, num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                      num_layers=len(_LAYER_TYPES), num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=tied)
     model = LlamaForCausalLM(cfg)
     init_dummy(model)

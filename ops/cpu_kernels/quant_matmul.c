@@ -285,7 +285,7 @@ static inline int qf_record(int qtype) { return qtype == QT_Q4_1 ? Q4_1_RECORD :
  *
  * The same arithmetic as above, per sub-block of 32 k (Q6_K: per half of 16, each with its
  * own D): s = 0; s = fma(x[k], float(v[n, k]), s) over its k in order; y = fma(D, s, y); then,
- * for Q5_1/Q4_K/Q5_K, y = fma(M, sx, y). v is a small integer (q - zero, or IQ4's kv[q]),
+ * for Q5_1/Q4_K/Q5_K, y = fma(M, sx, y) (Q2_K: per half, its M times the half's sum of x). v is a small integer (q - zero, or IQ4's kv[q]),
  * exact as a float; D and M are formed exactly in float32 from the record's fp16 scales and
  * integer sub-scales (quant_types.h). The quants come as the 32-bit lanes of the records'
  * chunks, one output's four consecutive k a lane: each k's byte of the lane is shifted to the
@@ -298,10 +298,18 @@ QN_INLINE __m256i qn_vals8(const uint8_t *body, int qt, int p, int s, int e) {
     return qn_values8(s ? hi : lo, qt);
 }
 
+/* Q2_K's half-block sum of x for its mins: in order, one rounding an add (the same bits for a
+ * row alone or in a batch, whichever path sums it). */
+static inline float half_sum16(const float *x) {
+    float s = x[0];
+    for (int k = 1; k < 16; k++) s += x[k];
+    return s;
+}
+
 /* One row against sub-block b of a tile: 32 sums in registers, then the block's end. */
 QN_INLINE void qn_fused1(const uint8_t *tile, int qt, int b, const float *x, float sx, float *y, int first) {
     const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
-    const int j = b % qn_group(qt), halves = 1 + qn_split(qt), has_m = qn_has_m(qt);
+    const int j = b % qn_group(qt), halves = 1 + qn_split(qt), has_m = qn_has_m(qt), half_m = qn_half_m(qt);
     _Pragma("GCC unroll 2")
     for (int kh = 0; kh < halves; kh++) {
         ACC_DECL(a) ACC_ZERO(a)
@@ -336,19 +344,30 @@ QN_INLINE void qn_fused1(const uint8_t *tile, int qt, int b, const float *x, flo
         }
 #undef QN_STEP
         const int f = first && kh == 0;
-#define QN_END8(e, acc) block_end8(qn_d8(hdr, qt, j, kh, 8 * (e)), has_m ? qn_m8(hdr, qt, j, 8 * (e)) : _mm256_setzero_ps(), \
-                                   has_m, acc, sx, y + 8 * (e), f);
+        const float hx = half_m ? half_sum16(x + 16 * kh) : sx;
+#define QN_END8(e, acc)                                                                                        \
+    block_end8(qn_d8(hdr, qt, j, kh, 8 * (e)),                                                                 \
+               half_m ? qn_hm8(hdr, j, kh, 8 * (e)) : has_m ? qn_m8(hdr, qt, j, 8 * (e)) : _mm256_setzero_ps(), \
+               has_m || half_m, acc, hx, y + 8 * (e), f);
         QN_END8(0, a0) QN_END8(1, a1) QN_END8(2, a2) QN_END8(3, a3)
 #undef QN_END8
     }
 }
 
 /* Sub-block b's values as floats w[k * TILE + n], and its scales: dm[0..31] D (of the first
- * half for Q6_K), dm[32..63] Q6_K's second half's D or M. */
+ * half for Q6_K), dm[32..63] Q6_K's second half's D or M; Q2_K's D, M of the first half, then
+ * of the second (dm[0..127]). */
 QN_INLINE void qn_dequant(const uint8_t *tile, int qt, int b, float *w, float *dm) {
     const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
     const int j = b % qn_group(qt);
     for (int e = 0; e < 4; e++) {
+        if (qn_half_m(qt)) {
+            for (int kh = 0; kh < 2; kh++) {
+                _mm256_store_ps(dm + 64 * kh + 8 * e, qn_d8(hdr, qt, j, kh, 8 * e));
+                _mm256_store_ps(dm + 64 * kh + 32 + 8 * e, qn_hm8(hdr, j, kh, 8 * e));
+            }
+            continue;
+        }
         _mm256_store_ps(dm + 8 * e, qn_d8(hdr, qt, j, 0, 8 * e));
         if (qn_split(qt)) _mm256_store_ps(dm + 32 + 8 * e, qn_d8(hdr, qt, j, 1, 8 * e));
         if (qn_has_m(qt)) _mm256_store_ps(dm + 32 + 8 * e, qn_m8(hdr, qt, j, 8 * e));
@@ -394,7 +413,7 @@ QN_INLINE void qn_tile_f(const uint8_t *w, int qt, int K, const float *x, size_t
     const uint8_t *tile = w + (size_t)t * tile_bytes(qt, K);
     const size_t stride = f16 ? F16_RECORD : qn_stride(qt), ahead = f16 ? F16_AHEAD_L2 : qn_ahead(qt);
     float buf[QBLOCK * TILE] __attribute__((aligned(64)));
-    float dm[2 * TILE] __attribute__((aligned(32)));
+    float dm[4 * TILE] __attribute__((aligned(32)));
     if (f16)
         for (int i = 0; i < TILE; i++) dm[i] = 1.0f;
     for (int b = 0; b < nb; b++) {
@@ -414,6 +433,18 @@ QN_INLINE void qn_tile_f(const uint8_t *w, int qt, int K, const float *x, size_t
             qn_dequant(tile, qt, b, buf, dm);
         }
         const int nk = QBLOCK / halves;
+        if (!f16 && qn_half_m(qt)) { /* each half with its D and M, its sums of x 64 rows at a time */
+            for (int r0 = 0; r0 < M; r0 += 64) {
+                const int m = M - r0 < 64 ? M - r0 : 64;
+                float hs[64];
+                for (int kh = 0; kh < 2; kh++) {
+                    for (int r = 0; r < m; r++) hs[r] = half_sum16(xb + (size_t)(r0 + r) * ldx + 16 * kh);
+                    micro_rows(xb + (size_t)r0 * ldx + 16 * kh, ldx, buf + 16 * kh * TILE, dm + 64 * kh, 1, hs, 1, m,
+                               yt + (size_t)r0 * ldy, ldy, first && kh == 0, 16);
+                }
+            }
+            continue;
+        }
         for (int kh = 0; kh < halves; kh++)
             micro_rows(xb + kh * nk, ldx, buf + kh * nk * TILE, dm + kh * TILE, has_m, sxb, ldsx, M, yt, ldy,
                        first && kh == 0, nk);
@@ -426,7 +457,7 @@ static void qn_tile_f_any(const uint8_t *w, int qt, int K, const float *x, size_
 #define QN_CASE(T) case T: qn_tile_f(w, T, K, x, ldx, sx, ldsx, M, yt, ldy, t); break;
     QN_CASE(QT_Q4_0) QN_CASE(QT_Q5_0) QN_CASE(QT_Q5_1) QN_CASE(QT_IQ4_NL) QN_CASE(QT_Q4_K) QN_CASE(QT_Q5_K)
     QN_CASE(QT_Q6_K) QN_CASE(QT_IQ4_XS) QN_CASE(QT_F16) QN_CASE(QT_BF16)
-    QN_CASE(QT_Q4_G128) QN_CASE(QT_Q4_G32) QN_CASE(QT_Q8_CH) QN_CASE(QT_Q3_K)
+    QN_CASE(QT_Q4_G128) QN_CASE(QT_Q4_G32) QN_CASE(QT_Q8_CH) QN_CASE(QT_Q3_K) QN_CASE(QT_Q2_K)
 #undef QN_CASE
     default: break;
     }
@@ -511,7 +542,7 @@ int q8_0_matmul(const float *x, int M, int K, const uint8_t *w, int N, float *y,
 QF_EXPORT(q4_0, QT_Q4_0) QF_EXPORT(q5_0, QT_Q5_0) QF_EXPORT(q5_1, QT_Q5_1) QF_EXPORT(iq4_nl, QT_IQ4_NL)
 QF_EXPORT(q4_k, QT_Q4_K) QF_EXPORT(q5_k, QT_Q5_K) QF_EXPORT(q6_k, QT_Q6_K) QF_EXPORT(iq4_xs, QT_IQ4_XS)
 QF_EXPORT(f16, QT_F16) QF_EXPORT(bf16, QT_BF16)
-QF_EXPORT(q4_g128, QT_Q4_G128) QF_EXPORT(q4_g32, QT_Q4_G32) QF_EXPORT(q8_ch, QT_Q8_CH) QF_EXPORT(q3_k, QT_Q3_K)
+QF_EXPORT(q4_g128, QT_Q4_G128) QF_EXPORT(q4_g32, QT_Q4_G32) QF_EXPORT(q8_ch, QT_Q8_CH) QF_EXPORT(q3_k, QT_Q3_K) QF_EXPORT(q2_k, QT_Q2_K)
 #undef QF_EXPORT
 
 /* Bytes of one tile of K columns (the tests check the repacker's against it). */

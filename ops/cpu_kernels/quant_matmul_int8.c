@@ -434,7 +434,7 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
 }
 #endif
 
-/* ---- the qn types (quant_types.h): Q4_0, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS ----
+/* ---- the qn types (quant_types.h): Q4_0, Q5_0, Q5_1, IQ4_NL, Q2_K-Q6_K, IQ4_XS ----
  *
  * Their records hold unsigned quants q in Q4_1's chunks (plus Q5's and Q6_K's high-bit planes),
  * the unsigned side of vpdpbusd as they are (IQ4's as kv[q] + 128, a vpshufb of the nibbles);
@@ -443,6 +443,7 @@ INLINE void qi_few_rows(const uint8_t *rec0, int qtype, int nb, int K, const qac
  *
  *   y = fma(float(sum v m), D dx, y)      [Q6_K: once per half, its own D]
  *   y = fma(M, sx, y)                     (Q5_1, Q4_K, Q5_K)
+ *   y = fma(M_h, dx sum m, y)             (Q2_K, once per half after its D term: its digits' sum)
  *
  * with D, M the sub-block's scales in float32 (quant_types.h). AVX2 without VNNI sums
  * vpmaddubsw's pairs in int16 for as many chunks as cannot overflow (4 for 4-bit quants, 2
@@ -457,6 +458,15 @@ INLINE int32_t qn_digits(const qact *a, int p, size_t nt, int b, int halves, int
     if (halves == 1) return t;
     const int32_t th = a->th[(size_t)p * nt + b];
     return kh ? t - th : th;
+}
+
+/* Q2_K's: the sum of the row's x over half kh of block b as its digits give it (dx times the
+ * integer), for the half's min: the mins meet the activations the quants meet, as in
+ * llama.cpp's Q2_K dot product (its bsums). */
+INLINE float qn_xsum(const qact *a, int P, size_t nt, int b, int kh) {
+    int64_t m = 0;
+    for (int p = 0; p < P; p++) m = m * 256 + qn_digits(a, p, nt, b, 2, kh);
+    return a->d[b] * (float)m;
 }
 
 #if defined(__AVX512VNNI__)
@@ -511,6 +521,11 @@ INLINE void qn_i8_rows(const uint8_t *tile, int qt, int b0, int b1, int K, const
                     const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(a[r].d[b]));
                     const __m512 tot = combine16(s[r][0][h], s[r][P > 1 ? 1 : 0][h], s[r][P > 2 ? 2 : 0][h], P);
                     acc[r][h] = _mm512_fmadd_ps(tot, dd, acc[r][h]);
+                }
+                if (qn_half_m(qt)) {
+                    const __m512 m = qn_hm16(hdr, j, kh, 16 * h);
+                    for (int r = 0; r < R; r++)
+                        acc[r][h] = _mm512_fmadd_ps(m, _mm512_set1_ps(qn_xsum(a + r, P, nt, b, kh)), acc[r][h]);
                 }
             }
         }
@@ -596,7 +611,8 @@ INLINE void qn_dots8(const uint8_t *body, int qt, int kh, int e, int b, int K, c
 /* One row: its sums in registers; more: their float sums in y between blocks (as Q4_1's). */
 INLINE void qn_i8_rows(const uint8_t *tile, int qt, int b0, int b1, int K, const qact *a, int R, int P, float *y,
                        size_t ldy, int pf, int acc_y) {
-    const int halves = 1 + qn_split(qt), has_m = qn_has_m(qt);
+    const int halves = 1 + qn_split(qt), has_m = qn_has_m(qt), half_m = qn_half_m(qt);
+    const size_t nt = (size_t)K / I8_QBLOCK;
     __m256 acc[4];
     for (int e = 0; R == 1 && e < 4; e++) acc[e] = acc_y ? _mm256_loadu_ps(y + 8 * e) : _mm256_setzero_ps();
     for (int b = b0; b < b1; b++) {
@@ -608,17 +624,18 @@ INLINE void qn_i8_rows(const uint8_t *tile, int qt, int b0, int b1, int K, const
                 __m256i s[4][3];
                 qn_dots8(body, qt, kh, e, b, K, a, R, P, s);
                 const __m256 d8 = qn_d8(hdr, qt, j, kh, 8 * e);
-                const int with_m = has_m && kh == halves - 1;
-                const __m256 m8 = with_m ? qn_m8(hdr, qt, j, 8 * e) : _mm256_setzero_ps();
+                const int with_m = half_m || (has_m && kh == halves - 1);
+                const __m256 m8 = half_m ? qn_hm8(hdr, j, kh, 8 * e) : with_m ? qn_m8(hdr, qt, j, 8 * e) : _mm256_setzero_ps();
                 if (R == 1) {
                     acc[e] = _mm256_fmadd_ps(combine8(s[0], P), _mm256_mul_ps(d8, _mm256_set1_ps(a[0].d[b])), acc[e]);
-                    if (with_m) acc[e] = _mm256_fmadd_ps(m8, _mm256_set1_ps(a[0].s[b]), acc[e]);
+                    if (with_m)
+                        acc[e] = _mm256_fmadd_ps(m8, _mm256_set1_ps(half_m ? qn_xsum(a, P, nt, b, kh) : a[0].s[b]), acc[e]);
                     continue;
                 }
                 const int from_y = b > b0 || kh > 0 || acc_y;
                 for (int r = 0; r < R; r++)
                     epilogue8(y + (size_t)r * ldy + 8 * e, from_y, combine8(s[r], P), d8, a[r].d[b], with_m ? &m8 : NULL,
-                              a[r].s[b]);
+                              half_m ? qn_xsum(a + r, P, nt, b, kh) : a[r].s[b]);
             }
     }
     for (int e = 0; R == 1 && e < 4; e++) _mm256_storeu_ps(y + 8 * e, acc[e]);
@@ -635,7 +652,7 @@ typedef void (*qn_rows_fn)(QN_ROWS_ARGS);
 #define QN_TYPE(T) QN_ROWS(T, 1) QN_ROWS(T, 2) QN_ROWS(T, 3)
 QN_TYPE(QT_Q4_0) QN_TYPE(QT_Q5_0) QN_TYPE(QT_Q5_1) QN_TYPE(QT_IQ4_NL)
 QN_TYPE(QT_Q4_K) QN_TYPE(QT_Q5_K) QN_TYPE(QT_Q6_K) QN_TYPE(QT_IQ4_XS)
-QN_TYPE(QT_Q4_G128) QN_TYPE(QT_Q4_G32) QN_TYPE(QT_Q8_CH) QN_TYPE(QT_Q3_K)
+QN_TYPE(QT_Q4_G128) QN_TYPE(QT_Q4_G32) QN_TYPE(QT_Q8_CH) QN_TYPE(QT_Q3_K) QN_TYPE(QT_Q2_K)
 
 static qn_rows_fn qn_rows_for(int qt, int P, int group) {
 #define QN_PICK(T)                                                                           \
@@ -646,7 +663,7 @@ static qn_rows_fn qn_rows_for(int qt, int P, int group) {
     switch (qt) {
     QN_PICK(QT_Q4_0) QN_PICK(QT_Q5_0) QN_PICK(QT_Q5_1) QN_PICK(QT_IQ4_NL)
     QN_PICK(QT_Q4_K) QN_PICK(QT_Q5_K) QN_PICK(QT_Q6_K) QN_PICK(QT_IQ4_XS)
-    QN_PICK(QT_Q4_G128) QN_PICK(QT_Q4_G32) QN_PICK(QT_Q8_CH) QN_PICK(QT_Q3_K)
+    QN_PICK(QT_Q4_G128) QN_PICK(QT_Q4_G32) QN_PICK(QT_Q8_CH) QN_PICK(QT_Q3_K) QN_PICK(QT_Q2_K)
     default: return NULL;
     }
 #undef QN_PICK
@@ -759,7 +776,7 @@ int q8_0_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float 
     }
 QI_EXPORT(q4_0, QT_Q4_0) QI_EXPORT(q5_0, QT_Q5_0) QI_EXPORT(q5_1, QT_Q5_1) QI_EXPORT(iq4_nl, QT_IQ4_NL)
 QI_EXPORT(q4_k, QT_Q4_K) QI_EXPORT(q5_k, QT_Q5_K) QI_EXPORT(q6_k, QT_Q6_K) QI_EXPORT(iq4_xs, QT_IQ4_XS)
-QI_EXPORT(q4_g128, QT_Q4_G128) QI_EXPORT(q4_g32, QT_Q4_G32) QI_EXPORT(q8_ch, QT_Q8_CH) QI_EXPORT(q3_k, QT_Q3_K)
+QI_EXPORT(q4_g128, QT_Q4_G128) QI_EXPORT(q4_g32, QT_Q4_G32) QI_EXPORT(q8_ch, QT_Q8_CH) QI_EXPORT(q3_k, QT_Q3_K) QI_EXPORT(q2_k, QT_Q2_K)
 #undef QI_EXPORT
 
 #endif

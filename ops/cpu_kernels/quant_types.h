@@ -4,7 +4,7 @@
  * file's blocks into these records at load.
  *
  * One layout serves both arithmetics ("qn" types: Q4_0, Q5_0, Q5_1, IQ4_NL, and the 256-blocks
- * Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS). Output rows in tiles of 32, K in sub-blocks of 32; a record is
+ * Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS). Output rows in tiles of 32, K in sub-blocks of 32; a record is
  * one (tile, group of G sub-blocks): G = 1 for the 32-blocks, 8 for the 256-blocks; tiles
  * outermost, then records along K. A record is a header (the scales) and G bodies:
  *
@@ -18,6 +18,7 @@
  *                     2i, 2i + 1 (i = 2 (p % 2) + s) = bits 4, 5 of q(16h + n', 8p + 4s + j)
  *   Q3_K's 3-bit body [384], no nibbles: four planes L[h][g] as H2's holding bits 0, 1 of q,
  *                     then two planes as the 5-bit's H holding bit 2 of q
+ *   Q2_K's 2-bit body [256]: the planes L[h][g] alone
  *
  *   headers ([32] fields: one value per output, outputs in order):
  *     Q4_0, Q5_0, IQ4_NL   d[32] fp16                                        64 bytes
@@ -25,6 +26,7 @@
  *     Q4_K, Q5_K           d[32] | dmin[32] fp16 | sc[8][32] u8 | mn[8][32] u8   640
  *     Q6_K                 d[32] fp16 | sc[16][32] int8                     576
  *     Q3_K                 d[32] fp16 | sc[16][32] int8 (the 6-bit scale - 32)   576
+ *     Q2_K                 d[32] | dmin[32] fp16 | sm[16][32] u8 (the file's: sc | mn << 4)   640
  *     IQ4_XS               d[32] fp16 | ls[8][32] int8 (the 6-bit scale - 32)   320
  *
  * The weights (k in sub-block j of the record, output n), and what each kernel computes with:
@@ -32,15 +34,17 @@
  *   Q4_0 d (q - 8); Q5_0 d (q - 16); IQ4_NL d kv[q]; Q5_1 d q + m; Q8_0 d q
  *   Q4_K, Q5_K (d sc_j) q - (dmin mn_j); Q6_K (d sc_(2j + k / 16)) (q - 32); IQ4_XS (d ls_j) kv[q]
  *   Q3_K (d sc_(2j + k / 16)) (q - 4), q = its 2 low bits | its hmask bit << 2
+ *   Q2_K (d sc_i) q - (dmin mn_i), i = 2j + k / 16: a min per 16 k, M per half (qn_half_m)
  *
  * so every sub-block is a block of 32 small integers v (q - zero, or kv[q]) with a float32
  * scale D and, for Q5_1/Q4_K/Q5_K, an offset M: D and M are formed in the kernel as above,
  * exactly in float32 (an fp16 times an integer of at most 8 bits), never rounded to fp16.
- * Q6_K and Q3_K have a D per half (16 k) of their sub-blocks. kv is IQ4's table (kvalues_iq4nl).
+ * Q6_K, Q3_K and Q2_K have a D per half (16 k) of their sub-blocks, Q2_K an M per half too. kv is IQ4's table (kvalues_iq4nl).
  *
  * Bytes against the file's: Q4_0, Q5_0, Q5_1, IQ4_NL, Q6_K exactly the file's; Q4_K 4736 per
  * 4608 (+2.8%: the 6-bit scales and mins held a byte each), Q5_K 5760 per 5632 (+2.3%),
- * IQ4_XS 4416 per 4352 (+1.5%), Q3_K 3648 per 3520 (+3.6%: its 6-bit scales a byte each).
+ * IQ4_XS 4416 per 4352 (+1.5%), Q3_K 3648 per 3520 (+3.6%: its 6-bit scales a byte each), Q2_K
+ * exactly the file's (2688).
  *
  * F16 and BF16 (float32 activations only) keep their 2-byte values, one record per (tile,
  * sub-block of 32): w[32 k][32 n], 2048 bytes, the file's size.
@@ -67,7 +71,7 @@ enum {
     QT_Q4_1 = 0, QT_Q8_0 = 1, QT_Q4_1_I8 = 2, QT_Q8_0_I8 = 3,
     QT_Q4_0, QT_Q5_0, QT_Q5_1, QT_IQ4_NL, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_F16, QT_BF16,
     QT_Q4_G128, QT_Q4_G32, QT_Q8_CH, /* pre-quantized checkpoints' (float32 headers, see below) */
-    QT_Q3_K,
+    QT_Q3_K, QT_Q2_K,
     QT_COUNT
 };
 #define Q4_1_RECORD 640  /* both of Q4_1's layouts */
@@ -75,21 +79,21 @@ enum {
 
 #define QN_INLINE static inline __attribute__((always_inline))
 
-QN_INLINE int qn_is(int qt) { return (qt >= QT_Q4_0 && qt <= QT_IQ4_XS) || (qt >= QT_Q4_G128 && qt <= QT_Q3_K); }
+QN_INLINE int qn_is(int qt) { return (qt >= QT_Q4_0 && qt <= QT_IQ4_XS) || (qt >= QT_Q4_G128 && qt <= QT_Q2_K); }
 /* The checkpoints' types: their header's fields are float32, not fp16. */
 QN_INLINE int qn_f32(int qt) { return qt >= QT_Q4_G128 && qt <= QT_Q8_CH; }
 QN_INLINE int is_f16(int qt) { return qt == QT_F16 || qt == QT_BF16; }
 QN_INLINE int qn_group(int qt) {
-    return (qt >= QT_Q4_K && qt <= QT_IQ4_XS) || qt == QT_Q3_K ? 8 : qt == QT_Q4_G128 || qt == QT_Q8_CH ? 4 : 1;
+    return (qt >= QT_Q4_K && qt <= QT_IQ4_XS) || qt == QT_Q3_K || qt == QT_Q2_K ? 8 : qt == QT_Q4_G128 || qt == QT_Q8_CH ? 4 : 1;
 }
 QN_INLINE int qn_bits(int qt) {
     return qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_Q5_K ? 5 : qt == QT_Q6_K ? 6 : qt == QT_Q8_CH ? 8
-         : qt == QT_Q3_K ? 3 : 4;
+         : qt == QT_Q3_K ? 3 : qt == QT_Q2_K ? 2 : 4;
 }
 QN_INLINE int qn_header(int qt) {
     switch (qt) {
     case QT_Q5_1: return 128;
-    case QT_Q4_K: case QT_Q5_K: return 640;
+    case QT_Q4_K: case QT_Q5_K: case QT_Q2_K: return 640;
     case QT_Q6_K: case QT_Q3_K: return 576;
     case QT_IQ4_XS: return 320;
     case QT_Q4_G128: case QT_Q4_G32: return 256;
@@ -98,7 +102,7 @@ QN_INLINE int qn_header(int qt) {
     }
 }
 QN_INLINE int qn_body(int qt) {
-    if (qn_bits(qt) == 3) return 384;
+    if (qn_bits(qt) <= 3) return 128 * qn_bits(qt);
     return qn_bits(qt) == 8 ? 1024 : 512 + (qn_bits(qt) == 5 ? 128 : qn_bits(qt) == 6 ? 256 : 0);
 }
 QN_INLINE int qn_record(int qt) { return qn_header(qt) + qn_group(qt) * qn_body(qt); }
@@ -106,7 +110,9 @@ QN_INLINE int qn_has_m(int qt) {
     return qt == QT_Q5_1 || qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q4_G128 || qt == QT_Q4_G32;
 }
 QN_INLINE int qn_table(int qt) { return qt == QT_IQ4_NL || qt == QT_IQ4_XS; }
-QN_INLINE int qn_split(int qt) { return qt == QT_Q6_K || qt == QT_Q3_K; } /* a scale per 16 k */
+QN_INLINE int qn_split(int qt) { return qt == QT_Q6_K || qt == QT_Q3_K || qt == QT_Q2_K; } /* a scale per 16 k */
+/* Q2_K's min per 16 k (M of each half; the block's sum of x does not serve it). */
+QN_INLINE int qn_half_m(int qt) { return qt == QT_Q2_K; }
 QN_INLINE int qn_zero(int qt) {
     return qt == QT_Q4_0 ? 8 : qt == QT_Q5_0 ? 16 : qt == QT_Q6_K ? 32 : qt == QT_Q8_CH ? 128 : qt == QT_Q3_K ? 4 : 0;
 }
@@ -150,6 +156,11 @@ QN_INLINE __m256 u8_f8(const uint8_t *p) {
 QN_INLINE __m256 i8_f8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+/* The low (hi = 0) or high nibbles of 8 bytes at p as floats (Q2_K's scales and mins) */
+QN_INLINE __m256 nib_f8(const uint8_t *p, int hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtepi32_ps(hi ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15)));
+}
 
 /* D of outputs n0..n0+7 in sub-block j (j = b % G) of a record, half kh (Q6_K) */
 QN_INLINE __m256 qn_d8(const uint8_t *hdr, int qt, int j, int kh, int n0) {
@@ -157,8 +168,14 @@ QN_INLINE __m256 qn_d8(const uint8_t *hdr, int qt, int j, int kh, int n0) {
     const __m256 d = load_half8(hdr + 2 * n0);
     if (qt == QT_Q4_K || qt == QT_Q5_K) return _mm256_mul_ps(d, u8_f8(hdr + 128 + 32 * j + n0));
     if (qt == QT_IQ4_XS) return _mm256_mul_ps(d, i8_f8(hdr + 64 + 32 * j + n0));
+    if (qt == QT_Q2_K) return _mm256_mul_ps(d, nib_f8(hdr + 128 + 32 * (2 * j + kh) + n0, 0));
     if (qn_split(qt)) return _mm256_mul_ps(d, i8_f8(hdr + 64 + 32 * (2 * j + kh) + n0));
     return d;
+}
+/* Q2_K's M of half kh: -(dmin mn), mn the high nibble of its scale byte */
+QN_INLINE __m256 qn_hm8(const uint8_t *hdr, int j, int kh, int n0) {
+    const __m256 m = _mm256_mul_ps(load_half8(hdr + 64 + 2 * n0), nib_f8(hdr + 128 + 32 * (2 * j + kh) + n0, 1));
+    return _mm256_xor_ps(m, _mm256_set1_ps(-0.0f));
 }
 /* M (Q5_1: m; Q4_K, Q5_K: -(dmin mn_j)) */
 QN_INLINE __m256 qn_m8(const uint8_t *hdr, int qt, int j, int n0) {
@@ -196,11 +213,15 @@ QN_INLINE void qn_quants8(const uint8_t *body, int qt, int p, int e, __m256i *lo
         *hi = _mm256_loadu_si256((const __m256i *)(body + ((e / 2) * 8 + 2 * p + 1) * 64 + part));
         return;
     }
-    if (qn_bits(qt) == 3) { /* 2-bit planes L[h][p / 2], then the third bit's planes H[h] */
+    if (qn_bits(qt) <= 3) { /* 2-bit planes L[h][p / 2], then (Q3_K) the third bit's planes H[h] */
         const __m256i L = _mm256_loadu_si256((const __m256i *)(body + ((e / 2) * 2 + p / 2) * 64 + part));
-        const __m256i H = _mm256_loadu_si256((const __m256i *)(body + 256 + (e / 2) * 64 + part));
-        *lo = _mm256_or_si256(bits2_at0_8(L, 2 * (p % 2)), bit_at2_8(H, 2 * p));
-        *hi = _mm256_or_si256(bits2_at0_8(L, 2 * (p % 2) + 1), bit_at2_8(H, 2 * p + 1));
+        *lo = bits2_at0_8(L, 2 * (p % 2));
+        *hi = bits2_at0_8(L, 2 * (p % 2) + 1);
+        if (qn_bits(qt) == 3) {
+            const __m256i H = _mm256_loadu_si256((const __m256i *)(body + 256 + (e / 2) * 64 + part));
+            *lo = _mm256_or_si256(*lo, bit_at2_8(H, 2 * p));
+            *hi = _mm256_or_si256(*hi, bit_at2_8(H, 2 * p + 1));
+        }
         return;
     }
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -239,13 +260,22 @@ QN_INLINE __m512 u8_f16(const uint8_t *p) {
 QN_INLINE __m512 i8_f16(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+QN_INLINE __m512 nib_f16(const uint8_t *p, int hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtepi32_ps(hi ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15)));
+}
 QN_INLINE __m512 qn_d16(const uint8_t *hdr, int qt, int j, int kh, int n0) {
     if (qn_f32(qt)) return _mm512_loadu_ps((const float *)(hdr + 4 * n0));
     const __m512 d = load_half16(hdr + 2 * n0);
     if (qt == QT_Q4_K || qt == QT_Q5_K) return _mm512_mul_ps(d, u8_f16(hdr + 128 + 32 * j + n0));
     if (qt == QT_IQ4_XS) return _mm512_mul_ps(d, i8_f16(hdr + 64 + 32 * j + n0));
+    if (qt == QT_Q2_K) return _mm512_mul_ps(d, nib_f16(hdr + 128 + 32 * (2 * j + kh) + n0, 0));
     if (qn_split(qt)) return _mm512_mul_ps(d, i8_f16(hdr + 64 + 32 * (2 * j + kh) + n0));
     return d;
+}
+QN_INLINE __m512 qn_hm16(const uint8_t *hdr, int j, int kh, int n0) {
+    const __m512 m = _mm512_mul_ps(load_half16(hdr + 64 + 2 * n0), nib_f16(hdr + 128 + 32 * (2 * j + kh) + n0, 1));
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32((int)0x80000000u)));
 }
 QN_INLINE __m512 qn_m16(const uint8_t *hdr, int qt, int j, int n0) {
     if (qn_f32(qt)) return _mm512_loadu_ps((const float *)(hdr + 128 + 4 * n0));
@@ -276,10 +306,15 @@ QN_INLINE void qn_quants16(const uint8_t *body, int qt, int p, int h, __m512i *l
         *hi = _mm512_loadu_si512(body + (8 * h + 2 * p + 1) * 64);
         return;
     }
-    if (qn_bits(qt) == 3) {
-        const __m512i L = _mm512_loadu_si512(body + (2 * h + p / 2) * 64), H = _mm512_loadu_si512(body + 256 + h * 64);
-        *lo = _mm512_or_si512(bits2_at0_16(L, 2 * (p % 2)), bit_at2_16(H, 2 * p));
-        *hi = _mm512_or_si512(bits2_at0_16(L, 2 * (p % 2) + 1), bit_at2_16(H, 2 * p + 1));
+    if (qn_bits(qt) <= 3) {
+        const __m512i L = _mm512_loadu_si512(body + (2 * h + p / 2) * 64);
+        *lo = bits2_at0_16(L, 2 * (p % 2));
+        *hi = bits2_at0_16(L, 2 * (p % 2) + 1);
+        if (qn_bits(qt) == 3) {
+            const __m512i H = _mm512_loadu_si512(body + 256 + h * 64);
+            *lo = _mm512_or_si512(*lo, bit_at2_16(H, 2 * p));
+            *hi = _mm512_or_si512(*hi, bit_at2_16(H, 2 * p + 1));
+        }
         return;
     }
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -317,8 +352,10 @@ static inline float f32_at(const uint8_t *p) {
 static inline int qn_quant(const uint8_t *body, int qt, int n, int k) {
     const int h = n / 16, i = 4 * (n % 16) + k % 4, p = k / 8, s = (k % 8) / 4;
     if (qn_bits(qt) == 8) return body[(8 * h + k / 4) * 64 + i];
-    if (qn_bits(qt) == 3)
-        return ((body[(2 * h + p / 2) * 64 + i] >> (2 * (2 * (p % 2) + s))) & 3) | ((body[256 + h * 64 + i] >> (2 * p + s)) & 1) << 2;
+    if (qn_bits(qt) <= 3) {
+        const int low = (body[(2 * h + p / 2) * 64 + i] >> (2 * (2 * (p % 2) + s))) & 3;
+        return qn_bits(qt) == 2 ? low : low | ((body[256 + h * 64 + i] >> (2 * p + s)) & 1) << 2;
+    }
     int q = (body[(4 * h + p) * 64 + i] >> (4 * s)) & 15;
     if (qn_bits(qt) == 5) q |= ((body[512 + h * 64 + i] >> (2 * p + s)) & 1) << 4;
     if (qn_bits(qt) == 6) q |= ((body[512 + (2 * h + p / 2) * 64 + i] >> (2 * (2 * (p % 2) + s))) & 3) << 4;
@@ -344,6 +381,11 @@ static void qn_row(const uint8_t *tile, int qt, int K, int n, float *y) {
                 w = (d * (float)hdr[128 + 32 * j + n]) * v - half_at(hdr + 64 + 2 * n) * (float)hdr[384 + 32 * j + n];
                 break;
             case QT_Q6_K: case QT_Q3_K: w = (d * (float)(int8_t)hdr[64 + 32 * (2 * j + k / 16) + n]) * v; break;
+            case QT_Q2_K: {
+                const int sm = hdr[128 + 32 * (2 * j + k / 16) + n];
+                w = (d * (float)(sm & 15)) * v - half_at(hdr + 64 + 2 * n) * (float)(sm >> 4);
+                break;
+            }
             case QT_IQ4_XS: w = (d * (float)(int8_t)hdr[64 + 32 * j + n]) * v; break;
             default: w = d * v;
             }
