@@ -175,6 +175,13 @@ def _bits_le(b: np.ndarray) -> np.ndarray:
     return np.unpackbits(b, axis=-1, bitorder="little")
 
 
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """A K-quant super-block's 64 bytes of 2-bit quants [n, nsb, 64] -> its 256 quants, element
+    128g + 32i + l = bits 2i, 2i + 1 of byte 32g + l (ggml's Q2_K and Q3_K low bits)."""
+    n, nsb, _ = qs.shape
+    return ((qs.reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3).reshape(n, nsb, 256)
+
+
 def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """GGUF blocks [n, bytes] -> unsigned quants q [n, K / 32, 32] and the header's fields,
     each [n, records, F] (uint16 fp16 bits or uint8), in the record header's order."""
@@ -205,12 +212,10 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
         q = low.reshape(n, nsb, 256) | (high.reshape(n, nsb, 256) << 4)  # element 128g + 64s + l, 128g + 32i + l
         return q.reshape(n, -1, 32), [_u16(b, 208), np.ascontiguousarray(b[..., 192:208])]
     if qtype == "Q2_K":  # scales[16] (sc | mn << 4 per 16 elements), qs[64] as Q3_K's, d, dmin
-        q = (b[..., 16:80].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
-        return q.reshape(n, -1, 32), [_u16(b, 80), _u16(b, 82), np.ascontiguousarray(b[..., 0:16])]
+        return _crumbs(b[..., 16:80]).reshape(n, -1, 32), [_u16(b, 80), _u16(b, 82), np.ascontiguousarray(b[..., 0:16])]
     if qtype == "Q3_K":  # hmask[32], qs[64], scales[12], d: element 128g + 32i + l
-        ql = (b[..., 32:96].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
         hbit = (b[..., None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # element 32i + l: bit i of byte l
-        q = ql.reshape(n, nsb, 256) | (hbit.reshape(n, nsb, 256) << 2)
+        q = _crumbs(b[..., 32:96]) | (hbit.reshape(n, nsb, 256) << 2)
         low = (b[..., None, 96:104] >> np.array([0, 4], np.uint8)[:, None]) & 0x0F  # scale 8s + i: byte i >> 4s
         high = (b[..., None, 104:108] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3  # scale 4s + i
         sc = (low.reshape(n, nsb, 16) | (high.reshape(n, nsb, 16) << 4)).astype(np.int16) - 32
