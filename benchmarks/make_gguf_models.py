@@ -11,13 +11,17 @@ repository), for the parity tests and the benchmarks:
 - `kquant`: a random Llama of hidden 256 (every tensor in whole 256-blocks: pure K-quants)
   saved by transformers (`LlamaConfig` + `save_pretrained`, the default model's tokenizer),
   converted by llama.cpp's `convert_hf_to_gguf.py` and quantized to Q4_K_M, Q5_K_M, Q6_K,
-  Q3_K_M and Q2_K;
+  Q3_K_M and Q2_K, and to IQ3_XXS and a file of every IQ1-IQ3 grid type ("IQ_MIX":
+  llama-quantize's IQ2_XXS with a type per tensor named by its --tensor-type, the tied
+  embedding IQ3_S); IQ1_S-IQ2_S want an importance matrix: `llama-imatrix` makes one on a fixed
+  text, as users make theirs;
 - `llama31`: a random Llama with Llama 3.1's rope scaling (original context 32), whose GGUF
   `convert_hf_to_gguf.py` writes with a `rope_freqs` tensor; the folder is kept (the
   reference loads it);
 - `billion`: a random Llama of ~1B parameters (hidden 2048, 16 layers, 32 heads / 8 KV,
   intermediate 8192, the default model's vocabulary) written as F16 by gguf-py's
-  GGUFWriter one tensor at a time, quantized to Q4_K_M, Q8_0, Q3_K_M and Q2_K.
+  GGUFWriter one tensor at a time, quantized to Q4_K_M, Q8_0, Q3_K_M and Q2_K (and, with
+  `--billion-iq`, IQ3_XXS and IQ2_M, with an importance matrix).
 
 `llama-quantize` and `convert_hf_to_gguf.py` come from the llama.cpp vendored in the
 llama-cpp-python 0.3.36 sdist (PyPI): found where $LLAMA_CPP_DIR or
@@ -44,6 +48,17 @@ import numpy as np
 SDIST_VERSION = "0.3.36"
 DEFAULT_VARIANTS = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS")
 KQUANT_VARIANTS = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K")
+# The IQ1-IQ3 files (of the same model): IQ3_XXS as llama-quantize makes it (IQ3_XXS, IQ2_S and
+# IQ3_S tensors), and IQ_MIX, every grid type in one file: llama-quantize's arguments for it.
+IQ_VARIANTS = ("IQ3_XXS", "IQ_MIX")
+MIXES = {"IQ_MIX": ("IQ2_XXS", ["--token-embedding-type", "iq3_s", "--tensor-type", "attn_q=iq1_s",
+                                "--tensor-type", "attn_k=iq1_m", "--tensor-type", "attn_v=iq2_xs",
+                                "--tensor-type", "attn_output=iq2_s", "--tensor-type", "ffn_gate=iq3_xxs",
+                                "--tensor-type", "ffn_up=iq3_s", "--tensor-type", "ffn_down=iq2_xxs"])}
+BILLION_IQ_VARIANTS = ("IQ3_XXS", "IQ2_M")
+# The file types llama-quantize refuses without an importance matrix (and IQ3_XXS's, whose
+# attn_v it writes as IQ2_S): llama-imatrix's is used for all of IQ_VARIANTS.
+_WANT_IMATRIX = ("IQ1", "IQ2", "IQ3", "Q2_K_S")
 # Bump when a file's recipe changes: the cache keeps files by name.
 RECIPE = "v1"
 
@@ -61,9 +76,22 @@ class Tools:
     quantize: Path  # llama-quantize
     convert: Path  # convert_hf_to_gguf.py
 
-    def run_quantize(self, src: Path, dst: Path, qtype: str) -> None:
-        env = {**os.environ, "LD_LIBRARY_PATH": f"{self.quantize.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-        _run([str(self.quantize), str(src), str(dst), qtype], env=env)
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "LD_LIBRARY_PATH": f"{self.quantize.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+    def run_quantize(self, src: Path, dst: Path, qtype: str, imatrix: Path | None = None,
+                     flags: tuple[str, ...] | list[str] = ()) -> None:
+        flags = [*(["--imatrix", str(imatrix)] if imatrix is not None else []), *flags]
+        _run([str(self.quantize), *flags, str(src), str(dst), qtype], env=self._env())
+
+    def run_imatrix(self, model: Path, text: Path, dst: Path, chunks: int = 16) -> None:
+        """llama-imatrix (built beside llama-quantize here if it is not there) on `text`."""
+        tool = self.quantize.parent / "llama-imatrix"
+        if not tool.is_file():
+            _run(["cmake", "--build", str(self.quantize.parent.parent), "--target", "llama-imatrix",
+                  f"-j{os.cpu_count() or 2}"])
+        _run([str(tool), "-m", str(model), "-f", str(text), "-o", str(dst), "-c", "128", "--chunks", str(chunks),
+              "-t", str(os.cpu_count() or 2)], env=self._env())
 
     def run_convert(self, folder: Path, dst: Path, outtype: str = "f32") -> None:
         _run([sys.executable, str(self.convert), str(folder), "--outfile", str(dst), "--outtype", outtype])
@@ -126,7 +154,7 @@ def build_tools(log=print) -> Tools:
         _run(["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
               "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
               "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"])
-    _run(["cmake", "--build", str(build), "--target", "llama-quantize", f"-j{os.cpu_count() or 2}"])
+    _run(["cmake", "--build", str(build), "--target", "llama-quantize", "llama-imatrix", f"-j{os.cpu_count() or 2}"])
     log(f"built llama-quantize in {time.monotonic() - t0:.0f}s: {build / 'bin' / 'llama-quantize'}")
     tools = find_tools()
     if tools is None:
@@ -195,7 +223,34 @@ def quantized(tools_: Tools, src: Path, qtype: str) -> Path:
     dst = src.with_name(src.name.replace("-F32-", f"-{qtype}-").replace("-F16-", f"-{qtype}-"))
     if not dst.is_file():
         tmp = _part(dst)
-        tools_.run_quantize(src, tmp, qtype)
+        ftype, flags = MIXES.get(qtype, (qtype, []))
+        imatrix = importance_matrix(tools_, src) if ftype.startswith(_WANT_IMATRIX) else None
+        tools_.run_quantize(src, tmp, ftype, imatrix, flags)
+        tmp.rename(dst)
+    return dst
+
+
+def _imatrix_text(dst: Path, tokens: int = 4096, seed: int = 0) -> Path:
+    """A fixed text for llama-imatrix: the default model's vocabulary, tokens drawn at random
+    with a fixed seed (the models here are random: any text serves, and this one never changes)."""
+    if not dst.is_file():
+        from worker.tokenizer import Tokenizer
+        from worker.weights import default_model_path
+
+        tok = Tokenizer.from_gguf(default_model_path())
+        ids = np.random.default_rng(seed).integers(100, 49152, tokens).tolist()
+        tmp = _part(dst)
+        tmp.write_text(tok.decode(ids))
+        tmp.rename(dst)
+    return dst
+
+
+def importance_matrix(tools_: Tools, src: Path) -> Path:
+    """llama-imatrix's importance matrix of `src` (an F32/F16 GGUF) on the fixed text, kept beside it."""
+    dst = src.with_name(src.name.replace(".gguf", ".imatrix.gguf"))
+    if not dst.is_file():
+        tmp = _part(dst)
+        tools_.run_imatrix(src, _imatrix_text(src.parent / f"imatrix-text-{RECIPE}.txt"), tmp)
         tmp.rename(dst)
     return dst
 
@@ -253,7 +308,7 @@ BILLION_CONFIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layer
                       rope_theta=500000.0)
 
 
-def kquant_model(tools_: Tools, out: Path, qtypes: tuple[str, ...] = KQUANT_VARIANTS) -> dict[str, Path]:
+def kquant_model(tools_: Tools, out: Path, qtypes: tuple[str, ...] = KQUANT_VARIANTS + IQ_VARIANTS) -> dict[str, Path]:
     """The pure K-quant model: F32 from convert_hf_to_gguf, then llama-quantize (std 0.1:
     logits far enough apart that greedy tokens are not near-ties)."""
     folder = random_llama_folder(out / f"kquant-hf-{RECIPE}", seed=1, std=0.1, **KQUANT_CONFIG)
@@ -323,9 +378,10 @@ def billion_f16(out: Path, seed: int = 0) -> Path:
     return dst
 
 
-def billion_model(tools_: Tools, out: Path) -> dict[str, Path]:
+def billion_model(tools_: Tools, out: Path, iq: bool = False) -> dict[str, Path]:
     src = billion_f16(out)
-    return {"F16": src, **{q: quantized(tools_, src, q) for q in ("Q4_K_M", "Q8_0", "Q3_K_M", "Q2_K")}}
+    qtypes = ("Q4_K_M", "Q8_0", "Q3_K_M", "Q2_K") + (BILLION_IQ_VARIANTS if iq else ())
+    return {"F16": src, **{q: quantized(tools_, src, q) for q in qtypes}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kquant", action="store_true", help="the pure K-quant random model")
     ap.add_argument("--llama31", action="store_true", help="the Llama-3.1-style random model (rope_freqs)")
     ap.add_argument("--billion", action="store_true", help="the ~1B random model (F16, Q4_K_M, Q8_0)")
+    ap.add_argument("--billion-iq", action="store_true", help="the ~1B's IQ3_XXS and IQ2_M files too")
     ap.add_argument("--build", action="store_true", help="build llama-quantize if it is not found")
     args = ap.parse_args(argv)
     out = args.out or cache_dir()
@@ -353,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama31:
         made["llama31"] = llama31_model(t, out)
     if args.billion:
-        made["billion"] = billion_model(t, out)
+        made["billion"] = billion_model(t, out, iq=args.billion_iq)
     sizes = {group: {k: {"path": str(p), "bytes": p.stat().st_size if p.is_file() else None}
                      for k, p in files.items()} for group, files in made.items()}
     print(json.dumps({"seconds": round(time.monotonic() - t0, 1), "files": sizes}, indent=2))

@@ -9,6 +9,7 @@ included), and nothing of the file's blocks is kept.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +59,17 @@ TYPES: dict[str, RecordType] = {
     "Q8_CH": RecordType(16, 16, 128, 132, 4, 4224),  # f32 d (the channel's), 128 int8
     "Q3_K": RecordType(17, 17, 256, 110, 8, 3648),
     "Q2_K": RecordType(18, 18, 256, 84, 8, 2688),
+    # The grid types (quant_types.h): each weight's grid value and sign decoded at load into an
+    # index of a table of the type's signed values, 3 bits (IQ2, IQ1: 6 values) or 4 (IQ3).
+    "IQ2_XXS": RecordType(19, 19, 256, 66, 8, 3392),
+    "IQ2_XS": RecordType(20, 20, 256, 74, 8, 3648),
+    "IQ2_S": RecordType(21, 21, 256, 82, 8, 3648),
+    "IQ3_XXS": RecordType(22, 22, 256, 98, 8, 4416),
+    "IQ3_S": RecordType(23, 23, 256, 110, 8, 4416),
+    "IQ1_S": RecordType(24, 24, 256, 50, 8, 3392),
+    "IQ1_M": RecordType(25, 25, 256, 56, 8, 3648),
 }
+GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
 
 # Rows of the file repacked at once: about this many weights.
 _CHUNK_WEIGHTS = 1 << 20
@@ -220,6 +231,8 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
         high = (b[..., None, 104:108] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3  # scale 4s + i
         sc = (low.reshape(n, nsb, 16) | (high.reshape(n, nsb, 16) << 4)).astype(np.int16) - 32
         return q.reshape(n, -1, 32), [_u16(b, 108), sc.astype(np.int8).view(np.uint8)]
+    if qtype in GRID_TYPES:
+        return _grid_decode(qtype, b)
     if qtype in ("Q4_G128", "Q4_G32"):  # per 32 of a block: 16 bytes, low nibbles k = j, high j + 16
         return _nibbles(b[..., 8:].reshape(n, -1, 16)), [_u32(b, 0), _u32(b, 4)]
     if qtype == "Q8_CH":
@@ -230,6 +243,93 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
     high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, nsb, 8]
     ls = (low.reshape(n, nsb, 8) | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
     return _nibbles(b[..., 8:136].reshape(n, nsb, 8, 16)).reshape(n, -1, 32), [_u16(b, 0), ls.astype(np.int8).view(np.uint8)]
+
+
+# ---- the grid types: llama.cpp's block_iq* (ggml-common.h), gguf-py's grids and sign table ----
+
+@functools.cache
+def _grid(qtype: str) -> np.ndarray:
+    """The type's grid as levels (the index of each value in gguf-py's grid_map): [G, width] uint8."""
+    from gguf import quants
+
+    cls = getattr(quants, "IQ1_S" if qtype == "IQ1_M" else qtype)
+    cls.init_grid()
+    grid = np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
+    return np.searchsorted(np.asarray(cls.grid_map, dtype=np.float32), grid).astype(np.uint8)
+
+
+@functools.cache
+def _ksigns() -> np.ndarray:
+    """IQ2_XXS's ksigns (a 7-bit index -> 8 sign bits, the 8th the parity) as bits [128, 8]."""
+    from gguf import quants
+
+    return _bits_le(np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)[:, None])
+
+
+def _signed(levels: np.ndarray, negative: np.ndarray, nlevels: int) -> np.ndarray:
+    """Grid levels with their signs -> indices of the ascending signed table (quant_types.h):
+    level l is nlevels + l, its negative nlevels - 1 - l."""
+    return np.where(negative.astype(bool), nlevels - 1 - levels.astype(np.int16), nlevels + levels).astype(np.uint8)
+
+
+def _odd(scale: np.ndarray) -> np.ndarray:
+    """A 3- or 4-bit scale s as the odd integer 2 s + 1 the kernels multiply d by, int8 bytes."""
+    return (2 * scale.astype(np.int16) + 1).astype(np.int8).view(np.uint8)
+
+
+def _grid_decode(qtype: str, b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A grid type's blocks [n, nsb, bytes] -> table indices [n, K / 32, 32] and the header's
+    fields: d (fp16 bits) and S = 2 s + 1 per 32 k (per 16 for IQ2_XS, IQ2_S, IQ1_M)."""
+    n, nsb, _ = b.shape
+    grid = _grid(qtype)
+    if qtype in ("IQ2_XXS", "IQ3_XXS"):
+        if qtype == "IQ2_XXS":  # per 32: 4 grid bytes (8 values each), then the signs-and-scale word
+            words = np.ascontiguousarray(b[..., 2:66]).view(np.uint32).reshape(n, nsb, 8, 2)
+            idx, aux = np.ascontiguousarray(b[..., 2:66]).reshape(n, nsb, 8, 2, 4)[..., 0, :], words[..., 1]
+        else:  # 64 grid bytes (4 values each), then a signs-and-scale word per 32
+            idx, aux = b[..., 2:66].reshape(n, nsb, 8, 8), np.ascontiguousarray(b[..., 66:98]).view(np.uint32)
+        levels = grid[idx].reshape(n, nsb, 8, 4, 8)  # [.., sub-block, group of 8, element]
+        signs = _ksigns()[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+        q = _signed(levels, signs, 3 if qtype == "IQ2_XXS" else 8)
+        return q.reshape(n, -1, 32), [_u16(b, 0), _odd(aux >> 28)]
+    if qtype in ("IQ2_XS", "IQ2_S", "IQ3_S"):
+        if qtype == "IQ2_XS":  # a 16-bit word per 8: a 9-bit grid index, a 7-bit sign index
+            words = np.ascontiguousarray(b[..., 2:66]).view(np.uint16)
+            idx, signs = words & 511, _ksigns()[words >> 9]
+            scales = b[..., 66:74]
+        elif qtype == "IQ2_S":  # grid bytes, sign bytes, 2 high bits per index, scales
+            high = (b[..., 66:74, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+            idx = b[..., 2:34].astype(np.uint16) | (high.reshape(n, nsb, 32).astype(np.uint16) << 8)
+            signs, scales = _bits_le(b[..., 34:66, None]), b[..., 74:82]
+        else:  # IQ3_S: grid bytes, their 9th bits, a sign bit per weight, a 4-bit scale per 32
+            idx = b[..., 2:66].astype(np.uint16) | (_bits_le(b[..., 66:74]).astype(np.uint16) << 8)
+            signs, scales = _bits_le(b[..., 74:106, None]), b[..., 106:110]
+        levels = grid[idx].reshape(n, nsb, -1)
+        q = _signed(levels, signs.reshape(n, nsb, -1), 8 if qtype == "IQ3_S" else 3)
+        return q.reshape(n, -1, 32), [_u16(b, 0), _odd(_nibble_pairs(scales))]
+    if qtype == "IQ1_S":  # grid bytes; per 32 a word: 3 high bits per index, the scale, delta's sign
+        qh = np.ascontiguousarray(b[..., 34:50]).view(np.uint16)  # [n, nsb, 8]
+        idx = b[..., 2:34].reshape(n, nsb, 8, 4).astype(np.uint16) | (
+            ((qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7) << 8)
+        minus = np.broadcast_to((qh >> 15)[..., None, None], (n, nsb, 8, 4, 8))
+        scale, d = (qh >> 12) & 7, _u16(b, 0)
+    else:  # IQ1_M: grid bytes, a nibble per index (3 high bits, delta's sign), 3-bit scales and d's bits
+        nib = (b[..., 32:48, None] >> np.array([0, 4], np.uint8)) & 15  # [n, nsb, 16, 2]: index 2i + h
+        idx = b[..., 0:32].astype(np.uint16) | ((nib.reshape(n, nsb, 32) & 7).astype(np.uint16) << 8)
+        minus = np.broadcast_to((nib.reshape(n, nsb, 32) >> 3)[..., None], (n, nsb, 32, 8))
+        words = np.ascontiguousarray(b[..., 48:56]).view(np.uint16)  # [n, nsb, 4]
+        scale = ((words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(n, nsb, 16)
+        top = words >> 12
+        d = (top[..., 0] | top[..., 1] << 4 | top[..., 2] << 8 | top[..., 3] << 12).astype(np.uint16)[..., None]
+    levels = grid[idx].reshape(n, nsb, -1)
+    q = 2 * levels + 1 - minus.reshape(n, nsb, -1).astype(np.uint8)  # 8 g + delta, ascending: 2 l + (delta > 0)
+    return q.reshape(n, -1, 32), [d, _odd(scale)]
+
+
+def _nibble_pairs(scales: np.ndarray) -> np.ndarray:
+    """Scale bytes [n, nsb, B] -> their 2 B nibbles, low then high of each byte in turn."""
+    n, nsb, nbytes = scales.shape
+    return ((scales[..., None] >> np.array([0, 4], np.uint8)) & 15).reshape(n, nsb, 2 * nbytes)
 
 
 def _body(q: np.ndarray, bits: int) -> np.ndarray:
@@ -271,7 +371,8 @@ def _planes2(two: np.ndarray, t: int, nb: int) -> np.ndarray:
     return (two << shift).sum(axis=(4, 7), dtype=np.uint8).reshape(t, nb, 256)
 
 
-_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8, "Q3_K": 3, "Q2_K": 2}
+_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8, "Q3_K": 3, "Q2_K": 2,
+         **{q: 3 for q in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")}}
 
 
 def _pack_qn(qtype: str):
@@ -297,7 +398,7 @@ _PACKERS = {
     **{(q, False): _pack_float(q) for q in ("Q4_1", "Q8_0")},
     **{(q, True): _pack_int(q) for q in ("Q4_1", "Q8_0")},
     **{(q, False): _pack_qn(q) for q in ("Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
-                                         "Q4_G128", "Q4_G32", "Q8_CH", "Q3_K", "Q2_K")},
+                                         "Q4_G128", "Q4_G32", "Q8_CH", "Q3_K", "Q2_K", *GRID_TYPES)},
     ("F16", False): _pack_f16,
     ("BF16", False): _pack_f16,
 }

@@ -1,5 +1,8 @@
 """Linear layers and embeddings on the CPU over GGUF-quantized weights, computed on the file's
-own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16 and BF16.
+own blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16 and BF16,
+and the i-quants' grid types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S decoded at
+load into indices of a small table of their signed values (3 or 4 bits a weight: 1.25x-2.12x
+their file's bytes, where float32 was 9-20x; `cpu_kernels/quant_types.h`).
 
 A decode step reads every weight once, so on the CPU its floor is the weights' bytes over
 memory bandwidth: 538 MB in float32 for the default model, 96 MB as the GGUF stores it.
@@ -43,14 +46,14 @@ The interface the loader and the capacity planner use (worker/weights, worker/pl
 - `supports(qtype, shape)`: a native kernel runs it; the loader keeps such tensors quantized
   (no float32 copy) and dequantizes the rest. Every type needs out_features % 32 == 0 (the
   tile); in_features % 32 == 0 for the 32-blocks and F16/BF16, % 256 == 0 for Q4_K, Q5_K,
-  Q2_K, Q3_K, Q6_K and IQ4_XS.
+  Q2_K, Q3_K, Q6_K, IQ4_XS and the grid types.
 - `QuantLinear(weight, bias, activations)`, `QuantEmbedding(weight)` and
   `QuantEmbedding.of_head(head, weight)` (a tied head's records, held once), for every type;
   `activations_for(weight, activations)` (float32 for F16/BF16 and a Q8_0 weight with a -128
   quant, else the asked-for arithmetic); `supports_int8(weight)`;
   `held_bytes(qtype, gguf_nbytes, activations)`: the records' bytes, `HELD_RATIO[qtype]`
   times the file's (1 for most types; Q3_K 1.036, Q4_K 1.028, Q5_K 1.023, IQ4_XS 1.015: their 6-bit
-  sub-scales held a byte each); `dequantize(weight)`: gguf-py's float32 weight (the
+  sub-scales held a byte each; the grid types 1.25 (IQ3_S) to 2.12 (IQ1_S)); `dequantize(weight)`: gguf-py's float32 weight (the
   reference); `quantize_linears(model, quantized, activations)`.
 - A QuantLinear keeps no reference to `weight.blocks` once built (the loader releases the
   file's pages tensor by tensor), and repacks a few hundred rows at a time (temporaries of a
@@ -300,7 +303,8 @@ def held_bytes(qtype: str, gguf_nbytes: int, activations: str) -> int:
     `HELD_RATIO[qtype]` times the file's bytes. The layouts hold the blocks' scales, mins and
     quants in another order, the file's bytes for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q6_K,
     F16 and BF16; Q3_K (+3.6%), Q4_K (+2.8%), Q5_K (+2.3%) and IQ4_XS (+1.5%) hold their 6-bit sub-block
-    scales and mins a byte each."""
+    scales and mins a byte each; the grid types each weight as a 3- or 4-bit table index (IQ3_S
+    1.25x the file, IQ3_XXS 1.41x, IQ2_S 1.39x, IQ2_XS 1.54x, IQ2_XXS 1.61x, IQ1_M 2.04x, IQ1_S 2.12x)."""
     t = TYPES[qtype]
     return gguf_nbytes * t.record // t.file_record
 

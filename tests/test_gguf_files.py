@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from benchmarks import make_gguf_models as made
+from ops.quantized_linear import QuantEmbedding
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import engine_greedy, hf_greedy, last_logits
 from worker.weights import LoadedModel, load_model
@@ -147,6 +148,25 @@ def test_a_pure_k_quant_model_gives_transformers_greedy_tokens(kquant, variant: 
     assert all(h.how.endswith("records") for h in loaded.held if h.qtype != "F32"), loaded.describe_weights()
 
 
+# The IQ files (made with llama-imatrix's importance matrix, as llama-quantize wants): the IQ3_XXS
+# preset's, and one of every grid type (make_gguf_models.MIXES: its tied embedding IQ3_S).
+GRID_FILES = {"IQ3_XXS": {"IQ3_XXS", "IQ2_S", "IQ3_S"},
+              "IQ_MIX": {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(GRID_FILES))
+def test_the_grid_types_files_give_transformers_greedy_tokens(kquant, variant: str) -> None:
+    """The pure K-quant model's IQ1-IQ3 files: every matrix on its records (before, each grid
+    type's tensor was dequantized to float32 at load), greedy tokens transformers'."""
+    loaded = _assert_same_greedy(kquant[variant])
+    matrices = {h.qtype for h in loaded.held if h.qtype != "F32"}
+    assert GRID_FILES[variant] <= matrices, matrices
+    if variant == "IQ_MIX":
+        assert isinstance(loaded.model.embed_tokens, QuantEmbedding) and matrices == GRID_FILES[variant], matrices
+    assert all(h.how.endswith("records") for h in loaded.held if h.qtype != "F32"), loaded.describe_weights()
+
+
 # ----- Llama 3.1's rope scaling, read from rope_freqs -----
 
 def test_a_llama_3_1_gguf_equals_transformers_on_its_folder(llama31) -> None:
@@ -212,7 +232,8 @@ def test_the_start_up_log_says_per_type_what_is_held(default_variants) -> None:
             assert h.how == "float32" and h.note, h
 
 
-@pytest.mark.parametrize("which", ["default Q4_K_M", "kquant Q4_K_M", "kquant Q3_K_M", "kquant Q2_K", "default IQ4_XS"])
+@pytest.mark.parametrize("which", ["default Q4_K_M", "kquant Q4_K_M", "kquant Q3_K_M", "kquant Q2_K", "default IQ4_XS",
+                                   "kquant IQ_MIX"])
 def test_the_planner_holds_what_the_runner_holds(default_variants, kquant, which: str) -> None:
     from tests.test_plan import CPU, _held_bytes
     from worker import plan

@@ -112,3 +112,22 @@ def test_every_native_gguf_type_has_its_scale_fields() -> None:
     for qtype, fields in F16_FIELDS.items():
         block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
         assert block_bytes % 2 == 0 and all(o % 2 == 0 and o + 2 <= block_bytes for o in fields), qtype
+
+
+def test_iq1_m_s_split_scale_that_is_not_finite_is_refused(tmp_path: Path) -> None:
+    """IQ1_M's d is no field of its own: its nibbles are the top of the four scale words at byte
+    48 of a block (SPLIT_F16). NaN there (exponent nibbles 2 and 3 all ones) is refused; the same
+    words with their low bits changed (the 3-bit scales) still load."""
+    src = _tiny(tmp_path, "IQ1_M")
+    load_model(str(src))
+    t = next(t for t in GGUFFile(src).tensors if t.name == TENSOR)
+    row = np.asarray(t.data)[5].reshape(-1, 56)
+    words = row[1, 48:56].copy().view(np.uint16)
+    nan = words.copy()
+    nan[2] |= 0xC000  # d's bits 10, 11
+    nan[3] |= 0x7000  # d's bits 12-14: its exponent all ones
+    bad = _set(src, tmp_path / "bad.gguf", TENSOR, 5, 56 + 48, nan.tobytes())
+    _refused(bad, f"tensor '{TENSOR}' \\(IQ1_M\\): row 5: block 1 holds a float16 scale that is inf or NaN")
+    fine = words.copy()
+    fine ^= 0x0FFF
+    load_model(str(_set(src, tmp_path / "fine.gguf", TENSOR, 5, 56 + 48, fine.tobytes())))

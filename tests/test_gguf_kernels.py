@@ -1,5 +1,6 @@
 """Native CPU kernels for the GGUF types users download (issue 49): Q4_0, Q4_1, Q5_0, Q5_1,
-Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16 and BF16 (ops/quantized_linear.py).
+Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, the grid types IQ1_S, IQ1_M, IQ2_XXS,
+IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S, F16 and BF16 (ops/quantized_linear.py).
 
 Weights are random blocks (any bit pattern with finite scales is a valid block), written into
 a GGUF file with gguf-py's GGUFWriter and read back with the loader's reader
@@ -32,16 +33,22 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from benchmarks.gguf_blocks import FP16_MINS as _MINS
 from benchmarks.gguf_blocks import FP16_SCALES as _SCALES
-from benchmarks.gguf_blocks import random_weight
+from benchmarks.gguf_blocks import random_weight, set_iq1m_d
 from ops import cpu_kernels
 from ops import quantized_linear as ql
 from worker.weights.gguf_reader import GGUFFile
 
 pytestmark = pytest.mark.skipif(not ql.available(), reason="no gcc or no AVX2/FMA/F16C here")
 
-QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "F16",
-          "BF16"]
-BLOCKS_256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+GRID = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", *GRID,
+          "F16", "BF16"]
+BLOCKS_256 = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", *GRID)
+# The grid types' records' bytes per 256 weights of a row against the file's block: each
+# weight's grid value and sign as a table index of 3 bits (IQ1, IQ2: 96 bytes) or 4 (IQ3: 128),
+# d (2) and a byte per scale (8, or 16 for a scale per 16 weights), quant_types.h.
+GRID_RATIO = {"IQ1_S": 106 / 50, "IQ1_M": 114 / 56, "IQ2_XXS": 106 / 66, "IQ2_XS": 114 / 74, "IQ2_S": 114 / 82,
+              "IQ3_XXS": 138 / 98, "IQ3_S": 138 / 110}
 N, K = 64, 512  # two super-blocks of the 256-block types
 U = 2.0**-24
 def through_a_file(weights: dict[str, ql.QuantizedWeight], path) -> dict[str, ql.QuantizedWeight]:
@@ -112,7 +119,7 @@ def test_every_type_is_supported_at_its_block_size() -> None:
         assert not ql.supports(q, (64 + 16, k)), q  # rows: a multiple of the 32-row tile
         if k == 256:
             assert not ql.supports(q, (64, 576)), q  # the default model's width is no multiple of 256
-    assert not ql.supports("IQ2_XXS", (64, 256)) and not ql.supports("F32", (64, 32))
+    assert not ql.supports("TQ2_0", (64, 256)) and not ql.supports("F32", (64, 32))
     assert ql.activations_for(random_weight("F16", 32, 64, 0), "int16") == "float32"
     assert ql.activations_for(random_weight("Q6_K", 32, 256, 0), "int16") == "int16"
 
@@ -120,7 +127,7 @@ def test_every_type_is_supported_at_its_block_size() -> None:
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_records_hold_the_files_bytes_as_stated(weights, qtype) -> None:
     """held_bytes is the records' size, which the kernels' own geometry agrees with, and within
-    3% of the file's (Q3_K 3.6%: its 6-bit scales a byte each)."""
+    3% of the file's (Q3_K 3.6%: its 6-bit scales a byte each; the grid types as GRID_RATIO)."""
     w = weights[qtype]
     nbytes = np.asarray(w.blocks).nbytes
     lib = ql._library()
@@ -130,7 +137,10 @@ def test_records_hold_the_files_bytes_as_stated(weights, qtype) -> None:
         assert packed.numel() == ql.held_bytes(qtype, nbytes, activations)
         code = ql.TYPES[qtype].int_code if integer else ql.TYPES[qtype].code
         assert packed.numel() == N // 32 * lib.quant_tile_bytes(code, K)
-    assert 1.0 <= ql.HELD_RATIO[qtype] <= (1.037 if qtype == "Q3_K" else 1.03)
+    if qtype in GRID_RATIO:
+        assert ql.HELD_RATIO[qtype] == pytest.approx(GRID_RATIO[qtype], rel=1e-12)
+    else:
+        assert 1.0 <= ql.HELD_RATIO[qtype] <= (1.037 if qtype == "Q3_K" else 1.03)
     assert ql.held_bytes(qtype, nbytes, "float32") == round(nbytes * ql.HELD_RATIO[qtype])
 
 
@@ -196,15 +206,18 @@ def test_every_isa_computes_within_the_bound_and_gives_the_same_bits(weights, qt
             assert torch.equal(y, base[activations]), f"{qtype} {activations}: {isa} differs from avx2"
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+                                   *GRID])
 def test_the_largest_quants_and_digits_do_not_overflow(qtype, restore_isa) -> None:
-    """Every quant byte 0xFF (q at its largest: 3, 7, 15, 31 or 63; IQ4's index 15), against
+    """Every quant byte 0xFF (q at its largest: 3, 7, 15, 31 or 63; IQ4's index 15; the grid
+    types' last grid entry, every sign negative, their scales at their largest), against
     activations whose digits are all at full scale, of one sign, alternating, or tiny: where
     the int16 sums of AVX2's vpmaddubsw and the int32 ones would be nearest to overflowing."""
     w = random_weight(qtype, 32, 256, seed=5)
     block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]  # bytes
     raw = w.blocks.reshape(32, -1, block).copy()
-    keep = set(range(block)) - {i + j for i in _SCALES[qtype] + [_MINS.get(qtype, _SCALES[qtype][0])] for j in (0, 1)}
+    fp16 = _SCALES.get(qtype, []) + ([_MINS[qtype]] if qtype in _MINS else [])
+    keep = set(range(block)) - {i + j for i in fp16 for j in (0, 1)}
     if qtype in ("Q4_K", "Q5_K"):
         keep -= set(range(4, 16))  # the 6-bit sub-scales stay random
     if qtype == "Q6_K":
@@ -215,7 +228,12 @@ def test_the_largest_quants_and_digits_do_not_overflow(qtype, restore_isa) -> No
         keep -= set(range(0, 16))  # its scales and mins
     if qtype == "IQ4_XS":
         keep -= set(range(2, 8))
+    if qtype == "IQ1_M":
+        keep -= set(range(48, 56))  # its d is in these words' top nibbles: set below
     raw[..., sorted(keep)] = 0xFF
+    if qtype == "IQ1_M":
+        raw[..., 48:56] = 0xFF
+        set_iq1m_d(raw, np.full(raw.shape[:2], 0.003))
     w = ql.QuantizedWeight(qtype, raw.reshape(32, -1), (32, 256))
     x = torch.full((4, 256), 3.0)
     x[1] = -3.0
@@ -253,14 +271,16 @@ def test_a_large_weight_repacks_row_chunk_by_row_chunk(monkeypatch) -> None:
 # ---- the fused decoder (ops/cpu_decoder.py) over a model whose linears mix the types ----
 
 # Per layer (qkv, o, gate_up, down), as a Q4_K_M file mixes Q4_K, Q6_K, Q5_0 and Q8_0 (a Q3_K_M file
-# Q3_K with Q4_K and Q5_K, a Q2_K file Q2_K with Q3_K), and more.
+# Q3_K with Q4_K and Q5_K, a Q2_K file Q2_K with Q3_K, an IQ3_XXS file IQ3_XXS with IQ2_S and
+# IQ3_S), and more.
 _LAYER_TYPES = [("Q4_K", "Q5_0", "Q3_K", "Q6_K"), ("Q5_K", "IQ4_XS", "Q8_0", "Q4_0"),
-                ("IQ4_NL", "Q5_1", "F16", "BF16"), ("Q2_K", "Q6_K", "Q2_K", "Q3_K")]
+                ("IQ4_NL", "Q5_1", "F16", "BF16"), ("Q2_K", "Q6_K", "Q2_K", "Q3_K"),
+                ("IQ2_XXS", "IQ3_S", "IQ1_M", "IQ3_XXS"), ("IQ2_S", "IQ1_S", "IQ2_XS", "Q4_K")]
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def mixed_model(activations: str, tied: bool):
-    """A random Llama (hidden 512, 4 layers, vocab 544) whose every linear is a QuantLinear of
+    """A random Llama (hidden 512, 6 layers, vocab 544) whose every linear is a QuantLinear of
     another type, its embedding a QuantEmbedding (Q4_K tied to the head, or Q6_K with a Q6_K
     head of its own), as the runner swaps them in."""
     from worker.models.llama import LlamaConfig, LlamaForCausalLM

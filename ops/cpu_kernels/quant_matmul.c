@@ -458,6 +458,8 @@ static void qn_tile_f_any(const uint8_t *w, int qt, int K, const float *x, size_
     QN_CASE(QT_Q4_0) QN_CASE(QT_Q5_0) QN_CASE(QT_Q5_1) QN_CASE(QT_IQ4_NL) QN_CASE(QT_Q4_K) QN_CASE(QT_Q5_K)
     QN_CASE(QT_Q6_K) QN_CASE(QT_IQ4_XS) QN_CASE(QT_F16) QN_CASE(QT_BF16)
     QN_CASE(QT_Q4_G128) QN_CASE(QT_Q4_G32) QN_CASE(QT_Q8_CH) QN_CASE(QT_Q3_K) QN_CASE(QT_Q2_K)
+    QN_CASE(QT_IQ2_XXS) QN_CASE(QT_IQ2_XS) QN_CASE(QT_IQ2_S) QN_CASE(QT_IQ3_XXS) QN_CASE(QT_IQ3_S) QN_CASE(QT_IQ1_S)
+    QN_CASE(QT_IQ1_M)
 #undef QN_CASE
     default: break;
     }
@@ -543,6 +545,8 @@ QF_EXPORT(q4_0, QT_Q4_0) QF_EXPORT(q5_0, QT_Q5_0) QF_EXPORT(q5_1, QT_Q5_1) QF_EX
 QF_EXPORT(q4_k, QT_Q4_K) QF_EXPORT(q5_k, QT_Q5_K) QF_EXPORT(q6_k, QT_Q6_K) QF_EXPORT(iq4_xs, QT_IQ4_XS)
 QF_EXPORT(f16, QT_F16) QF_EXPORT(bf16, QT_BF16)
 QF_EXPORT(q4_g128, QT_Q4_G128) QF_EXPORT(q4_g32, QT_Q4_G32) QF_EXPORT(q8_ch, QT_Q8_CH) QF_EXPORT(q3_k, QT_Q3_K) QF_EXPORT(q2_k, QT_Q2_K)
+QF_EXPORT(iq2_xxs, QT_IQ2_XXS) QF_EXPORT(iq2_xs, QT_IQ2_XS) QF_EXPORT(iq2_s, QT_IQ2_S) QF_EXPORT(iq3_xxs, QT_IQ3_XXS)
+QF_EXPORT(iq3_s, QT_IQ3_S) QF_EXPORT(iq1_s, QT_IQ1_S) QF_EXPORT(iq1_m, QT_IQ1_M)
 #undef QF_EXPORT
 
 /* Bytes of one tile of K columns (the tests check the repacker's against it). */

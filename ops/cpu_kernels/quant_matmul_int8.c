@@ -474,7 +474,7 @@ INLINE void qn_i8_rows(const uint8_t *tile, int qt, int b0, int b1, int K, const
                        size_t ldy, int pf, int acc_y) {
     const int halves = 1 + qn_split(qt), has_m = qn_has_m(qt), z = qn_table(qt) ? 128 : qn_zero(qt);
     const size_t nt = (size_t)K / I8_QBLOCK;
-    const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(IQ4_UVALUES));
+    const __m512i tab = _mm512_broadcast_i32x4(qn_utab(qt));
     __m512 acc[4][2];
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) acc[r][h] = acc_y ? _mm512_loadu_ps(y + r * ldy + 16 * h) : _mm512_setzero_ps();
@@ -564,9 +564,9 @@ INLINE void qn_dots8(const uint8_t *body, int qt, int kh, int e, int b, int K, c
         qn_quants8(body, qt, c, e, &lo, &hi);
         if (qn_table(qt)) {
 #if QN_VNNI
-            const __m256i tab = _mm256_setr_epi8(IQ4_UVALUES, IQ4_UVALUES);
+            const __m256i tab = _mm256_broadcastsi128_si256(qn_utab(qt));
 #else
-            const __m256i tab = _mm256_setr_epi8(IQ4_VALUES, IQ4_VALUES);
+            const __m256i tab = _mm256_broadcastsi128_si256(qn_tab(qt));
 #endif
             lo = _mm256_shuffle_epi8(tab, lo);
             hi = _mm256_shuffle_epi8(tab, hi);
@@ -653,6 +653,8 @@ typedef void (*qn_rows_fn)(QN_ROWS_ARGS);
 QN_TYPE(QT_Q4_0) QN_TYPE(QT_Q5_0) QN_TYPE(QT_Q5_1) QN_TYPE(QT_IQ4_NL)
 QN_TYPE(QT_Q4_K) QN_TYPE(QT_Q5_K) QN_TYPE(QT_Q6_K) QN_TYPE(QT_IQ4_XS)
 QN_TYPE(QT_Q4_G128) QN_TYPE(QT_Q4_G32) QN_TYPE(QT_Q8_CH) QN_TYPE(QT_Q3_K) QN_TYPE(QT_Q2_K)
+QN_TYPE(QT_IQ2_XXS) QN_TYPE(QT_IQ2_XS) QN_TYPE(QT_IQ2_S) QN_TYPE(QT_IQ3_XXS) QN_TYPE(QT_IQ3_S) QN_TYPE(QT_IQ1_S)
+QN_TYPE(QT_IQ1_M)
 
 static qn_rows_fn qn_rows_for(int qt, int P, int group) {
 #define QN_PICK(T)                                                                           \
@@ -664,6 +666,8 @@ static qn_rows_fn qn_rows_for(int qt, int P, int group) {
     QN_PICK(QT_Q4_0) QN_PICK(QT_Q5_0) QN_PICK(QT_Q5_1) QN_PICK(QT_IQ4_NL)
     QN_PICK(QT_Q4_K) QN_PICK(QT_Q5_K) QN_PICK(QT_Q6_K) QN_PICK(QT_IQ4_XS)
     QN_PICK(QT_Q4_G128) QN_PICK(QT_Q4_G32) QN_PICK(QT_Q8_CH) QN_PICK(QT_Q3_K) QN_PICK(QT_Q2_K)
+    QN_PICK(QT_IQ2_XXS) QN_PICK(QT_IQ2_XS) QN_PICK(QT_IQ2_S) QN_PICK(QT_IQ3_XXS) QN_PICK(QT_IQ3_S) QN_PICK(QT_IQ1_S)
+    QN_PICK(QT_IQ1_M)
     default: return NULL;
     }
 #undef QN_PICK
@@ -777,6 +781,8 @@ int q8_0_i8_matmul(const float *x, int M, int K, const uint8_t *w, int N, float 
 QI_EXPORT(q4_0, QT_Q4_0) QI_EXPORT(q5_0, QT_Q5_0) QI_EXPORT(q5_1, QT_Q5_1) QI_EXPORT(iq4_nl, QT_IQ4_NL)
 QI_EXPORT(q4_k, QT_Q4_K) QI_EXPORT(q5_k, QT_Q5_K) QI_EXPORT(q6_k, QT_Q6_K) QI_EXPORT(iq4_xs, QT_IQ4_XS)
 QI_EXPORT(q4_g128, QT_Q4_G128) QI_EXPORT(q4_g32, QT_Q4_G32) QI_EXPORT(q8_ch, QT_Q8_CH) QI_EXPORT(q3_k, QT_Q3_K) QI_EXPORT(q2_k, QT_Q2_K)
+QI_EXPORT(iq2_xxs, QT_IQ2_XXS) QI_EXPORT(iq2_xs, QT_IQ2_XS) QI_EXPORT(iq2_s, QT_IQ2_S) QI_EXPORT(iq3_xxs, QT_IQ3_XXS)
+QI_EXPORT(iq3_s, QT_IQ3_S) QI_EXPORT(iq1_s, QT_IQ1_S) QI_EXPORT(iq1_m, QT_IQ1_M)
 #undef QI_EXPORT
 
 #endif

@@ -4,7 +4,7 @@
  * file's blocks into these records at load.
  *
  * One layout serves both arithmetics ("qn" types: Q4_0, Q5_0, Q5_1, IQ4_NL, and the 256-blocks
- * Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS). Output rows in tiles of 32, K in sub-blocks of 32; a record is
+ * Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS and the grid types below). Output rows in tiles of 32, K in sub-blocks of 32; a record is
  * one (tile, group of G sub-blocks): G = 1 for the 32-blocks, 8 for the 256-blocks; tiles
  * outermost, then records along K. A record is a header (the scales) and G bodies:
  *
@@ -41,6 +41,20 @@
  * exactly in float32 (an fp16 times an integer of at most 8 bits), never rounded to fp16.
  * Q6_K, Q3_K and Q2_K have a D per half (16 k) of their sub-blocks, Q2_K an M per half too. kv is IQ4's table (kvalues_iq4nl).
  *
+ * The grid types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (llama.cpp's i-quants:
+ * 8 or 4 weights share an index into a grid of magnitudes, with sign bits) are table types: at
+ * load each weight's grid value with its sign is decoded (ops/quant_records.py, on gguf-py's
+ * grids) into its index in the type's ascending table of signed values kv (qn_kv): IQ2's
+ * +-8, 25, 43 and IQ1's 8 g + delta (g in -1, 0, 1; delta +-1: 6 values) as a 3-bit body
+ * (Q3_K's), IQ3_XXS's +-4..62 and IQ3_S's odd +-1..15 (16 values) as nibbles. Their header
+ * is IQ4_XS's (a scale per 32) or Q6_K's (IQ2_XS, IQ2_S, IQ1_M: a scale per 16): d[32] fp16
+ * (IQ1_M's put together from its scale words' nibbles) | S[..][32] int8, S = 2 s + 1 of the
+ * file's 3- or 4-bit s; the weight is (d (S u)) kv[q], u = 1/8 (IQ1, IQ2), 1/4 (IQ3_XXS), 1
+ * (IQ3_S): exactly gguf-py's d (1/2 + s) / 4 grid sign etc. The grids' sharing is not kept,
+ * so these hold more than the file: bytes per 256 weights of a row 106 (IQ1_S, IQ2_XXS), 114
+ * (IQ1_M, IQ2_XS, IQ2_S), 138 (IQ3_XXS, IQ3_S), against the file's 50, 56, 66, 74, 82, 98,
+ * 110 (1.25x-2.12x; the float32 they were dequantized to before is 1024).
+ *
  * Bytes against the file's: Q4_0, Q5_0, Q5_1, IQ4_NL, Q6_K exactly the file's; Q4_K 4736 per
  * 4608 (+2.8%: the 6-bit scales and mins held a byte each), Q5_K 5760 per 5632 (+2.3%),
  * IQ4_XS 4416 per 4352 (+1.5%), Q3_K 3648 per 3520 (+3.6%: its 6-bit scales a byte each), Q2_K
@@ -72,6 +86,7 @@ enum {
     QT_Q4_0, QT_Q5_0, QT_Q5_1, QT_IQ4_NL, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_F16, QT_BF16,
     QT_Q4_G128, QT_Q4_G32, QT_Q8_CH, /* pre-quantized checkpoints' (float32 headers, see below) */
     QT_Q3_K, QT_Q2_K,
+    QT_IQ2_XXS, QT_IQ2_XS, QT_IQ2_S, QT_IQ3_XXS, QT_IQ3_S, QT_IQ1_S, QT_IQ1_M, /* the grid types (see below) */
     QT_COUNT
 };
 #define Q4_1_RECORD 640  /* both of Q4_1's layouts */
@@ -79,23 +94,26 @@ enum {
 
 #define QN_INLINE static inline __attribute__((always_inline))
 
-QN_INLINE int qn_is(int qt) { return (qt >= QT_Q4_0 && qt <= QT_IQ4_XS) || (qt >= QT_Q4_G128 && qt <= QT_Q2_K); }
+QN_INLINE int qn_is(int qt) { return (qt >= QT_Q4_0 && qt <= QT_IQ4_XS) || (qt >= QT_Q4_G128 && qt <= QT_IQ1_M); }
+/* IQ1_S-IQ3_S: their grids' values decoded at load into indices of a table (qn_tab) */
+QN_INLINE int qn_grid(int qt) { return qt >= QT_IQ2_XXS && qt <= QT_IQ1_M; }
 /* The checkpoints' types: their header's fields are float32, not fp16. */
 QN_INLINE int qn_f32(int qt) { return qt >= QT_Q4_G128 && qt <= QT_Q8_CH; }
 QN_INLINE int is_f16(int qt) { return qt == QT_F16 || qt == QT_BF16; }
 QN_INLINE int qn_group(int qt) {
-    return (qt >= QT_Q4_K && qt <= QT_IQ4_XS) || qt == QT_Q3_K || qt == QT_Q2_K ? 8 : qt == QT_Q4_G128 || qt == QT_Q8_CH ? 4 : 1;
+    return (qt >= QT_Q4_K && qt <= QT_IQ4_XS) || qt == QT_Q3_K || qt == QT_Q2_K || qn_grid(qt) ? 8
+         : qt == QT_Q4_G128 || qt == QT_Q8_CH ? 4 : 1;
 }
 QN_INLINE int qn_bits(int qt) {
     return qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_Q5_K ? 5 : qt == QT_Q6_K ? 6 : qt == QT_Q8_CH ? 8
-         : qt == QT_Q3_K ? 3 : qt == QT_Q2_K ? 2 : 4;
+         : qt == QT_Q3_K ? 3 : qt == QT_Q2_K ? 2 : qt == QT_IQ3_XXS || qt == QT_IQ3_S ? 4 : qn_grid(qt) ? 3 : 4;
 }
 QN_INLINE int qn_header(int qt) {
     switch (qt) {
     case QT_Q5_1: return 128;
     case QT_Q4_K: case QT_Q5_K: case QT_Q2_K: return 640;
-    case QT_Q6_K: case QT_Q3_K: return 576;
-    case QT_IQ4_XS: return 320;
+    case QT_Q6_K: case QT_Q3_K: case QT_IQ2_XS: case QT_IQ2_S: case QT_IQ1_M: return 576;
+    case QT_IQ4_XS: case QT_IQ2_XXS: case QT_IQ3_XXS: case QT_IQ3_S: case QT_IQ1_S: return 320;
     case QT_Q4_G128: case QT_Q4_G32: return 256;
     case QT_Q8_CH: return 128;
     default: return 64;
@@ -109,8 +127,14 @@ QN_INLINE int qn_record(int qt) { return qn_header(qt) + qn_group(qt) * qn_body(
 QN_INLINE int qn_has_m(int qt) {
     return qt == QT_Q5_1 || qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q4_G128 || qt == QT_Q4_G32;
 }
-QN_INLINE int qn_table(int qt) { return qt == QT_IQ4_NL || qt == QT_IQ4_XS; }
-QN_INLINE int qn_split(int qt) { return qt == QT_Q6_K || qt == QT_Q3_K || qt == QT_Q2_K; } /* a scale per 16 k */
+QN_INLINE int qn_table(int qt) { return qt == QT_IQ4_NL || qt == QT_IQ4_XS || qn_grid(qt); }
+QN_INLINE int qn_split(int qt) { /* a scale per 16 k */
+    return qt == QT_Q6_K || qt == QT_Q3_K || qt == QT_Q2_K || qt == QT_IQ2_XS || qt == QT_IQ2_S || qt == QT_IQ1_M;
+}
+/* The grid types' scale: d times their odd integer S times this power of two (exact). */
+QN_INLINE float qn_unit(int qt) {
+    return qt == QT_IQ3_S || !qn_grid(qt) ? 1.0f : qt == QT_IQ3_XXS ? 0.25f : 0.125f;
+}
 /* Q2_K's min per 16 k (M of each half; the block's sum of x does not serve it). */
 QN_INLINE int qn_half_m(int qt) { return qt == QT_Q2_K; }
 QN_INLINE int qn_zero(int qt) {
@@ -142,10 +166,37 @@ static inline int record_k(int qt) { return qn_is(qt) ? 32 * qn_group(qt) : 32; 
 /* Whether the float kernel adds M sx (the block sums of x). */
 static inline int has_block_min(int qt) { return qt == QT_Q4_1 || (qn_is(qt) && qn_has_m(qt)); }
 
-/* kvalues_iq4nl, and + 128 (the unsigned side of vpdpbusd) */
+/* The table types' values v by index: kvalues_iq4nl; the grid types' grid values with either
+ * sign, ascending (IQ2's 8, 25, 43 x 1/8 of the scale; IQ3_XXS's 4..62 x 1/4; IQ3_S's odd
+ * 1..15; IQ1's 8 g + delta, g in -1, 0, 1, delta +-1, x 1/8). Indices past a table's end
+ * never occur. */
 #define IQ4_VALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
-#define IQ4_UVALUES 1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, \
-                    (char)181, (char)197, (char)217, (char)241
+#define IQ2_VALUES -43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+#define IQ3XXS_VALUES -62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62
+#define IQ3S_VALUES -15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15
+#define IQ1_VALUES -9, -7, -1, 1, 7, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+static const int8_t QN_KV[4][16] = {{IQ4_VALUES}, {IQ2_VALUES}, {IQ3XXS_VALUES}, {IQ3S_VALUES}};
+static const int8_t QN_KV1[16] = {IQ1_VALUES};
+QN_INLINE const int8_t *qn_kv(int qt) {
+    switch (qt) {
+    case QT_IQ2_XXS: case QT_IQ2_XS: case QT_IQ2_S: return QN_KV[1];
+    case QT_IQ3_XXS: return QN_KV[2];
+    case QT_IQ3_S: return QN_KV[3];
+    case QT_IQ1_S: case QT_IQ1_M: return QN_KV1;
+    default: return QN_KV[0];
+    }
+}
+/* A table as the 16 bytes vpshufb looks up; + 128 (the unsigned side of vpdpbusd): v ^ 0x80 */
+QN_INLINE __m128i qn_tab(int qt) { /* constants (qt is one), not loads from QN_KV */
+    switch (qt) {
+    case QT_IQ2_XXS: case QT_IQ2_XS: case QT_IQ2_S: return _mm_setr_epi8(IQ2_VALUES);
+    case QT_IQ3_XXS: return _mm_setr_epi8(IQ3XXS_VALUES);
+    case QT_IQ3_S: return _mm_setr_epi8(IQ3S_VALUES);
+    case QT_IQ1_S: case QT_IQ1_M: return _mm_setr_epi8(IQ1_VALUES);
+    default: return _mm_setr_epi8(IQ4_VALUES);
+    }
+}
+QN_INLINE __m128i qn_utab(int qt) { return _mm_xor_si128(qn_tab(qt), _mm_set1_epi8((char)0x80)); }
 
 /* ---- 8 outputs (AVX2) ---- */
 
@@ -167,9 +218,12 @@ QN_INLINE __m256 qn_d8(const uint8_t *hdr, int qt, int j, int kh, int n0) {
     if (qn_f32(qt)) return _mm256_loadu_ps((const float *)(hdr + 4 * n0));
     const __m256 d = load_half8(hdr + 2 * n0);
     if (qt == QT_Q4_K || qt == QT_Q5_K) return _mm256_mul_ps(d, u8_f8(hdr + 128 + 32 * j + n0));
-    if (qt == QT_IQ4_XS) return _mm256_mul_ps(d, i8_f8(hdr + 64 + 32 * j + n0));
     if (qt == QT_Q2_K) return _mm256_mul_ps(d, nib_f8(hdr + 128 + 32 * (2 * j + kh) + n0, 0));
-    if (qn_split(qt)) return _mm256_mul_ps(d, i8_f8(hdr + 64 + 32 * (2 * j + kh) + n0));
+    if (qt == QT_IQ4_XS || qn_split(qt) || qn_grid(qt)) {
+        __m256 s = i8_f8(hdr + 64 + 32 * (qn_split(qt) ? 2 * j + kh : j) + n0);
+        if (qn_unit(qt) != 1.0f) s = _mm256_mul_ps(s, _mm256_set1_ps(qn_unit(qt)));
+        return _mm256_mul_ps(d, s);
+    }
     return d;
 }
 /* Q2_K's M of half kh: -(dmin mn), mn the high nibble of its scale byte */
@@ -242,7 +296,7 @@ QN_INLINE void qn_quants8(const uint8_t *body, int qt, int p, int e, __m256i *lo
 
 /* The signed values v (q - zero, or kv[q]) as bytes, for the float kernels. */
 QN_INLINE __m256i qn_values8(__m256i q, int qt) {
-    if (qn_table(qt)) return _mm256_shuffle_epi8(_mm256_setr_epi8(IQ4_VALUES, IQ4_VALUES), q);
+    if (qn_table(qt)) return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(qn_tab(qt)), q);
     if (qn_zero(qt)) return _mm256_sub_epi8(q, _mm256_set1_epi8((char)qn_zero(qt)));
     return q;
 }
@@ -268,9 +322,12 @@ QN_INLINE __m512 qn_d16(const uint8_t *hdr, int qt, int j, int kh, int n0) {
     if (qn_f32(qt)) return _mm512_loadu_ps((const float *)(hdr + 4 * n0));
     const __m512 d = load_half16(hdr + 2 * n0);
     if (qt == QT_Q4_K || qt == QT_Q5_K) return _mm512_mul_ps(d, u8_f16(hdr + 128 + 32 * j + n0));
-    if (qt == QT_IQ4_XS) return _mm512_mul_ps(d, i8_f16(hdr + 64 + 32 * j + n0));
     if (qt == QT_Q2_K) return _mm512_mul_ps(d, nib_f16(hdr + 128 + 32 * (2 * j + kh) + n0, 0));
-    if (qn_split(qt)) return _mm512_mul_ps(d, i8_f16(hdr + 64 + 32 * (2 * j + kh) + n0));
+    if (qt == QT_IQ4_XS || qn_split(qt) || qn_grid(qt)) {
+        __m512 s = i8_f16(hdr + 64 + 32 * (qn_split(qt) ? 2 * j + kh : j) + n0);
+        if (qn_unit(qt) != 1.0f) s = _mm512_mul_ps(s, _mm512_set1_ps(qn_unit(qt)));
+        return _mm512_mul_ps(d, s);
+    }
     return d;
 }
 QN_INLINE __m512 qn_hm16(const uint8_t *hdr, int j, int kh, int n0) {
@@ -365,7 +422,7 @@ static inline int qn_quant(const uint8_t *body, int qt, int n, int k) {
 /* Row n of tile `tile` of a qn weight, K columns, into y: each weight as gguf-py's dequantize
  * computes it (the float32 table's row bit for bit: its products and sums in its order). */
 static void qn_row(const uint8_t *tile, int qt, int K, int n, float *y) {
-    static const int8_t kv[16] = {IQ4_VALUES};
+    const int8_t *kv = qn_kv(qt);
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *hdr = qn_hdr(tile, qt, b), *body = qn_sub(tile, qt, b);
         const int j = b % qn_group(qt);
@@ -387,7 +444,11 @@ static void qn_row(const uint8_t *tile, int qt, int K, int n, float *y) {
                 break;
             }
             case QT_IQ4_XS: w = (d * (float)(int8_t)hdr[64 + 32 * j + n]) * v; break;
-            default: w = d * v;
+            default:
+                if (qn_grid(qt)) /* d S u, u a power of two: exact, as gguf-py's d (1/2 + ls) / 4 etc. */
+                    w = (d * ((float)(int8_t)hdr[64 + 32 * (qn_split(qt) ? 2 * j + k / 16 : j) + n] * qn_unit(qt))) * v;
+                else
+                    w = d * v;
             }
             y[32 * b + k] = w;
         }

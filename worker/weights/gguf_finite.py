@@ -22,7 +22,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 F16_FIELDS: dict[str, tuple[int, ...]] = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,), "IQ1_M": (),
 }
+# A float16 held in pieces: IQ1_M's d is the top nibbles of the four 16-bit scale words at this
+# byte (block_iq1_m's iq1m_scale_t), the lowest nibble first.
+SPLIT_F16: dict[str, int] = {"IQ1_M": 48}
 # float16 / bfloat16: all exponent bits set is inf or NaN
 _F16_EXP, _BF16_EXP = 0x7C00, 0x7F80
 _CHUNK = 1 << 20  # elements (or bytes of blocks) checked at once
@@ -68,9 +72,13 @@ def check_blocks(name: str, qtype: str, data: np.ndarray) -> None:
     def bad_blocks(part: np.ndarray) -> np.ndarray:
         # every block size and field offset is even: the fields are strided views, not copies
         halves = part.view(np.uint16).reshape(part.shape[0], -1, block_bytes // 2)
+        scales = [halves[..., o // 2] for o in fields]
+        if qtype in SPLIT_F16:
+            w = [halves[..., SPLIT_F16[qtype] // 2 + i] >> 12 for i in range(4)]
+            scales.append(w[0] | w[1] << 4 | w[2] << 8 | w[3] << 12)
         bad = None
-        for o in fields:
-            b = (halves[..., o // 2] & _F16_EXP) == _F16_EXP
+        for f in scales:
+            b = (f & _F16_EXP) == _F16_EXP
             bad = b if bad is None else bad | b
         return bad
 
