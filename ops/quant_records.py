@@ -267,9 +267,10 @@ def _ksigns() -> np.ndarray:
 
 
 def _signed(levels: np.ndarray, negative: np.ndarray, nlevels: int) -> np.ndarray:
-    """Grid levels with their signs -> indices of the ascending signed table (quant_types.h):
-    level l is nlevels + l, its negative nlevels - 1 - l."""
-    return np.where(negative.astype(bool), nlevels - 1 - levels.astype(np.int16), nlevels + levels).astype(np.uint8)
+    """Grid levels with their signs (0/1) -> indices of the ascending signed table
+    (quant_types.h): level l is nlevels + l, its negative nlevels - 1 - l."""
+    lut = np.concatenate([nlevels + np.arange(8), nlevels - 1 - np.arange(8)]).astype(np.uint8)
+    return lut[(negative << 3) | levels]
 
 
 def _odd(scale: np.ndarray) -> np.ndarray:
@@ -357,18 +358,23 @@ def _body(q: np.ndarray, bits: int) -> np.ndarray:
 
 def _plane1(bit: np.ndarray, t: int, nb: int) -> np.ndarray:
     """One bit of each quant [n, nb, 32 k] -> planes H[h]: bit 2p + s of byte (h, n', j)."""
-    bit = bit.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
-    shift = (2 * np.arange(4)[:, None, None, None] + np.arange(2)).astype(np.uint8)  # [p, 1, 1, s]
-    return (bit << shift).sum(axis=(3, 6), dtype=np.uint8).reshape(t, nb, 128)
+    bit = bit.reshape(t, 2, 16, nb, 4, 2, 4)  # [T, h, n', b, p, s, j]
+    out = np.zeros((t, nb, 2, 16, 4), np.uint8)  # [T, b, h, n', j]: one strided view OR'd in a bit
+    for p in range(4):
+        for s in range(2):
+            out |= bit[:, :, :, :, p, s, :].transpose(0, 3, 1, 2, 4) << np.uint8(2 * p + s)
+    return out.reshape(t, nb, 128)
 
 
 def _planes2(two: np.ndarray, t: int, nb: int) -> np.ndarray:
     """Two bits of each quant [n, nb, 32 k] -> planes [h][g = p / 2]: bits 2i, 2i + 1
     (i = 2 (p % 2) + s) of byte (h, g, n', j)."""
-    two = two.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
-    two = two.reshape(t, nb, 2, 2, 2, 16, 4, 2)  # [T, b, h, g, p % 2, n', j, s]
-    shift = (2 * (2 * np.arange(2)[:, None, None, None] + np.arange(2))).astype(np.uint8)
-    return (two << shift).sum(axis=(4, 7), dtype=np.uint8).reshape(t, nb, 256)
+    two = two.reshape(t, 2, 16, nb, 2, 2, 2, 4)  # [T, h, n', b, g, p % 2, s, j]
+    out = np.zeros((t, nb, 2, 2, 16, 4), np.uint8)  # [T, b, h, g, n', j]
+    for pm in range(2):
+        for s in range(2):
+            out |= two[:, :, :, :, :, pm, s, :].transpose(0, 3, 1, 4, 2, 5) << np.uint8(2 * (2 * pm + s))
+    return out.reshape(t, nb, 256)
 
 
 _BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8, "Q3_K": 3, "Q2_K": 2,

@@ -156,8 +156,11 @@ def wait_until(pred, timeout: float = 10.0, what: str = "condition") -> None:
 
 
 def blocks_all_free(w: Worker) -> bool:
+    """Idle: every block free, nothing running, and nothing waiting, which counts a request
+    the engine has let go of whose finished output has not reached the door yet (a cancelled
+    stream's, a moment after its blocks are freed: GetServerInfo's active_requests counts it)."""
     load = w.stub.GetLoad(pb.GetLoadRequest(), timeout=5)
-    return load.num_free_blocks == load.num_total_blocks and load.num_running == 0
+    return load.num_free_blocks == load.num_total_blocks and load.num_running == 0 and load.num_waiting == 0
 
 
 def code_of(call) -> grpc.StatusCode:
