@@ -258,12 +258,17 @@ def _grid(qtype: str) -> np.ndarray:
     return np.searchsorted(np.asarray(cls.grid_map, dtype=np.float32), grid).astype(np.uint8)
 
 
-@functools.cache
-def _ksigns() -> np.ndarray:
-    """IQ2_XXS's ksigns (a 7-bit index -> 8 sign bits, the 8th the parity) as bits [128, 8]."""
+def _ksign_bytes() -> bytes:
+    """IQ2_XXS's ksigns: a 7-bit index -> 8 sign bits (the 8th the parity), as gguf-py has it."""
     from gguf import quants
 
-    return _bits_le(np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)[:, None])
+    return quants.IQ2_XXS.ksigns
+
+
+@functools.cache
+def _ksigns() -> np.ndarray:
+    """ksigns as bits [128, 8], the first weight's lowest."""
+    return _bits_le(np.frombuffer(_ksign_bytes(), dtype=np.uint8)[:, None])
 
 
 def _signed(levels: np.ndarray, negative: np.ndarray, nlevels: int) -> np.ndarray:
@@ -278,53 +283,70 @@ def _odd(scale: np.ndarray) -> np.ndarray:
     return (2 * scale.astype(np.int16) + 1).astype(np.int8).view(np.uint8)
 
 
+# Per type: the bits of a group's signs in its code (grid index << bits | signs), its table's
+# levels a sign (IQ1: none; its code's last bit is delta's sign instead). IQ2_S's groups are
+# its grid rows' halves (a 2048 x 16 table, not 1024 x 256: one that stays in cache).
+_SIGN_BITS = {"IQ2_XXS": 7, "IQ2_XS": 7, "IQ2_S": 4, "IQ3_XXS": 4, "IQ3_S": 4, "IQ1_S": 1, "IQ1_M": 1}
+_LEVELS = {"IQ2_XXS": 3, "IQ2_XS": 3, "IQ2_S": 3, "IQ3_XXS": 8, "IQ3_S": 8}
+
+
+@functools.cache
+def _lut(qtype: str) -> np.ndarray:
+    """Every code of a group (its grid index and signs) -> its weights' table indices [codes, width]."""
+    grid, bits = _grid(qtype), _SIGN_BITS[qtype]
+    if qtype == "IQ2_S":
+        grid = grid.reshape(-1, 4)  # row 2 i + h: half h of grid row i
+    codes = np.arange(grid.shape[0] << bits)
+    levels, signs = grid[codes >> bits], codes & ((1 << bits) - 1)
+    if qtype in ("IQ1_S", "IQ1_M"):  # 8 g + delta: 2 l + (delta > 0), the bit set for delta < 0
+        return (2 * levels + 1 - signs[:, None]).astype(np.uint8)
+    if qtype in ("IQ2_XXS", "IQ2_XS"):  # a 7-bit index into ksigns
+        negative = _ksigns()[signs]
+    else:  # the sign bits themselves, the group's first weight lowest
+        negative = ((signs[:, None] >> np.arange(grid.shape[1])) & 1).astype(np.uint8)
+    return _signed(levels, negative, _LEVELS[qtype])
+
+
 def _grid_decode(qtype: str, b: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """A grid type's blocks [n, nsb, bytes] -> table indices [n, K / 32, 32] and the header's
-    fields: d (fp16 bits) and S = 2 s + 1 per 32 k (per 16 for IQ2_XS, IQ2_S, IQ1_M)."""
+    fields: d (fp16 bits) and S = 2 s + 1 per 32 k (per 16 for IQ2_XS, IQ2_S, IQ1_M). Each
+    group of 8 weights (IQ3: 4) has a code, its grid index and signs, looked up whole (_lut)."""
     n, nsb, _ = b.shape
-    grid = _grid(qtype)
-    if qtype in ("IQ2_XXS", "IQ3_XXS"):
-        if qtype == "IQ2_XXS":  # per 32: 4 grid bytes (8 values each), then the signs-and-scale word
-            words = np.ascontiguousarray(b[..., 2:66]).view(np.uint32).reshape(n, nsb, 8, 2)
-            idx, aux = np.ascontiguousarray(b[..., 2:66]).reshape(n, nsb, 8, 2, 4)[..., 0, :], words[..., 1]
-        else:  # 64 grid bytes (4 values each), then a signs-and-scale word per 32
-            idx, aux = b[..., 2:66].reshape(n, nsb, 8, 8), np.ascontiguousarray(b[..., 66:98]).view(np.uint32)
-        levels = grid[idx].reshape(n, nsb, 8, 4, 8)  # [.., sub-block, group of 8, element]
-        signs = _ksigns()[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
-        q = _signed(levels, signs, 3 if qtype == "IQ2_XXS" else 8)
-        return q.reshape(n, -1, 32), [_u16(b, 0), _odd(aux >> 28)]
-    if qtype in ("IQ2_XS", "IQ2_S", "IQ3_S"):
-        if qtype == "IQ2_XS":  # a 16-bit word per 8: a 9-bit grid index, a 7-bit sign index
-            words = np.ascontiguousarray(b[..., 2:66]).view(np.uint16)
-            idx, signs = words & 511, _ksigns()[words >> 9]
-            scales = b[..., 66:74]
-        elif qtype == "IQ2_S":  # grid bytes, sign bytes, 2 high bits per index, scales
-            high = (b[..., 66:74, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
-            idx = b[..., 2:34].astype(np.uint16) | (high.reshape(n, nsb, 32).astype(np.uint16) << 8)
-            signs, scales = _bits_le(b[..., 34:66, None]), b[..., 74:82]
-        else:  # IQ3_S: grid bytes, their 9th bits, a sign bit per weight, a 4-bit scale per 32
-            idx = b[..., 2:66].astype(np.uint16) | (_bits_le(b[..., 66:74]).astype(np.uint16) << 8)
-            signs, scales = _bits_le(b[..., 74:106, None]), b[..., 106:110]
-        levels = grid[idx].reshape(n, nsb, -1)
-        q = _signed(levels, signs.reshape(n, nsb, -1), 8 if qtype == "IQ3_S" else 3)
-        return q.reshape(n, -1, 32), [_u16(b, 0), _odd(_nibble_pairs(scales))]
-    if qtype == "IQ1_S":  # grid bytes; per 32 a word: 3 high bits per index, the scale, delta's sign
+    d = _u16(b, 0)
+    if qtype == "IQ2_XXS":  # per 32: 4 grid bytes, then a word of 4 7-bit sign indices and the scale
+        words = np.ascontiguousarray(b[..., 2:66]).view(np.uint32).reshape(n, nsb, 8, 2)
+        grid_idx = b[..., 2:66].reshape(n, nsb, 8, 2, 4)[..., 0, :].astype(np.uint32)
+        codes = grid_idx << 7 | ((words[..., 1:2] >> np.array([0, 7, 14, 21], np.uint32)) & 127)
+        scales = _odd(words[..., 1] >> 28)
+    elif qtype == "IQ2_XS":  # a 16-bit word per 8: a 9-bit grid index, a 7-bit sign index; 4-bit scales
+        words = np.ascontiguousarray(b[..., 2:66]).view(np.uint16)
+        codes, scales = (words & 511) << 7 | words >> 9, _odd(_nibble_pairs(b[..., 66:74]))
+    elif qtype == "IQ2_S":  # grid bytes, sign bytes, 2 high bits per index, 4-bit scales
+        high = ((b[..., 66:74, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(n, nsb, 32)
+        idx = b[..., 2:34].astype(np.uint16) | high.astype(np.uint16) << 8
+        codes = (idx[..., None] << 1 | np.array([0, 1], np.uint16)) << 4 | _nibble_pairs(b[..., 34:66]).reshape(n, nsb, 32, 2)
+        scales = _odd(_nibble_pairs(b[..., 74:82]))
+    elif qtype == "IQ3_XXS":  # 64 grid bytes (4 weights each); per 32 a word of 4 sign indices and the scale
+        aux = np.ascontiguousarray(b[..., 66:98]).view(np.uint32)  # [n, nsb, 8]
+        signs = np.frombuffer(_ksign_bytes(), np.uint8)[(aux[..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 127]
+        nib = np.stack([signs & 15, signs >> 4], axis=-1).reshape(n, nsb, 64)  # a group of 8's two halves
+        codes, scales = b[..., 2:66].astype(np.uint16) << 4 | nib, _odd(aux >> 28)
+    elif qtype == "IQ3_S":  # grid bytes, their 9th bits, a sign bit per weight, a 4-bit scale per 32
+        idx = b[..., 2:66].astype(np.uint16) | (_bits_le(b[..., 66:74]).astype(np.uint16) << 8)
+        codes, scales = idx << 4 | _nibble_pairs(b[..., 74:106]), _odd(_nibble_pairs(b[..., 106:110]))
+    elif qtype == "IQ1_S":  # grid bytes; per 32 a word: 3 high bits per index, the scale, delta's sign
         qh = np.ascontiguousarray(b[..., 34:50]).view(np.uint16)  # [n, nsb, 8]
         idx = b[..., 2:34].reshape(n, nsb, 8, 4).astype(np.uint16) | (
             ((qh[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7) << 8)
-        minus = np.broadcast_to((qh >> 15)[..., None, None], (n, nsb, 8, 4, 8))
-        scale, d = (qh >> 12) & 7, _u16(b, 0)
+        codes, scales = idx << 1 | (qh[..., None] >> 15), _odd((qh >> 12) & 7)
     else:  # IQ1_M: grid bytes, a nibble per index (3 high bits, delta's sign), 3-bit scales and d's bits
-        nib = (b[..., 32:48, None] >> np.array([0, 4], np.uint8)) & 15  # [n, nsb, 16, 2]: index 2i + h
-        idx = b[..., 0:32].astype(np.uint16) | ((nib.reshape(n, nsb, 32) & 7).astype(np.uint16) << 8)
-        minus = np.broadcast_to((nib.reshape(n, nsb, 32) >> 3)[..., None], (n, nsb, 32, 8))
+        nib = _nibble_pairs(b[..., 32:48])  # index 2i + h
+        codes = (b[..., 0:32].astype(np.uint16) | (nib & 7).astype(np.uint16) << 8) << 1 | nib >> 3
         words = np.ascontiguousarray(b[..., 48:56]).view(np.uint16)  # [n, nsb, 4]
-        scale = ((words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(n, nsb, 16)
+        scales = _odd(((words[..., None] >> np.array([0, 3, 6, 9], np.uint16)) & 7).reshape(n, nsb, 16))
         top = words >> 12
         d = (top[..., 0] | top[..., 1] << 4 | top[..., 2] << 8 | top[..., 3] << 12).astype(np.uint16)[..., None]
-    levels = grid[idx].reshape(n, nsb, -1)
-    q = 2 * levels + 1 - minus.reshape(n, nsb, -1).astype(np.uint8)  # 8 g + delta, ascending: 2 l + (delta > 0)
-    return q.reshape(n, -1, 32), [d, _odd(scale)]
+    return _lut(qtype)[codes].reshape(n, -1, 32), [d, scales]
 
 
 def _nibble_pairs(scales: np.ndarray) -> np.ndarray:
