@@ -1,8 +1,9 @@
 """GGUF files made by llama.cpp's own tools (benchmarks/make_gguf_models.py: llama-quantize
 from an F32 GGUF of the default model's weights; convert_hf_to_gguf.py from transformers'
 save_pretrained) against transformers: the default model's Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0
-and IQ4_XS variants and a pure K-quant model token for token (transformers' own GGUF
-loader, float32, is the reference), a Llama-3.1-style file (rope_freqs) against
+and IQ4_XS variants and a pure K-quant model token for token, its IQ3_XXS file and one of
+every IQ1-IQ3 grid type among them (made with llama-imatrix's importance matrix; transformers'
+own GGUF loader, float32, is the reference), a Llama-3.1-style file (rope_freqs) against
 transformers on its Hugging Face folder, and how each is held (the start-up log, the
 capacity planner).
 
