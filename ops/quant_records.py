@@ -239,9 +239,9 @@ def _decode(qtype: str, blocks: np.ndarray, k: int) -> tuple[np.ndarray, list[np
         return (b[..., 4:].view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(n, -1, 32), [_u32(b, 0)]
     assert qtype == "IQ4_XS", qtype
     scales_h = _u16(b, 2)  # [n, nsb, 1]
-    low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F  # [n, nsb, 4, 2]: sub-block 2i + nibble
+    low = _nibble_pairs(b[..., 4:8])  # sub-block 2i + nibble
     high = (scales_h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, nsb, 8]
-    ls = (low.reshape(n, nsb, 8) | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+    ls = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
     return _nibbles(b[..., 8:136].reshape(n, nsb, 8, 16)).reshape(n, -1, 32), [_u16(b, 0), ls.astype(np.int8).view(np.uint8)]
 
 

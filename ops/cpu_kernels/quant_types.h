@@ -175,14 +175,13 @@ static inline int has_block_min(int qt) { return qt == QT_Q4_1 || (qn_is(qt) && 
 #define IQ3XXS_VALUES -62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62
 #define IQ3S_VALUES -15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15
 #define IQ1_VALUES -9, -7, -1, 1, 7, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
-static const int8_t QN_KV[4][16] = {{IQ4_VALUES}, {IQ2_VALUES}, {IQ3XXS_VALUES}, {IQ3S_VALUES}};
-static const int8_t QN_KV1[16] = {IQ1_VALUES};
+static const int8_t QN_KV[5][16] = {{IQ4_VALUES}, {IQ2_VALUES}, {IQ3XXS_VALUES}, {IQ3S_VALUES}, {IQ1_VALUES}};
 QN_INLINE const int8_t *qn_kv(int qt) {
     switch (qt) {
     case QT_IQ2_XXS: case QT_IQ2_XS: case QT_IQ2_S: return QN_KV[1];
     case QT_IQ3_XXS: return QN_KV[2];
     case QT_IQ3_S: return QN_KV[3];
-    case QT_IQ1_S: case QT_IQ1_M: return QN_KV1;
+    case QT_IQ1_S: case QT_IQ1_M: return QN_KV[4];
     default: return QN_KV[0];
     }
 }
