@@ -108,12 +108,16 @@ QN_INLINE int qn_bits(int qt) {
     return qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_Q5_K ? 5 : qt == QT_Q6_K ? 6 : qt == QT_Q8_CH ? 8
          : qt == QT_Q3_K ? 3 : qt == QT_Q2_K ? 2 : qt == QT_IQ3_XXS || qt == QT_IQ3_S ? 4 : qn_grid(qt) ? 3 : 4;
 }
+QN_INLINE int qn_split(int qt) { /* a scale per 16 k */
+    return qt == QT_Q6_K || qt == QT_Q3_K || qt == QT_Q2_K || qt == QT_IQ2_XS || qt == QT_IQ2_S || qt == QT_IQ1_M;
+}
 QN_INLINE int qn_header(int qt) {
+    if (qn_grid(qt)) return qn_split(qt) ? 576 : 320; /* Q6_K's header, or IQ4_XS's */
     switch (qt) {
     case QT_Q5_1: return 128;
     case QT_Q4_K: case QT_Q5_K: case QT_Q2_K: return 640;
-    case QT_Q6_K: case QT_Q3_K: case QT_IQ2_XS: case QT_IQ2_S: case QT_IQ1_M: return 576;
-    case QT_IQ4_XS: case QT_IQ2_XXS: case QT_IQ3_XXS: case QT_IQ3_S: case QT_IQ1_S: return 320;
+    case QT_Q6_K: case QT_Q3_K: return 576;
+    case QT_IQ4_XS: return 320;
     case QT_Q4_G128: case QT_Q4_G32: return 256;
     case QT_Q8_CH: return 128;
     default: return 64;
@@ -128,9 +132,6 @@ QN_INLINE int qn_has_m(int qt) {
     return qt == QT_Q5_1 || qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q4_G128 || qt == QT_Q4_G32;
 }
 QN_INLINE int qn_table(int qt) { return qt == QT_IQ4_NL || qt == QT_IQ4_XS || qn_grid(qt); }
-QN_INLINE int qn_split(int qt) { /* a scale per 16 k */
-    return qt == QT_Q6_K || qt == QT_Q3_K || qt == QT_Q2_K || qt == QT_IQ2_XS || qt == QT_IQ2_S || qt == QT_IQ1_M;
-}
 /* The grid types' scale: d times their odd integer S times this power of two (exact). */
 QN_INLINE float qn_unit(int qt) {
     return qt == QT_IQ3_S || !qn_grid(qt) ? 1.0f : qt == QT_IQ3_XXS ? 0.25f : 0.125f;
