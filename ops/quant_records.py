@@ -9,7 +9,9 @@ included), and nothing of the file's blocks is kept.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,10 +100,17 @@ def repacked(w, integer: bool) -> torch.Tensor:
     tile = k // t.k_multiple * t.record
     out = torch.empty(n // TILE * tile, dtype=torch.uint8)
     dst = out.numpy().reshape(n // TILE, tile)
-    step = max(TILE, _CHUNK_WEIGHTS // k // TILE * TILE)
-    for r0 in range(0, n, step):
+    # numpy and the C body release the GIL: chunks (disjoint rows of `out`) on every core,
+    # the chunk smaller by as much, so the temporaries in all are what one thread's were.
+    threads = max(1, torch.get_num_threads())
+    step = max(TILE, _CHUNK_WEIGHTS // threads // k // TILE * TILE)
+
+    def chunk(r0: int) -> None:
         part = pack(blocks[r0 : r0 + step], k)
         dst[r0 // TILE : r0 // TILE + part.shape[0]] = part.reshape(part.shape[0], tile)
+
+    with ThreadPoolExecutor(min(threads, -(-n // step))) as pool:
+        list(pool.map(chunk, range(0, n, step)))  # list(): a chunk's error raised here
     return out
 
 
@@ -355,48 +364,35 @@ def _nibble_pairs(scales: np.ndarray) -> np.ndarray:
     return ((scales[..., None] >> np.array([0, 4], np.uint8)) & 15).reshape(n, nsb, 2 * nbytes)
 
 
+@functools.cache
+def _repack_library() -> ctypes.CDLL:
+    """cpu_kernels/repack.c: the bodies' bit scatter (records are read only by the C kernels,
+    so where those cannot be built nothing is repacked)."""
+    from ops import cpu_kernels
+
+    lib = cpu_kernels.load("repack")
+    if lib is None:
+        raise RuntimeError("the C kernels cannot be built or run on this machine; GGUF records need them")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.repack_body.argtypes = [p, i64, i64, i32, p]
+    lib.repack_body.restype = i32
+    lib.body_bytes.argtypes = [i32]
+    lib.body_bytes.restype = i32
+    return lib
+
+
 def _body(q: np.ndarray, bits: int) -> np.ndarray:
-    """Quants [n, nb, 32 k] -> the bodies [T, nb, bytes] (quant_types.h): Q4_1's integer
-    chunks of nibbles, then Q5's high-bit planes or Q6_K's 2-bit ones; 8-bit: Q8_0_I8's chunks;
-    Q3_K's 3-bit: the 2-bit planes (of its low bits) and the 1-bit ones, no nibbles; Q2_K's
-    2-bit: the 2-bit planes."""
+    """Quants [n, nb, 32 k] -> the bodies [T, nb, bytes] (quant_types.h): the nibbles, then
+    Q5's high-bit plane or Q6_K's 2-bit ones; 8-bit: Q8_0_I8's chunks; Q3_K's 3-bit: the
+    2-bit planes (of its low bits) and the 1-bit one, no nibbles; Q2_K's 2-bit: the 2-bit
+    planes (cpu_kernels/repack.c)."""
     n, nb, _ = q.shape
-    t = n // TILE
-    if bits == 3:  # Q3_K: bits 0, 1 as the 6-bit's planes hold bits 4, 5; bit 2 as the 5-bit's bit 4
-        return np.concatenate([_planes2(q & 3, t, nb), _plane1((q >> 2) & 1, t, nb)], axis=-1)
-    if bits == 2:  # Q2_K: the 2-bit planes alone
-        return _planes2(q, t, nb)
-    if bits == 8:  # chunk 8h + p (k = 4p + j), byte 4n' + j
-        q8 = q.reshape(t, 2, 16, nb, 8, 4).transpose(0, 3, 1, 4, 2, 5)
-        return np.ascontiguousarray(q8).reshape(t, nb, 1024)
-    c = q.reshape(t, 2, 16, nb, 4, 2, 4).transpose(0, 3, 1, 4, 2, 6, 5)  # [T, b, h, p, n', j, s]
-    parts = [((c[..., 0] & 0x0F) | ((c[..., 1] & 0x0F) << 4)).reshape(t, nb, 512)]
-    if bits == 5:
-        parts.append(_plane1((q >> 4) & 1, t, nb))
-    elif bits == 6:
-        parts.append(_planes2((q >> 4) & 3, t, nb))
-    return np.concatenate(parts, axis=-1)
-
-
-def _plane1(bit: np.ndarray, t: int, nb: int) -> np.ndarray:
-    """One bit of each quant [n, nb, 32 k] -> planes H[h]: bit 2p + s of byte (h, n', j)."""
-    bit = bit.reshape(t, 2, 16, nb, 4, 2, 4)  # [T, h, n', b, p, s, j]
-    out = np.zeros((t, nb, 2, 16, 4), np.uint8)  # [T, b, h, n', j]: one strided view OR'd in a bit
-    for p in range(4):
-        for s in range(2):
-            out |= bit[:, :, :, :, p, s, :].transpose(0, 3, 1, 2, 4) << np.uint8(2 * p + s)
-    return out.reshape(t, nb, 128)
-
-
-def _planes2(two: np.ndarray, t: int, nb: int) -> np.ndarray:
-    """Two bits of each quant [n, nb, 32 k] -> planes [h][g = p / 2]: bits 2i, 2i + 1
-    (i = 2 (p % 2) + s) of byte (h, g, n', j)."""
-    two = two.reshape(t, 2, 16, nb, 2, 2, 2, 4)  # [T, h, n', b, g, p % 2, s, j]
-    out = np.zeros((t, nb, 2, 2, 16, 4), np.uint8)  # [T, b, h, g, n', j]
-    for pm in range(2):
-        for s in range(2):
-            out |= two[:, :, :, :, :, pm, s, :].transpose(0, 3, 1, 4, 2, 5) << np.uint8(2 * (2 * pm + s))
-    return out.reshape(t, nb, 256)
+    lib = _repack_library()
+    q = np.ascontiguousarray(q, dtype=np.uint8)
+    out = np.empty((n // TILE, nb, lib.body_bytes(bits)), np.uint8)
+    if lib.repack_body(q.ctypes.data, n, nb, bits, out.ctypes.data) != 0:
+        raise ValueError(f"no {bits}-bit body for {n} rows")
+    return out
 
 
 _BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8, "Q3_K": 3, "Q2_K": 2,

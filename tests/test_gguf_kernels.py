@@ -257,15 +257,24 @@ def test_a_weight_whose_bytes_disagree_with_its_shape_is_refused() -> None:
         ql.repack(ql.QuantizedWeight("Q6_K", np.zeros((32, 210 * 2), np.uint8), (32, 576)))
 
 
-def test_a_large_weight_repacks_row_chunk_by_row_chunk(monkeypatch) -> None:
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q3_K", "IQ2_XS", "Q4_1"])
+def test_a_large_weight_repacks_row_chunk_by_row_chunk(qtype, monkeypatch) -> None:
     """A weight of many rows is repacked a chunk of rows at a time (temporaries of a few MB for a
-    128256 x 2048 LM head), with the same records as one pass over all of it."""
+    128256 x 2048 LM head), the chunks on threads, with the same records as one pass over all
+    of it on one thread."""
     from ops import quant_records
 
-    w = random_weight("Q6_K", 32 * 9, 512, seed=2)
-    whole = ql.repack(w)
-    monkeypatch.setattr(quant_records, "_CHUNK_WEIGHTS", 64 * 512)  # chunks of 64 rows: 4.5 of them
-    assert torch.equal(ql.repack(w), whole)
+    w = random_weight(qtype, 32 * 9, 512, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = ql.repack(w)
+        monkeypatch.setattr(quant_records, "_CHUNK_WEIGHTS", 64 * 512)  # 64 rows a chunk: 4.5 of them
+        for n in (1, 2, 3, 16):  # a chunk a thread (rows of 32 at the least), more threads than chunks
+            torch.set_num_threads(n)
+            assert torch.equal(ql.repack(w), whole), n
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- the fused decoder (ops/cpu_decoder.py) over a model whose linears mix the types ----
