@@ -381,22 +381,18 @@ def _repack_library() -> ctypes.CDLL:
     return lib
 
 
-def _body(q: np.ndarray, bits: int) -> np.ndarray:
-    """Quants [n, nb, 32 k] -> the bodies [T, nb, bytes] (quant_types.h): the nibbles, then
-    Q5's high-bit plane or Q6_K's 2-bit ones; 8-bit: Q8_0_I8's chunks; Q3_K's 3-bit: the
-    2-bit planes (of its low bits) and the 1-bit one, no nibbles; Q2_K's 2-bit: the 2-bit
-    planes (cpu_kernels/repack.c)."""
+def _body(q: np.ndarray, qtype: str) -> np.ndarray:
+    """Quants [n, nb, 32 k] -> the type's bodies [T, nb, bytes] (quant_types.h: its width
+    qn_bits): the nibbles, then Q5's high-bit plane or Q6_K's 2-bit ones; 8-bit: Q8_0_I8's
+    chunks; Q3_K's 3-bit: the 2-bit planes (of its low bits) and the 1-bit one, no nibbles;
+    Q2_K's 2-bit: the 2-bit planes (cpu_kernels/repack.c)."""
     n, nb, _ = q.shape
-    lib = _repack_library()
+    lib, code = _repack_library(), TYPES[qtype].code
     q = np.ascontiguousarray(q, dtype=np.uint8)
-    out = np.empty((n // TILE, nb, lib.body_bytes(bits)), np.uint8)
-    if lib.repack_body(q.ctypes.data, n, nb, bits, out.ctypes.data) != 0:
-        raise ValueError(f"no {bits}-bit body for {n} rows")
+    out = np.empty((n // TILE, nb, lib.body_bytes(code)), np.uint8)
+    if lib.repack_body(q.ctypes.data, n, nb, code, out.ctypes.data) != 0:
+        raise ValueError(f"no {qtype} bodies for {n} rows")
     return out
-
-
-_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_CH": 8, "Q3_K": 3, "Q2_K": 2,
-         **{q: 3 for q in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")}}
 
 
 def _pack_qn(qtype: str):
@@ -405,7 +401,7 @@ def _pack_qn(qtype: str):
         rt = TYPES[qtype]
         t, records = blocks.shape[0] // TILE, k // rt.k_multiple
         header = np.concatenate([_lanes(f) for f in fields], axis=-1)
-        body = _body(q, _BITS.get(qtype, 4)).reshape(t, records, -1)
+        body = _body(q, qtype).reshape(t, records, -1)
         return np.concatenate([header, body], axis=-1)
 
     return pack

@@ -269,7 +269,7 @@ def test_a_large_weight_repacks_row_chunk_by_row_chunk(qtype, monkeypatch) -> No
     try:
         torch.set_num_threads(1)
         whole = ql.repack(w)
-        monkeypatch.setattr(quant_records, "_CHUNK_WEIGHTS", 64 * 512)  # 64 rows a chunk: 4.5 of them
+        monkeypatch.setattr(quant_records, "_CHUNK_WEIGHTS", 64 * 512)  # 64 rows a chunk on one thread, 32 on more
         for n in (1, 2, 3, 16):  # a chunk a thread (rows of 32 at the least), more threads than chunks
             torch.set_num_threads(n)
             assert torch.equal(ql.repack(w), whole), n

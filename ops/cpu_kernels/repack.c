@@ -1,29 +1,21 @@
 /* Load time: a weight's unsigned quants -> its records' bodies (the layouts in quant_types.h's
- * "body"), for ops/quant_records.py, which decodes each type's blocks into quants with numpy.
- * Scattering bits into planes is what numpy does slowest (a strided pass per bit); here it is
- * one pass over the quants, a tile's sub-block at a time (the caller runs chunks of rows on
- * threads of its own).
+ * "body"; the width and size a type's: qn_bits, qn_body), for ops/quant_records.py, which
+ * decodes each type's blocks into quants with numpy. Scattering bits into planes is what
+ * numpy does slowest (a strided pass per bit); here it is one pass over the quants, a tile's
+ * sub-block at a time (the caller runs chunks of rows on threads of its own).
  *
- *   q     [n][nb][32] uint8: row r, sub-block b of 32 k, k; each quant < 2^bits
- *   out   [n / 32][nb][B] uint8, B = body_bytes(bits)
+ *   q     [n][nb][32] uint8: row r, sub-block b of 32 k, k; each quant < 2^qn_bits
+ *   out   [n / 32][nb][qn_body] uint8
  *
  * Row r = 32 t + 16 h + n' of tile t, k = 8 p + 4 s + j (p < 4, s < 2, j < 4).
  */
 #include <stdint.h>
 #include <string.h>
 
-/* A body's bytes per (tile, sub-block); 0 for a width no type has. */
-int body_bytes(int bits) {
-    switch (bits) {
-        case 2: return 256;   /* Q2_K: the 2-bit planes */
-        case 3: return 384;   /* Q3_K, IQ1/IQ2: bits 0, 1 as 2-bit planes, bit 2 as a 1-bit one */
-        case 4: return 512;   /* nibbles */
-        case 5: return 640;   /* nibbles, bit 4 as a 1-bit plane */
-        case 6: return 768;   /* nibbles, bits 4, 5 as 2-bit planes */
-        case 8: return 1024;  /* Q8's integer chunks */
-        default: return 0;
-    }
-}
+#include "quant_types.h"
+
+/* A qn type's body bytes per (tile, sub-block); 0 for a type without these bodies. */
+int body_bytes(int qt) { return qn_is(qt) ? qn_body(qt) : 0; }
 
 /* A row's 4 consecutive quants as one word, byte j the quant k + j: a tile's 4 j are its
  * records' byte lanes, so every layout below is word arithmetic, 4 quants at a time. */
@@ -75,11 +67,11 @@ static void chunks8(const uint8_t *q, int64_t stride, uint8_t *o) {
             for (int n = 0; n < 16; n++) put(o + ((8 * h + p) * 16 + n) * 4, word(q + (16 * h + n) * stride + 4 * p));
 }
 
-/* Returns 0, or -1 for a width no type has or rows not a multiple of 32. */
-int repack_body(const uint8_t *q, int64_t n, int64_t nb, int bits, uint8_t *out) {
-    const int64_t bytes = body_bytes(bits);
-    if (bytes == 0 || n % 32 != 0 || nb < 0) return -1;
-    const int64_t stride = nb * 32, tiles = n / 32;
+/* Returns 0, or -1 for a type without these bodies or rows not a multiple of 32. */
+int repack_body(const uint8_t *q, int64_t n, int64_t nb, int qt, uint8_t *out) {
+    if (!qn_is(qt) || n % 32 != 0 || nb < 0) return -1;
+    const int bits = qn_bits(qt);
+    const int64_t bytes = qn_body(qt), stride = nb * 32, tiles = n / 32;
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *s = q + t * 32 * stride + b * 32;
